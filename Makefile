@@ -1,0 +1,27 @@
+# Two commands do all the set-up on a fresh machine (see README):
+#   make train   -- the main job on the embedded toy default (arrives with the trainer, issue #4)
+#   make test    -- install into .venv and run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test test-fast train clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip >/dev/null
+	$(BIN)/python -m pip install -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(BIN)/python -m pytest -q
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,257 @@
+"""The FlowModel interface: one small surface over diffusers' flow-matching pipelines.
+
+Everything above this layer (rollouts, rewards, the trainer) sees only:
+
+* ``encode(prompts) -> Cond``
+* ``velocity(x, sigma, cond, guidance_scale=1.0) -> v`` with ``x`` in the unpacked latent layout ``[B, C, h, w]``
+* ``decode(latents) -> images in [0, 1]``, ``[B, 3, H, W]``
+* ``sigmas(num_steps, image_size)`` from the pipeline's own scheduler rules (shift, resolution-dependent ``mu``)
+* ``latent_shape`` / ``prepare_noise`` helpers drawing noise exactly as the pipeline does
+* ``transformer``: the trainable module, with LoRA and the reference model (``reference()``: adapter disabled)
+
+An ODE rollout through an adapter reproduces the pipeline's own ``output_type="latent"`` result for the same seed
+(tests/test_models.py): that equality is what keeps the adapters honest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Cond:
+    """Text conditioning for a batch of prompts. ``text_ids`` (FLUX) are shared by the batch."""
+
+    embeds: Tensor
+    pooled: Tensor
+    negative_embeds: Tensor | None = None
+    negative_pooled: Tensor | None = None
+    text_ids: Tensor | None = None
+
+    BATCHED = ("embeds", "pooled", "negative_embeds", "negative_pooled")
+
+    def __len__(self) -> int:
+        return int(self.embeds.shape[0])
+
+    @property
+    def has_negative(self) -> bool:
+        return self.negative_embeds is not None
+
+    def _map(self, fn) -> "Cond":
+        return replace(self, **{name: fn(getattr(self, name)) for name in self.BATCHED if getattr(self, name) is not None})
+
+    def index(self, index: Tensor | Sequence[int] | slice) -> "Cond":
+        """Rows of the batch, e.g. ``cond.index(transitions.prompt_id)``."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, device=self.embeds.device)
+        return self._map(lambda t: t[index])
+
+    def repeat_interleave(self, repeats: int) -> "Cond":
+        """Each prompt ``repeats`` times in a row: the layout of a GRPO group."""
+        return self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def to(self, device: torch.device | str) -> "Cond":
+        moved = self._map(lambda t: t.to(device))
+        return replace(moved, text_ids=None if self.text_ids is None else self.text_ids.to(device))
+
+
+def as_image_size(image_size: int | Sequence[int] | None, default: tuple[int, int]) -> tuple[int, int]:
+    """``(height, width)`` from an int, a pair, or None (the pipeline's default)."""
+    if image_size is None:
+        return default
+    if isinstance(image_size, int):
+        return image_size, image_size
+    height, width = image_size
+    return int(height), int(width)
+
+
+class FlowModel:
+    """Base adapter. Subclasses set ``family``, ``pipeline_class``, ``lora_targets`` and the family-specific parts."""
+
+    family: str = ""
+    pipeline_class_name: str = ""
+    lora_targets: tuple[str, ...] = ()
+
+    def __init__(self, pipe, *, max_sequence_length: int | None = None):
+        self.pipe = pipe
+        self.max_sequence_length = max_sequence_length or self.default_max_sequence_length()
+        # A private scheduler copy: computing sigmas must not disturb the pipeline's own scheduler state.
+        self.scheduler = copy.deepcopy(pipe.scheduler)
+
+    # --- properties ----------------------------------------------------------------------------------------------
+    @property
+    def transformer(self) -> torch.nn.Module:
+        return self.pipe.transformer
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    @property
+    def default_image_size(self) -> tuple[int, int]:
+        size = self.pipe.default_sample_size * self.vae_scale_factor
+        return size, size
+
+    def default_max_sequence_length(self) -> int:
+        return 256
+
+    # --- family-specific ------------------------------------------------------------------------------------------
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        raise NotImplementedError
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        raise NotImplementedError
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        raise NotImplementedError
+
+    # --- shared ---------------------------------------------------------------------------------------------------
+    def sigmas(self, num_steps: int, image_size: int | Sequence[int] | None = None) -> Tensor:
+        """The pipeline's sigma schedule for ``num_steps`` steps, fp32, ending with the terminal 0."""
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        size = as_image_size(image_size, self.default_image_size)
+        self.scheduler.set_timesteps(num_steps, device="cpu", **self.scheduler_kwargs(num_steps, size))
+        return self.scheduler.sigmas.clone().to(torch.float32)
+
+    def prepare_noise(
+        self,
+        batch: int,
+        image_size: int | Sequence[int] | None = None,
+        *,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """Initial latents drawn exactly as the pipeline's ``prepare_latents`` draws them for the same generator."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        shape = self.latent_shape(batch, image_size)
+        return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype or self.dtype)
+
+    def velocity_fn(self, cond: Cond, guidance_scale: float = 1.0):
+        """``velocity(x, sigma)`` closed over ``cond``, for the samplers; counts 2 evaluations per sample with CFG."""
+
+        def velocity(x: Tensor, sigma: Tensor) -> Tensor:
+            return self.velocity(x, sigma, cond, guidance_scale)
+
+        velocity.evals_per_sample = 2 if self.uses_cfg(guidance_scale) else 1
+        return velocity
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        """True when ``guidance_scale`` means a second (unconditional) forward pass."""
+        return guidance_scale > 1.0
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Latents ``[B, C, h, w]`` to images in [0, 1], ``[B, 3, H, W]`` fp32, as the pipeline's postprocess does.
+
+        Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
+        """
+        vae = self.pipe.vae
+        latents = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+        images = vae.decode(latents, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def timestep(self, sigma: float | Tensor, batch: int) -> Tensor:
+        """The pipeline's timestep for ``sigma``: ``sigma * num_train_timesteps`` in fp32, one per row."""
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
+        t = sigma * self.scheduler.config.num_train_timesteps
+        return t.expand(batch) if t.ndim == 0 else t
+
+    # --- LoRA and the reference model ----------------------------------------------------------------------------
+    def add_lora(
+        self,
+        rank: int = 32,
+        alpha: float | None = None,
+        *,
+        target_modules: Sequence[str] | None = None,
+        dropout: float = 0.0,
+        init: str | bool = "gaussian",
+        adapter_name: str = "default",
+    ) -> None:
+        """Attach a peft LoRA adapter to the transformer (Flow-GRPO defaults: r=32, alpha=64, gaussian init).
+
+        The adapter's B matrices start at zero, so the adapted model starts equal to the base model.
+        """
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        targets = list(target_modules or self.lora_targets)
+        present = {name for name, _ in self.transformer.named_modules()}
+        if not any(any(name.endswith(t) for name in present) for t in targets):
+            raise ValueError(f"none of the LoRA target modules {targets} exist in {type(self.transformer).__name__}")
+        config = LoraConfig(
+            r=rank,
+            lora_alpha=alpha if alpha is not None else 2 * rank,
+            lora_dropout=dropout,
+            init_lora_weights=init,
+            target_modules=targets,
+        )
+        self.transformer.add_adapter(config, adapter_name=adapter_name)
+
+    @property
+    def has_lora(self) -> bool:
+        return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference policy: the same transformer with its LoRA adapter disabled (bitwise the base model)."""
+        if not self.has_lora:
+            raise RuntimeError("the reference model is the LoRA-disabled transformer: call add_lora() first")
+        self.transformer.disable_adapters()
+        try:
+            yield
+        finally:
+            self.transformer.enable_adapters()
+
+    def lora_state_dict(self) -> dict[str, Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        if not self.has_lora:
+            raise RuntimeError("this model has no LoRA adapter: call add_lora() first")
+        return get_peft_model_state_dict(self.transformer)
+
+    def save_lora(self, directory: str | Path) -> Path:
+        """Write the adapter in diffusers' format: ``pipe.load_lora_weights(directory)`` reads it back."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        # The adapter metadata carries lora_alpha: without it a loader assumes alpha = rank and rescales the update.
+        type(self.pipe).save_lora_weights(
+            directory,
+            transformer_lora_layers=self.lora_state_dict(),
+            transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
+            safe_serialization=True,
+        )
+        return directory
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def freeze_base(self) -> None:
+        """Freeze everything but the LoRA parameters (text encoders and VAE included)."""
+        for module in (self.pipe.vae, *self.text_encoders()):
+            module.requires_grad_(False)
+        for name, param in self.transformer.named_parameters():
+            param.requires_grad_("lora_" in name)
+
+    def text_encoders(self) -> list[torch.nn.Module]:
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+        return [getattr(self.pipe, n) for n in names if getattr(self.pipe, n, None) is not None]

@@ -1,0 +1,124 @@
+"""FLUX adapter: 2x2 latent packing, image/text position ids, guidance embedding, resolution-dependent ``mu``.
+
+The adapter keeps latents unpacked, ``[B, C, h, w]``, like SD3's, so samplers, rewards and registers see one
+layout; it packs into FLUX's ``[B, h/2 * w/2, 4C]`` token sequence inside ``velocity`` and unpacks the result.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .base import Cond, FlowModel, as_image_size
+from .sd3 import JOINT_ATTENTION_TARGETS
+
+
+def pack_latents(latents: Tensor) -> Tensor:
+    """``[B, C, h, w] -> [B, (h/2)(w/2), 4C]``: each 2x2 patch becomes one token (FluxPipeline._pack_latents)."""
+    b, c, h, w = latents.shape
+    patches = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """Inverse of ``pack_latents`` for a latent grid of ``height x width``."""
+    b, _, channels = tokens.shape
+    patches = tokens.view(b, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return patches.reshape(b, channels // 4, height, width)
+
+
+class FluxModel(FlowModel):
+    """Adapter over ``diffusers.FluxPipeline``.
+
+    ``guidance_scale`` goes to the guidance embedding when the transformer has one (FLUX.1-dev; one forward pass);
+    otherwise a scale above 1 means true classifier-free guidance with negative prompts (two passes).
+    """
+
+    family = "flux"
+    pipeline_class_name = "FluxPipeline"
+    # The FLUX equivalents of SD3's targets carry the same names; in FLUX, to_q/to_k/to_v also match the
+    # single-stream blocks' attention.
+    lora_targets = JOINT_ATTENTION_TARGETS
+
+    def default_max_sequence_length(self) -> int:
+        tokenizer = getattr(self.pipe, "tokenizer_2", None)
+        return min(512, tokenizer.model_max_length) if tokenizer is not None else 512
+
+    @property
+    def guidance_embeds(self) -> bool:
+        return bool(self.transformer.config.guidance_embeds)
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return guidance_scale > 1.0 and not self.guidance_embeds
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+        )
+        cond = Cond(embeds, pooled, text_ids=text_ids)
+        if negative_prompts is not None:
+            neg_embeds, neg_pooled, _ = self.pipe.encode_prompt(
+                prompt=list(negative_prompts), prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
+            )
+            cond.negative_embeds, cond.negative_pooled = neg_embeds, neg_pooled
+        return cond
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        batch, _, h, w = x.shape
+        tokens = pack_latents(x.to(self.dtype))
+        image_ids = self.pipe._prepare_latent_image_ids(batch, h // 2, w // 2, self.device, self.dtype)
+        # FluxPipeline rounds 1000*sigma to the latents' dtype and divides by 1000: do the same, bit for bit.
+        timestep = self.timestep(sigma, batch).to(self.dtype) / 1000
+        guidance = None
+        if self.guidance_embeds:
+            guidance = torch.full((batch,), float(guidance_scale), device=self.device, dtype=torch.float32)
+
+        def forward(embeds: Tensor, pooled: Tensor) -> Tensor:
+            return self.transformer(
+                hidden_states=tokens,
+                timestep=timestep,
+                guidance=guidance,
+                pooled_projections=pooled,
+                encoder_hidden_states=embeds,
+                txt_ids=cond.text_ids,
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
+
+        v = forward(cond.embeds, cond.pooled)
+        if self.uses_cfg(guidance_scale):
+            if not cond.has_negative:
+                raise ValueError(
+                    f"guidance_scale={guidance_scale} on a FLUX model without guidance embedding means true CFG and "
+                    "needs negative prompt embeddings: encode with negative_prompts, or use guidance_scale=1"
+                )
+            uncond = forward(cond.negative_embeds, cond.negative_pooled)
+            v = uncond + guidance_scale * (v - uncond)
+        return unpack_latents(v, h, w)
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor * 2  # VAE compression, then 2x2 packing needs even latent sides
+        return batch, self.transformer.config.in_channels // 4, 2 * (height // scale), 2 * (width // scale)
+
+    def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.scheduler.config
+        _, _, h, w = self.latent_shape(1, image_size)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        kwargs = {"mu": mu}
+        if not config.get("use_flow_sigmas", False):
+            kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
+        return kwargs

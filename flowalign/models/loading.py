@@ -1,0 +1,104 @@
+"""Load a FlowModel from a local directory or a hub id, or wrap a pipeline already in memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .base import FlowModel
+from .flux import FluxModel
+from .sd3 import SD3Model
+
+ADAPTERS: dict[str, type[FlowModel]] = {"sd3": SD3Model, "flux": FluxModel}
+_BY_PIPELINE = {adapter.pipeline_class_name: adapter for adapter in ADAPTERS.values()}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _unsupported(class_name: str, where: str) -> ValueError:
+    return ValueError(
+        f"pipeline class {class_name!r} ({where}) is neither SD3 nor FLUX: flowalign supports "
+        f"{', '.join(_BY_PIPELINE)}"
+    )
+
+
+def wrap_pipeline(pipe, **kwargs) -> FlowModel:
+    """The adapter for a diffusers pipeline object (``StableDiffusion3Pipeline`` or ``FluxPipeline``)."""
+    from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+    if isinstance(pipe, StableDiffusion3Pipeline):
+        return SD3Model(pipe, **kwargs)
+    if isinstance(pipe, FluxPipeline):
+        return FluxModel(pipe, **kwargs)
+    raise _unsupported(type(pipe).__name__, "object passed to wrap_pipeline")
+
+
+def _looks_like_local_path(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or name.count("/") != 1 or Path(name).suffix != ""
+
+
+def pipeline_class_name(path_or_id: str) -> str:
+    """The ``_class_name`` in a model's ``model_index.json`` (read locally, or fetched for a hub id)."""
+    local = Path(path_or_id).expanduser()
+    if local.is_dir():
+        index = local / "model_index.json"
+        if not index.is_file():
+            raise FileNotFoundError(
+                f"{local} has no model_index.json: point to a diffusers pipeline directory (saved with save_pretrained)"
+            )
+        return json.loads(index.read_text())["_class_name"]
+    if local.exists() or _looks_like_local_path(path_or_id):
+        raise FileNotFoundError(
+            f"model path {path_or_id!r} does not exist: give a local diffusers pipeline directory "
+            "or a hub id such as 'stabilityai/stable-diffusion-3.5-medium'"
+        )
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.load_config(path_or_id)["_class_name"]
+    except Exception as error:  # no network, unknown repo, gated repo ...
+        raise FileNotFoundError(
+            f"model {path_or_id!r} is not a local directory and could not be fetched from the hub ({error}); "
+            "download it first and pass the local path"
+        ) from error
+
+
+def load_flow_model(
+    path_or_id: str | Path,
+    *,
+    family: str | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    max_sequence_length: int | None = None,
+    **pipeline_kwargs,
+) -> FlowModel:
+    """Load an SD3/3.5 or FLUX pipeline with ``from_pretrained`` and wrap it.
+
+    ``family`` ("sd3" or "flux") must agree with the pipeline class in ``model_index.json`` when given.
+    """
+    path_or_id = str(path_or_id)
+    class_name = pipeline_class_name(path_or_id)
+    if class_name not in _BY_PIPELINE:
+        raise _unsupported(class_name, f"from {path_or_id}/model_index.json")
+    adapter = _BY_PIPELINE[class_name]
+    if family is not None:
+        if family not in ADAPTERS:
+            raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(ADAPTERS)}")
+        if ADAPTERS[family] is not adapter:
+            raise ValueError(f"model {path_or_id!r} is a {class_name}, not a {family!r} model")
+    import diffusers
+
+    pipeline_class = getattr(diffusers, class_name)
+    pipe = pipeline_class.from_pretrained(path_or_id, torch_dtype=resolve_dtype(dtype), **pipeline_kwargs)
+    pipe.set_progress_bar_config(disable=True)
+    return adapter(pipe.to(device), max_sequence_length=max_sequence_length)

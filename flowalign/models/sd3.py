@@ -1,0 +1,102 @@
+"""Stable Diffusion 3 / 3.5 adapter: three text encoders, pooled projections, the scheduler's shift."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .base import Cond, FlowModel, as_image_size
+
+
+# Flow-GRPO's LoRA targets for SD3.5: the joint attention's image and context projections.
+JOINT_ATTENTION_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+class SD3Model(FlowModel):
+    """Adapter over ``diffusers.StableDiffusion3Pipeline``. Latents are ``[B, 16, H/8, W/8]`` as the pipeline's."""
+
+    family = "sd3"
+    pipeline_class_name = "StableDiffusion3Pipeline"
+    lora_targets = JOINT_ATTENTION_TARGETS
+
+    def default_max_sequence_length(self) -> int:
+        tokenizer = getattr(self.pipe, "tokenizer_3", None)
+        return min(256, tokenizer.model_max_length) if tokenizer is not None else 256
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        """Prompt embeddings through the pipeline's own ``encode_prompt``; negatives are computed when given."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        with_negative = negative_prompts is not None
+        embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=None,
+            prompt_3=None,
+            device=self.device,
+            do_classifier_free_guidance=with_negative,
+            negative_prompt=list(negative_prompts) if with_negative else None,
+            max_sequence_length=self.max_sequence_length,
+        )
+        return Cond(embeds, pooled, neg_embeds if with_negative else None, neg_pooled if with_negative else None)
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        """``v = transformer(x, t = 1000 sigma, text)``; with ``guidance_scale > 1`` classifier-free guidance."""
+        batch = x.shape[0]
+        embeds, pooled = cond.embeds, cond.pooled
+        timestep = self.timestep(sigma, batch)
+        hidden = x.to(self.dtype)
+        cfg = self.uses_cfg(guidance_scale)
+        if cfg:
+            if not cond.has_negative:
+                raise ValueError(
+                    f"guidance_scale={guidance_scale} needs negative prompt embeddings: "
+                    "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1"
+                )
+            hidden = torch.cat([hidden, hidden])
+            embeds = torch.cat([cond.negative_embeds, embeds])
+            pooled = torch.cat([cond.negative_pooled, pooled])
+            timestep = torch.cat([timestep, timestep])
+        v = self.transformer(
+            hidden_states=hidden,
+            timestep=timestep,
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            return_dict=False,
+        )[0]
+        if cfg:
+            uncond, text = v.chunk(2)
+            v = uncond + guidance_scale * (text - uncond)
+        return v
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor
+        return batch, self.transformer.config.in_channels, height // scale, width // scale
+
+    def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        config = self.scheduler.config
+        if not config.get("use_dynamic_shifting", False):
+            return {}
+        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
+
+        _, _, h, w = self.latent_shape(1, image_size)
+        patch = self.transformer.config.patch_size
+        mu = calculate_shift(
+            (h // patch) * (w // patch),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+        return {"mu": mu}

@@ -1,0 +1,1 @@
+"""Reward models: images or latents in, scores out (installed as ``flowalign.reward_models``)."""

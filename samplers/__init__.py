@@ -1,0 +1,39 @@
+"""SDE/ODE steps with exact log-probs, noise-level schedules and rollouts (installed as ``flowalign.samplers``).
+
+Samplers work on tensors and plain callables only: they never import models or reward functions.
+"""
+
+from .rollout import Rollout, Transitions, count_nfe, rollout
+from .schedules import ConstantNoise, NoiseSchedule, PerStepNoise, SDEWindow, noise_schedule
+from .sde import (
+    REDUCTIONS,
+    SDE_KINDS,
+    StepOutput,
+    check_sigmas,
+    gaussian_log_prob,
+    ode_step,
+    predict_x0,
+    sde_mean_std,
+    sde_step,
+)
+
+__all__ = [
+    "REDUCTIONS",
+    "SDE_KINDS",
+    "ConstantNoise",
+    "NoiseSchedule",
+    "PerStepNoise",
+    "Rollout",
+    "SDEWindow",
+    "StepOutput",
+    "Transitions",
+    "check_sigmas",
+    "count_nfe",
+    "gaussian_log_prob",
+    "noise_schedule",
+    "ode_step",
+    "predict_x0",
+    "rollout",
+    "sde_mean_std",
+    "sde_step",
+]

@@ -1,0 +1,152 @@
+"""Rollouts that return transitions, not just images.
+
+Everything the trainer trains is a transition ``x_t -> x_{t+1}`` (DESIGN.md §3). States are stored once, as nodes;
+a transition points at its source and destination node. A group of independent trajectories is a forest of chains,
+and a tree (later) is the same structure with shared source nodes, so one loss path serves every rollout shape.
+
+``rollout`` takes a plain ``velocity(x, sigma) -> v`` callable: samplers never know what a model is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .sde import check_kind, check_noise_level, check_reduce, check_sigmas, ode_step, sde_step
+
+Velocity = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass
+class Transitions:
+    """A set of transitions over shared state storage. Per-transition fields have shape ``[N]``.
+
+    ``states[src]`` is ``x_t`` and ``states[dst]`` is ``x_{t+1}``. ``std`` is the transition std actually used to draw
+    the sample (0 for ODE steps) and ``log_prob`` its log-density under the rollout policy (0 for ODE steps).
+    ``sample_id`` is the trajectory (final image) a transition belongs to; ``group_id`` and ``prompt_id`` index the
+    GRPO group and the prompt (the row of the conditioning batch).
+    """
+
+    states: Tensor
+    src: Tensor
+    dst: Tensor
+    step: Tensor
+    sigma: Tensor
+    sigma_next: Tensor
+    noise_level: Tensor
+    std: Tensor
+    log_prob: Tensor
+    stochastic: Tensor
+    sample_id: Tensor
+    group_id: Tensor
+    prompt_id: Tensor
+    kind: str = "flow_grpo"
+    reduce: str = "mean"
+
+    @property
+    def x_t(self) -> Tensor:
+        return self.states[self.src]
+
+    @property
+    def x_next(self) -> Tensor:
+        return self.states[self.dst]
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+    def per_transition_fields(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name not in ("states", "kind", "reduce")]
+
+    def select(self, index: Tensor) -> "Transitions":
+        """The transitions picked by a boolean mask or an index tensor; the state storage is shared."""
+        return replace(self, **{name: getattr(self, name)[index] for name in self.per_transition_fields()})
+
+    def to(self, device: torch.device | str) -> "Transitions":
+        moved = {name: getattr(self, name).to(device) for name in self.per_transition_fields()}
+        return replace(self, states=self.states.to(device), **moved)
+
+
+@dataclass
+class Rollout:
+    """A finished rollout: all its transitions, the final latents (one per trajectory) and its cost in NFEs."""
+
+    transitions: Transitions
+    final: Tensor
+    nfe: int
+
+
+def count_nfe(velocity: Velocity, batch: int) -> int:
+    """Transformer evaluations of one call: batch rows times ``velocity.evals_per_sample`` (2 with CFG)."""
+    return batch * int(getattr(velocity, "evals_per_sample", 1))
+
+
+@torch.no_grad()
+def rollout(
+    velocity: Velocity,
+    x_init: Tensor,
+    sigmas: Tensor,
+    noise_levels: Tensor,
+    *,
+    kind: str = "flow_grpo",
+    reduce: str = "mean",
+    generator: torch.Generator | None = None,
+    group_ids: Tensor | None = None,
+    prompt_ids: Tensor | None = None,
+) -> Rollout:
+    """Integrate from ``x_init`` (at ``sigmas[0]``) over ``len(sigmas) - 1`` steps.
+
+    Step ``i`` is an SDE step of ``kind`` when ``noise_levels[i] > 0`` and an ODE step otherwise. ``group_ids`` and
+    ``prompt_ids`` default to one group/prompt per row. Noise comes from ``generator``; states keep ``x_init``'s dtype.
+    """
+    sigmas = check_sigmas(sigmas).to(x_init.device)
+    check_kind(kind)
+    check_reduce(reduce)
+    num_steps = sigmas.numel() - 1
+    noise_levels = torch.as_tensor(noise_levels, dtype=torch.float32)
+    if noise_levels.shape != (num_steps,):
+        raise ValueError(f"noise_levels must have one entry per step ({num_steps}), got shape {tuple(noise_levels.shape)}")
+    check_noise_level(noise_levels, kind)
+    batch, device = x_init.shape[0], x_init.device
+    rows = torch.arange(batch, device=device)
+    group_ids = rows if group_ids is None else torch.as_tensor(group_ids, device=device)
+    prompt_ids = rows if prompt_ids is None else torch.as_tensor(prompt_ids, device=device)
+
+    states, stds, log_probs, nfe = [x_init], [], [], 0
+    x = x_init
+    for i in range(num_steps):
+        sigma, sigma_next, level = sigmas[i], sigmas[i + 1], float(noise_levels[i])
+        v = velocity(x, sigma)
+        nfe += count_nfe(velocity, batch)
+        if level > 0:
+            out = sde_step(x, v, sigma, sigma_next, kind=kind, noise_level=level, reduce=reduce, generator=generator)
+            x, std, log_prob = out.prev_sample, out.std, out.log_prob
+        else:
+            x = ode_step(x, v, sigma, sigma_next)
+            std = log_prob = torch.zeros(batch, device=device)
+        states.append(x)
+        stds.append(std.float())
+        log_probs.append(log_prob)
+
+    steps = torch.arange(num_steps, device=device).repeat_interleave(batch)
+    per_step = lambda values: torch.as_tensor(values, device=device).float().repeat_interleave(batch)  # noqa: E731
+    transitions = Transitions(
+        states=torch.stack(states).flatten(0, 1),  # node id = step * batch + row
+        src=steps * batch + rows.repeat(num_steps),
+        dst=(steps + 1) * batch + rows.repeat(num_steps),
+        step=steps,
+        sigma=per_step(sigmas[:-1]),
+        sigma_next=per_step(sigmas[1:]),
+        noise_level=per_step(noise_levels),
+        std=torch.cat(stds),
+        log_prob=torch.cat(log_probs),
+        stochastic=per_step(noise_levels) > 0,
+        sample_id=rows.repeat(num_steps),
+        group_id=group_ids.repeat(num_steps),
+        prompt_id=prompt_ids.repeat(num_steps),
+        kind=kind,
+        reduce=reduce,
+    )
+    return Rollout(transitions=transitions, final=x, nfe=nfe)

@@ -1,0 +1,26 @@
+"""Shared fixtures: tiny real diffusers pipelines built in-process (no hub, no downloads)."""
+
+from pathlib import Path
+
+import pytest
+
+from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+WORDS = "a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and two three four left right above below".split()
+
+
+@pytest.fixture(scope="session")
+def words():
+    return WORDS
+
+
+@pytest.fixture
+def sd3_pipe():
+    return tiny_sd3_pipeline(WORDS, seed=0)
+
+
+@pytest.fixture
+def flux_pipe():
+    return tiny_flux_pipeline(WORDS, seed=0)

@@ -1,0 +1,252 @@
+"""Model adapters against the diffusers pipelines they wrap, LoRA through peft, and loading errors."""
+
+import json
+
+import pytest
+import torch
+from diffusers import FluxPipeline, StableDiffusion3Pipeline
+
+from flowalign.models import Cond, FluxModel, SD3Model, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
+from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.rollouts import sample_groups
+from flowalign.samplers import rollout, sde_step
+
+from conftest import WORDS
+
+PROMPTS = ["a photo of a red circle", "two blue squares left of a triangle"]
+
+
+def pipeline_latents(pipe, model, *, steps, size, guidance, seed=0):
+    return pipe(
+        prompt=PROMPTS,
+        num_inference_steps=steps,
+        guidance_scale=guidance,
+        generator=torch.Generator().manual_seed(seed),
+        output_type="latent",
+        height=size[0],
+        width=size[1],
+        max_sequence_length=model.max_sequence_length,
+    ).images
+
+
+def adapter_ode_latents(model, *, steps, size, guidance, seed=0):
+    negatives = [""] * len(PROMPTS) if model.uses_cfg(guidance) else None
+    cond = model.encode(PROMPTS, negative_prompts=negatives)
+    x = model.prepare_noise(len(PROMPTS), size, generator=torch.Generator().manual_seed(seed))
+    out = rollout(model.velocity_fn(cond, guidance), x, model.sigmas(steps, size), torch.zeros(steps))
+    return out.final
+
+
+@pytest.mark.parametrize("guidance", [1.0, 3.0])
+@pytest.mark.parametrize("size", [(32, 32), (32, 48)])
+def test_sd3_ode_reproduces_pipeline_bitwise(sd3_pipe, guidance, size):
+    model = wrap_pipeline(sd3_pipe)
+    assert isinstance(model, SD3Model)
+    expected = pipeline_latents(sd3_pipe, model, steps=4, size=size, guidance=guidance)
+    assert torch.equal(adapter_ode_latents(model, steps=4, size=size, guidance=guidance), expected)
+
+
+def test_sd3_dynamic_shift_sigmas_follow_resolution(words):
+    pipe = tiny_sd3_pipeline(words)
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, use_dynamic_shifting=True)
+    model = wrap_pipeline(pipe)
+    assert not torch.equal(model.sigmas(4, 32), model.sigmas(4, 64))
+    expected = pipeline_latents(pipe, model, steps=3, size=(32, 32), guidance=1.0)
+    assert torch.equal(adapter_ode_latents(model, steps=3, size=(32, 32), guidance=1.0), expected)
+
+
+@pytest.mark.parametrize("guidance_embeds,guidance", [(True, 3.5), (False, 1.0)])
+@pytest.mark.parametrize("size", [(32, 32), (32, 64)])
+def test_flux_ode_reproduces_pipeline_bitwise(words, guidance_embeds, guidance, size):
+    pipe = tiny_flux_pipeline(words, guidance_embeds=guidance_embeds)
+    model = wrap_pipeline(pipe)
+    assert isinstance(model, FluxModel)
+    expected = pipeline_latents(pipe, model, steps=4, size=size, guidance=guidance)  # packed [B, tokens, 4C]
+    ours = adapter_ode_latents(model, steps=4, size=size, guidance=guidance)  # unpacked [B, C, h, w]
+    assert ours.ndim == 4 and torch.equal(pack_latents(ours), expected)
+
+
+def test_flux_sigmas_depend_on_resolution(flux_pipe):
+    model = wrap_pipeline(flux_pipe)
+    assert not torch.equal(model.sigmas(6, 32), model.sigmas(6, 64))
+    assert model.sigmas(6, 32)[0] == 1.0 and model.sigmas(6, 32)[-1] == 0.0
+
+
+def test_flux_packing_round_trip():
+    x = torch.randn(2, 4, 6, 8)
+    tokens = pack_latents(x)
+    assert tokens.shape == (2, 12, 16)
+    assert torch.equal(unpack_latents(tokens, 6, 8), x)
+    assert torch.equal(tokens, FluxPipeline._pack_latents(x, 2, 4, 6, 8))
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_decode_matches_pipeline_images(sd3_pipe, flux_pipe, family):
+    pipe = sd3_pipe if family == "sd3" else flux_pipe
+    model = wrap_pipeline(pipe)
+    guidance = 1.0 if family == "sd3" else 3.5
+    images = pipe(prompt=PROMPTS, num_inference_steps=2, guidance_scale=guidance, output_type="pt",
+                  generator=torch.Generator().manual_seed(1), height=32, width=32,
+                  max_sequence_length=model.max_sequence_length).images
+    latents = adapter_ode_latents(model, steps=2, size=(32, 32), guidance=guidance, seed=1)
+    with torch.no_grad():
+        ours = model.decode(latents)
+    assert ours.shape == (2, 3, 32, 32) and ours.min() >= 0 and ours.max() <= 1
+    torch.testing.assert_close(ours, images, rtol=0, atol=1e-6)
+
+
+def test_zero_noise_sde_rollout_reproduces_pipeline(sd3_pipe):
+    model = wrap_pipeline(sd3_pipe)
+    expected = pipeline_latents(sd3_pipe, model, steps=4, size=(32, 32), guidance=1.0)
+    group = sample_groups(model, PROMPTS, group_size=1, num_steps=4, noise=0.0, image_size=32,
+                          generator=torch.Generator().manual_seed(0))
+    assert torch.equal(group.latents, expected)
+    assert not group.transitions.stochastic.any()
+
+
+def test_per_sample_sigmas_match_per_row_calls(sd3_pipe):
+    model = wrap_pipeline(sd3_pipe)
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, 32, generator=torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.9, 0.4])
+    with torch.no_grad():
+        batched = model.velocity(x, sigma, cond)
+        rows = torch.cat([model.velocity(x[i : i + 1], sigma[i], cond.index([i])) for i in range(2)])
+    torch.testing.assert_close(batched, rows, rtol=1e-5, atol=1e-5)
+
+
+def test_cfg_without_negative_embeddings_is_an_error(sd3_pipe):
+    model = wrap_pipeline(sd3_pipe)
+    cond = model.encode(PROMPTS)
+    with pytest.raises(ValueError, match=r"guidance_scale=3.0 needs negative prompt embeddings"):
+        model.velocity(model.prepare_noise(2, 32), 0.5, cond, guidance_scale=3.0)
+
+
+def test_cond_indexing_and_group_layout():
+    cond = Cond(torch.arange(6.0).reshape(3, 2, 1), torch.arange(3.0).reshape(3, 1), text_ids=torch.zeros(2, 3))
+    rep = cond.repeat_interleave(2)
+    assert len(rep) == 6 and rep.pooled.flatten().tolist() == [0, 0, 1, 1, 2, 2]
+    assert cond.index(torch.tensor([2, 0])).pooled.flatten().tolist() == [2, 0]
+    assert rep.text_ids is cond.text_ids and not cond.has_negative
+
+
+def test_group_rollout_layout_shared_noise_and_nfe(sd3_pipe):
+    model = wrap_pipeline(sd3_pipe)
+    group = sample_groups(model, PROMPTS, group_size=3, num_steps=4, noise=0.7, image_size=32, shared_noise=True,
+                          generator=torch.Generator().manual_seed(0))
+    t = group.transitions
+    x_init = t.x_t[t.step == 0]
+    assert torch.equal(x_init[0], x_init[2]) and not torch.equal(x_init[0], x_init[3])
+    assert t.prompt_id[t.step == 0].tolist() == [0, 0, 0, 1, 1, 1] and group.nfe == 6 * 4
+    assert t.stochastic.tolist() == [s < 3 for s in t.step.tolist()]  # last step is ODE by default
+    assert not torch.equal(group.latents[0], group.latents[1])  # same start, different SDE noise
+    # the stored log-probs are reproduced by re-running the model on the stored transitions
+    st = t.select(t.stochastic)
+    with torch.no_grad():
+        v = model.velocity(st.x_t, st.sigma, group.cond.index(st.prompt_id))
+    again = sde_step(st.x_t, v, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level, prev_sample=st.x_next)
+    torch.testing.assert_close(again.log_prob, st.log_prob, rtol=1e-4, atol=1e-4)
+    cfg = sample_groups(model, PROMPTS, group_size=2, num_steps=3, guidance_scale=4.0, image_size=32)
+    assert cfg.nfe == 2 * 2 * 3 * 2
+
+
+# --- LoRA ------------------------------------------------------------------------------------------------------
+
+
+def perturb_lora(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_lora_save_load_round_trip_and_reference_is_bitwise_base(words, tmp_path, family):
+    build = tiny_sd3_pipeline if family == "sd3" else tiny_flux_pipeline
+    model = wrap_pipeline(build(words, seed=0))
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model.velocity(x, 0.6, cond)
+        model.add_lora(rank=4, alpha=8)
+        assert torch.equal(model.velocity(x, 0.6, cond), base)  # B = 0 at init
+        perturb_lora(model)
+        adapted = model.velocity(x, 0.6, cond)
+        with model.reference():
+            reference = model.velocity(x, 0.6, cond)
+        after = model.velocity(x, 0.6, cond)
+    assert not torch.allclose(adapted, base)
+    assert torch.equal(reference, base)
+    assert torch.equal(after, adapted)  # the context restores the adapter
+    targeted = {n.split(".lora_")[0].split(".", 2)[-1] for n, _ in model.transformer.named_parameters() if "lora_A" in n}
+    assert targeted <= {t for t in model.lora_targets} | {"attn." + t.split("attn.")[-1] for t in model.lora_targets}
+
+    model.freeze_base()
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+    saved = model.save_lora(tmp_path / "lora")
+    assert (saved / "pytorch_lora_weights.safetensors").is_file()
+    fresh = build(words, seed=0)
+    fresh.load_lora_weights(saved)
+    with torch.no_grad():
+        loaded = wrap_pipeline(fresh).velocity(x, 0.6, cond)
+    torch.testing.assert_close(loaded, adapted, rtol=1e-5, atol=1e-6)
+
+
+def test_reference_without_lora_is_an_error(sd3_pipe):
+    with pytest.raises(RuntimeError, match="call add_lora"):
+        with wrap_pipeline(sd3_pipe).reference():
+            pass
+
+
+def test_lora_with_unknown_targets_is_an_error(sd3_pipe):
+    with pytest.raises(ValueError, match=r"none of the LoRA target modules \['nonexistent'\]"):
+        wrap_pipeline(sd3_pipe).add_lora(rank=4, target_modules=["nonexistent"])
+
+
+# --- loading ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_load_from_local_directory(words, tmp_path, family):
+    pipe = tiny_sd3_pipeline(words) if family == "sd3" else tiny_flux_pipeline(words)
+    pipe.save_pretrained(tmp_path / "model")
+    model = load_flow_model(tmp_path / "model", family=family, dtype="fp32")
+    assert model.family == family and model.dtype == torch.float32
+    size = (32, 32)
+    guidance = 1.0 if family == "sd3" else 3.5
+    expected = pipeline_latents(pipe, model, steps=2, size=size, guidance=guidance)
+    ours = adapter_ode_latents(model, steps=2, size=size, guidance=guidance)
+    assert torch.equal(ours if family == "sd3" else pack_latents(ours), expected)
+    bf16 = load_flow_model(tmp_path / "model", dtype="bf16")
+    assert bf16.dtype == torch.bfloat16
+
+
+def test_missing_model_path_is_named(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=r"model path '.*no-such-model' does not exist"):
+        load_flow_model(missing)
+    with pytest.raises(FileNotFoundError, match=r"has no model_index.json"):
+        load_flow_model(tmp_path)
+
+
+def test_unsupported_pipeline_class_is_named(sd3_pipe, tmp_path):
+    sd3_pipe.save_pretrained(tmp_path / "model")
+    index = tmp_path / "model" / "model_index.json"
+    data = json.loads(index.read_text())
+    data["_class_name"] = "StableDiffusionXLPipeline"
+    index.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"'StableDiffusionXLPipeline' .* is neither SD3 nor FLUX: flowalign supports StableDiffusion3Pipeline, FluxPipeline"):
+        load_flow_model(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"'dict' .* is neither SD3 nor FLUX"):
+        wrap_pipeline({})
+
+
+def test_family_mismatch_and_bad_dtype(sd3_pipe, tmp_path):
+    sd3_pipe.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"is a StableDiffusion3Pipeline, not a 'flux' model"):
+        load_flow_model(tmp_path / "model", family="flux")
+    with pytest.raises(ValueError, match=r"unknown dtype 'fp8'"):
+        load_flow_model(tmp_path / "model", dtype="fp8")
