@@ -1,0 +1,174 @@
+"""The ``flowalign`` command line.
+
+Commands are grouped (``flowalign GROUP COMMAND [options]``); each leaf command is registered by a small
+``_add_*`` function that declares its options and sets ``handler``, a function of the parsed arguments. Handlers
+import their modules lazily, so a command's heavy dependencies load only when it runs (the eval options do read
+their defaults from ``EvalConfig``). To add a command: write ``_add_<name>(group)`` and call it from
+``build_parser``.
+
+Bad input (a missing model directory, a number out of range, ...) prints ``flowalign: error: ...`` and exits with
+status 2, without a traceback.
+
+Commands:
+
+* ``flowalign eval toy``: GenEval-style evaluation on the toy world (``flowalign.evaluation.toy_eval``).
+* ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Sequence
+
+__all__ = ["build_parser", "main"]
+
+PROG = "flowalign"
+
+
+class CommandError(Exception):
+    """Bad input detected by a handler; reported as ``flowalign: error: ...`` with exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors reported as ``flowalign: error: ...`` (subcommand parsers use this class too)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{PROG}: error: {message}\n")
+
+
+# ------------------------------------------------------------------------------------------- option types
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive_int = _int_at_least(1)
+non_negative_int = _int_at_least(0)
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def _add_eval_toy(group) -> None:
+    from flowalign.evaluation.toy_eval import EvalConfig  # its defaults are the CLI defaults
+
+    defaults = EvalConfig()
+    parser = group.add_parser(
+        "toy",
+        help="GenEval-style evaluation on the toy world",
+        description="Sample the toy prompts with the ODE, detect shapes, judge with GenEval's rules; writes "
+        "results.json, summary.md and grid.png to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
+    parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="ODE steps")
+    parser.add_argument("--images-per-prompt", type=positive_int, default=defaults.images_per_prompt)
+    parser.add_argument("--guidance", type=non_negative_float, default=defaults.guidance_scale,
+                        help="guidance scale (CFG with negative prompt '' when > 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--max-prompts", type=positive_int, default=None, help="evaluate only the first M prompts")
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--out", default=defaults.out_dir, help="output directory")
+    parser.set_defaults(handler=_run_eval_toy)
+
+
+def _run_eval_toy(args: argparse.Namespace) -> None:
+    from flowalign.evaluation.toy_eval import EvalConfig, run_eval
+
+    config = EvalConfig(
+        model=args.model,
+        prompts=args.prompts,
+        steps=args.steps,
+        images_per_prompt=args.images_per_prompt,
+        guidance_scale=args.guidance,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_prompts=args.max_prompts,
+        out_dir=args.out,
+        device=args.device,
+    )
+    run_eval(config)
+
+
+def _add_toy_pretrain(group) -> None:
+    parser = group.add_parser(
+        "pretrain",
+        help="pre-train the toy SD3 model",
+        description="Pre-train the small SD3 pipeline of the toy world and save it with save_pretrained.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", default="assets/toy-sd3", help="output pipeline directory")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--vae-steps", type=positive_int, default=None, help="VAE training steps (default: config)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="transformer training steps (default: config)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="batch size (default: config)")
+    parser.set_defaults(handler=_run_toy_pretrain)
+
+
+def _run_toy_pretrain(args: argparse.Namespace) -> None:
+    from flowalign.toy.pretrain import main as pretrain_main
+
+    pretrain_main(args)
+
+
+# ------------------------------------------------------------------------------------------------ parser
+
+
+def _group(commands, name: str, help: str):
+    """A command group ``flowalign NAME ...`` whose subcommands are required."""
+    parser = commands.add_parser(name, help=help, description=help)
+    sub = parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
+    return sub
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Align flow-matching text-to-image models with reward models.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    eval_group = _group(commands, "eval", "evaluate a model")
+    _add_eval_toy(eval_group)
+
+    toy_group = _group(commands, "toy", "toy-world tools")
+    _add_toy_pretrain(toy_group)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns 0 on success, exits with status 2 on bad input."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.handler(args)
+    except (CommandError, FileNotFoundError, NotADirectoryError, ValueError) as error:
+        parser.exit(2, f"{PROG}: error: {error}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

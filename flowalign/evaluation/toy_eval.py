@@ -1,0 +1,407 @@
+"""GenEval-style evaluation of a flow model on the toy world: sample, detect, judge, summarise.
+
+``run_eval(EvalConfig(...))`` is what ``flowalign eval toy`` runs. The pieces are usable on their own:
+
+* ``generate``: ODE samples, prompt-major (image ``k`` of prompt ``p`` is row ``p * K + k``). The initial noise of
+  sample ``(p, k)`` comes from its own CPU ``torch.Generator`` seeded with ``sample_seed(seed, p, k)``, so it does not
+  depend on the batch size or on the other prompts in the batch, and two models (say before and after training) are
+  compared on identical noise.
+* ``evaluate``: ``generate`` + the toy detector + GenEval's rules -> per-image results and the GenEval summary.
+* ``paired_difference``: the per-tag and overall difference between two evaluations on the same samples, with
+  standard errors from the paired per-sample differences.
+
+Images are kept in memory as one float tensor: this is meant for the toy world's small images, not for thousands of
+1024 px samples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
+from flowalign.evaluation.images import save_grid
+
+__all__ = [
+    "EvalConfig",
+    "GRID_MAX_IMAGES",
+    "default_prompts_path",
+    "evaluate",
+    "generate",
+    "paired_difference",
+    "run_eval",
+    "sample_seed",
+]
+
+GRID_MAX_IMAGES = 64
+DEFAULT_MODEL = "assets/toy-sd3"
+
+
+def default_prompts_path() -> Path:
+    """The held-out toy prompt set, ``assets/prompts/test.jsonl``."""
+    from flowalign.toy.prompts import PROMPT_ASSET_DIR
+
+    return Path(PROMPT_ASSET_DIR) / "test.jsonl"
+
+
+@dataclass
+class EvalConfig:
+    """Settings of one toy evaluation (``flowalign eval toy``).
+
+    ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``; ``max_prompts`` keeps its first prompts.
+    ``device`` defaults to CUDA when available.
+    """
+
+    model: str = DEFAULT_MODEL
+    prompts: str | None = None
+    steps: int = 10
+    images_per_prompt: int = 4
+    guidance_scale: float = 1.0
+    seed: int = 0
+    batch_size: int = 64
+    max_prompts: int | None = None
+    out_dir: str = "outputs/eval-toy"
+    device: str | None = None
+    dtype: str = "fp32"
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad setting."""
+        check_sampling_args(
+            steps=self.steps,
+            images_per_prompt=self.images_per_prompt,
+            guidance_scale=self.guidance_scale,
+            seed=self.seed,
+            batch_size=self.batch_size,
+        )
+        if self.max_prompts is not None and (not _is_int(self.max_prompts) or self.max_prompts < 1):
+            raise ValueError(f"max_prompts must be an integer >= 1 (or None for all), got {self.max_prompts!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_sampling_args(*, steps, images_per_prompt, guidance_scale, seed, batch_size) -> None:
+    """Validate the sampling settings shared by ``generate``, ``evaluate`` and ``EvalConfig``."""
+    for name, value in (("steps", steps), ("images_per_prompt", images_per_prompt), ("batch_size", batch_size)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not _is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not (
+        math.isfinite(guidance_scale) and guidance_scale >= 0
+    ):
+        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+
+
+def sample_seed(seed: int, prompt_index: int, image_index: int) -> int:
+    """The noise seed of image ``image_index`` of prompt ``prompt_index``: a fixed hash of the three numbers.
+
+    ``numpy.random.SeedSequence`` mixes them, so nearby triples give unrelated seeds; the value is a 63-bit integer
+    for ``torch.Generator().manual_seed``.
+    """
+    state = np.random.SeedSequence([int(seed), int(prompt_index), int(image_index)]).generate_state(1, np.uint64)
+    return int(state[0]) & (2**63 - 1)
+
+
+def _prompt_text(entry: Any) -> str:
+    return entry["prompt"] if isinstance(entry, Mapping) else str(entry)
+
+
+def _rows(num_prompts: int, images_per_prompt: int) -> list[tuple[int, int]]:
+    return [(p, k) for p in range(num_prompts) for k in range(images_per_prompt)]
+
+
+def initial_noise(model, rows: Sequence[tuple[int, int]], seed: int, image_size=None) -> Tensor:
+    """Initial latents for the ``(prompt_index, image_index)`` rows, one seeded CPU generator per row."""
+    generators = [torch.Generator("cpu").manual_seed(sample_seed(seed, p, k)) for p, k in rows]
+    return model.prepare_noise(len(rows), image_size, generator=generators)
+
+
+def _sample_batch(model, prompts: Sequence[str], noise: Tensor, sigmas: Tensor, guidance_scale: float) -> Tensor:
+    """ODE-sample one batch (one prompt per row) and decode it to images in [0, 1] on the CPU."""
+    from flowalign.samplers import rollout
+
+    unique = list(dict.fromkeys(prompts))
+    negatives = [""] * len(unique) if model.uses_cfg(guidance_scale) else None
+    cond = model.encode(unique, negative_prompts=negatives)
+    cond = cond.index([unique.index(prompt) for prompt in prompts])
+    steps = sigmas.numel() - 1
+    result = rollout(model.velocity_fn(cond, guidance_scale), noise, sigmas, torch.zeros(steps))
+    return model.decode(result.final).float().cpu()
+
+
+def generate(
+    model,
+    metadata_list: Sequence[Mapping[str, Any]],
+    *,
+    steps: int = 10,
+    images_per_prompt: int = 4,
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+    image_size: int | Sequence[int] | None = None,
+) -> Tensor:
+    """ODE samples ``[P * K, 3, H, W]`` in [0, 1] (CPU, fp32), image ``k`` of prompt ``p`` at row ``p * K + k``.
+
+    CFG-free unless the model uses CFG at ``guidance_scale`` (then the negative prompt is ""). The noise of each
+    sample depends only on ``(seed, p, k)``; rows are processed ``batch_size`` at a time under ``torch.no_grad()``.
+    """
+    check_sampling_args(
+        steps=steps, images_per_prompt=images_per_prompt, guidance_scale=guidance_scale, seed=seed, batch_size=batch_size
+    )
+    if len(metadata_list) == 0:
+        raise ValueError("no prompts to generate for")
+    prompts = [_prompt_text(entry) for entry in metadata_list]
+    rows = _rows(len(prompts), images_per_prompt)
+    sigmas = model.sigmas(steps, image_size)
+    images = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start : start + batch_size]
+            noise = initial_noise(model, batch, seed, image_size)
+            images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale))
+    return torch.cat(images)
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def evaluate(
+    model,
+    metadata_list: Sequence[Mapping[str, Any]],
+    *,
+    steps: int = 10,
+    images_per_prompt: int = 4,
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    batch_size: int = 64,
+    image_size: int | Sequence[int] | None = None,
+) -> tuple[list[dict], dict, Tensor]:
+    """Generate, detect and judge: ``(results, summary, images)``.
+
+    ``results[p * K + k]`` is ``{prompt_id: p, prompt, tag, image_index: k, seed: sample_seed(seed, p, k), correct,
+    reason}``; ``summary`` is ``geneval.summarize(results)``.
+    """
+    from flowalign.toy.detector import detect_batch
+
+    images = generate(
+        model,
+        metadata_list,
+        steps=steps,
+        images_per_prompt=images_per_prompt,
+        guidance_scale=guidance_scale,
+        seed=seed,
+        batch_size=batch_size,
+        image_size=image_size,
+    )
+    detections = detect_batch(images)
+    size = (int(images.shape[3]), int(images.shape[2]))  # (width, height)
+    results = []
+    for (p, k), found in zip(_rows(len(metadata_list), images_per_prompt), detections):
+        metadata = metadata_list[p]
+        correct, reason = judge(metadata, found, size)
+        results.append(
+            {
+                "prompt_id": p,
+                "prompt": metadata["prompt"],
+                "tag": metadata["tag"],
+                "image_index": k,
+                "seed": sample_seed(seed, p, k),
+                "correct": bool(correct),
+                "reason": reason,
+            }
+        )
+    return results, summarize(results), images
+
+
+# ------------------------------------------------------------------------------------- paired comparison
+
+
+def _keyed(results: Sequence[Mapping[str, Any]], name: str) -> dict[tuple[Any, Any], Mapping[str, Any]]:
+    keyed = {}
+    for index, result in enumerate(results):
+        try:
+            key = (result["prompt_id"], result["image_index"])
+        except (KeyError, TypeError):
+            raise ValueError(f"{name}[{index}] has no prompt_id/image_index") from None
+        if key in keyed:
+            raise ValueError(f"{name} has two entries for (prompt_id={key[0]!r}, image_index={key[1]!r})")
+        keyed[key] = result
+    return keyed
+
+
+def _z(diff: float, se: float) -> float:
+    if math.isnan(se):
+        return math.nan
+    if se > 0:
+        return diff / se
+    return 0.0 if diff == 0 else math.copysign(math.inf, diff)
+
+
+def paired_difference(results_a: Sequence[Mapping[str, Any]], results_b: Sequence[Mapping[str, Any]]) -> dict:
+    """Mean accuracy difference ``b - a`` on the same samples, per tag and overall, with standard errors.
+
+    Samples are matched on ``(prompt_id, image_index)``; a key present in one list only raises ValueError naming it.
+    Per tag, with ``d_i = correct_b - correct_a`` over the tag's ``n`` samples: ``diff = mean(d)``,
+    ``se = std(d, ddof=1) / sqrt(n)`` (NaN when ``n = 1``) and ``z = diff / se``. Overall (GenEval's unweighted mean
+    over the tags present): ``diff = mean_t diff_t``, ``se = sqrt(sum_t se_t^2) / n_tags``.
+
+    Returns ``{"tags": {tag: entry}, "overall": entry}`` with entries ``{n, mean_a, mean_b, diff, se, z}``.
+    """
+    keyed_a, keyed_b = _keyed(results_a, "results_a"), _keyed(results_b, "results_b")
+    for key in keyed_a:
+        if key not in keyed_b:
+            raise ValueError(f"results_b has no entry for (prompt_id={key[0]!r}, image_index={key[1]!r}) of results_a")
+    for key in keyed_b:
+        if key not in keyed_a:
+            raise ValueError(f"results_a has no entry for (prompt_id={key[0]!r}, image_index={key[1]!r}) of results_b")
+    if not keyed_a:
+        raise ValueError("paired_difference needs at least one result")
+
+    per_tag: dict[str, list[tuple[float, float]]] = {}
+    for key, a in keyed_a.items():
+        b = keyed_b[key]
+        if a["tag"] != b["tag"]:
+            raise ValueError(f"tag mismatch for (prompt_id={key[0]!r}, image_index={key[1]!r}): {a['tag']!r} vs {b['tag']!r}")
+        per_tag.setdefault(a["tag"], []).append((float(bool(a["correct"])), float(bool(b["correct"]))))
+
+    order = [tag for tag in TAGS if tag in per_tag] + sorted(tag for tag in per_tag if tag not in TAGS)
+    tags = {}
+    for tag in order:
+        pairs = np.asarray(per_tag[tag], dtype=np.float64)
+        n = len(pairs)
+        d = pairs[:, 1] - pairs[:, 0]
+        diff = float(d.mean())
+        se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+        tags[tag] = {
+            "n": n,
+            "mean_a": float(pairs[:, 0].mean()),
+            "mean_b": float(pairs[:, 1].mean()),
+            "diff": diff,
+            "se": se,
+            "z": _z(diff, se),
+        }
+    entries = list(tags.values())
+    diff = float(np.mean([e["diff"] for e in entries]))
+    se = math.sqrt(sum(e["se"] ** 2 for e in entries)) / len(entries)
+    overall = {
+        "n": sum(e["n"] for e in entries),
+        "mean_a": float(np.mean([e["mean_a"] for e in entries])),
+        "mean_b": float(np.mean([e["mean_b"] for e in entries])),
+        "diff": diff,
+        "se": se,
+        "z": _z(diff, se),
+    }
+    return {"tags": tags, "overall": overall}
+
+
+# ----------------------------------------------------------------------------------------------- run_eval
+
+
+def resolve_model_path(model: str) -> str:
+    """The model to load, with a clear FileNotFoundError for a local-looking path that does not exist.
+
+    The default ``assets/toy-sd3`` is always local: relative to the working directory, else to the repository (as
+    ``assets/prompts`` is). Any other relative ``dir/name`` is also what a hub id looks like; it counts as local
+    when ``dir`` exists here, so a missing local model is not looked up on the hub.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        return model
+    if model == DEFAULT_MODEL:
+        from flowalign.toy.prompts import PROMPT_ASSET_DIR
+
+        in_repo = Path(PROMPT_ASSET_DIR).parents[1] / DEFAULT_MODEL
+        if in_repo.exists():
+            return str(in_repo)
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist here nor at {str(in_repo)!r} (build it with `flowalign toy pretrain`)"
+        )
+    parent = path.parent
+    if path.is_absolute() or model.startswith((".", "~")) or (str(parent) != "." and parent.is_dir()):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    return model  # a hub id: load_flow_model fetches it or explains why it cannot
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
+    n_images, n_prompts = summary["n_images"], summary["n_prompts"]
+    images_ok = round(summary["images_correct"] * n_images)
+    prompts_ok = round(summary["prompts_correct"] * n_prompts)
+    return "\n".join(
+        [
+            f"# Toy GenEval: {config.model}",
+            "",
+            f"{config.steps} ODE steps, {config.images_per_prompt} images per prompt, "
+            f"guidance {config.guidance_scale:g}, seed {config.seed}",
+            "",
+            format_table(summary),
+            "",
+            f"images correct: {images_ok}/{n_images} ({summary['images_correct']:.3f}); "
+            f"prompts correct: {prompts_ok}/{n_prompts} ({summary['prompts_correct']:.3f})",
+            "",
+        ]
+    )
+
+
+def run_eval(config: EvalConfig) -> dict:
+    """Evaluate ``config.model`` on the toy prompts; write ``results.json``, ``summary.md`` and ``grid.png``.
+
+    Returns the GenEval summary and prints its table. Bad settings raise ValueError, a missing model or prompt file
+    FileNotFoundError (both name what is wrong).
+    """
+    from flowalign.models.loading import load_flow_model
+
+    config.validate()
+    prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
+    if not prompts_path.is_file():
+        raise FileNotFoundError(f"prompt file {str(prompts_path)!r} does not exist")
+    metadata = load_metadata(prompts_path)
+    if config.max_prompts is not None:
+        metadata = metadata[: config.max_prompts]
+    if not metadata:
+        raise ValueError(f"prompt file {str(prompts_path)!r} has no prompts")
+    model_path = resolve_model_path(config.model)
+    model = load_flow_model(model_path, dtype=config.dtype, device=config.device or _default_device())
+
+    results, summary, images = evaluate(
+        model,
+        metadata,
+        steps=config.steps,
+        images_per_prompt=config.images_per_prompt,
+        guidance_scale=config.guidance_scale,
+        seed=config.seed,
+        batch_size=config.batch_size,
+    )
+
+    out = Path(config.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "config": {**asdict(config), "model": model_path, "prompts": str(prompts_path)},
+        "summary": summary,
+        "results": results,
+    }
+    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    markdown = _summary_markdown(config, summary)
+    (out / "summary.md").write_text(markdown, encoding="utf-8")
+    shown = min(GRID_MAX_IMAGES, len(results))
+    captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:shown]]
+    save_grid(images[:shown], captions, out / "grid.png")
+    print(markdown.split("\n", 4)[-1].rstrip())
+    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'grid.png'}")
+    return summary
