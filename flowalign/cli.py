@@ -11,6 +11,7 @@ status 2, without a traceback.
 
 Commands:
 
+* ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.trainer``).
 * ``flowalign eval toy``: GenEval-style evaluation on the toy world (``flowalign.evaluation.toy_eval``).
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 from typing import Sequence
 
 __all__ = ["build_parser", "main"]
@@ -116,6 +118,39 @@ def _run_eval_toy(args: argparse.Namespace) -> None:
     run_eval(config)
 
 
+def _add_train(commands) -> None:
+    parser = commands.add_parser(
+        "train",
+        help="GRPO fine-tuning (the main job; with no config: the toy-world default run)",
+        description="Fine-tune with GRPO. CONFIG is a YAML file (optional); KEY=VALUE overrides use dotted keys, "
+        "e.g. optim.lr=3e-4 sampling.noise_level=0.9. `flowalign train --help-config` lists every key.",
+    )
+    parser.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE", help="a YAML config, then dotted overrides")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT|latest", help="continue a run")
+    parser.add_argument("--help-config", action="store_true", help="print every config key with its help and exit")
+    parser.set_defaults(handler=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> None:
+    from flowalign.config import format_help, load_config
+    from flowalign.train_config import TrainConfig
+
+    if args.help_config:
+        print(format_help(TrainConfig))
+        return
+    path, overrides = None, list(args.items)
+    if overrides and "=" not in overrides[0]:
+        path = overrides.pop(0)
+        if not Path(path).is_file():
+            raise CommandError(f"config file {path!r} does not exist")
+    if args.resume is not None:
+        overrides.append(f"train.resume={args.resume}")
+    config = load_config(TrainConfig, path, overrides)  # every check runs before any model loads
+    from flowalign.trainer import GRPOTrainer
+
+    GRPOTrainer(config).train()
+
+
 def _add_toy_pretrain(group) -> None:
     parser = group.add_parser(
         "pretrain",
@@ -150,6 +185,8 @@ def _group(commands, name: str, help: str):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Align flow-matching text-to-image models with reward models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    _add_train(commands)
 
     eval_group = _group(commands, "eval", "evaluate a model")
     _add_eval_toy(eval_group)

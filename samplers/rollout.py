@@ -92,14 +92,15 @@ def rollout(
     *,
     kind: str = "flow_grpo",
     reduce: str = "mean",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
     group_ids: Tensor | None = None,
     prompt_ids: Tensor | None = None,
 ) -> Rollout:
     """Integrate from ``x_init`` (at ``sigmas[0]``) over ``len(sigmas) - 1`` steps.
 
     Step ``i`` is an SDE step of ``kind`` when ``noise_levels[i] > 0`` and an ODE step otherwise. ``group_ids`` and
-    ``prompt_ids`` default to one group/prompt per row. Noise comes from ``generator``; states keep ``x_init``'s dtype.
+    ``prompt_ids`` default to one group/prompt per row. Noise comes from ``generator`` (or one generator per row);
+    states keep ``x_init``'s dtype.
     """
     sigmas = check_sigmas(sigmas).to(x_init.device)
     check_kind(kind)

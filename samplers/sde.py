@@ -153,14 +153,15 @@ def sde_step(
     noise: Tensor | None = None,
     prev_sample: Tensor | None = None,
     reduce: str = "mean",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> StepOutput:
     """One stochastic step ``x -> x'`` and its exact log-prob (formulas in the module docstring).
 
     ``sigma``, ``sigma_next`` and ``noise_level`` are scalars or per-sample ``[batch]`` tensors, so a minibatch may mix
     transitions from different steps. Pass ``prev_sample`` to score a given ``x'`` (the training-time recomputation)
     instead of drawing one; otherwise ``noise`` (standard normal, shape of ``x``) or fresh noise from ``generator``
-    is used.
+    is used (a list of generators draws row ``i`` from ``generator[i]``, so a sample's noise does not depend on
+    which batch or process it is in).
 
     The sample is returned in ``x.dtype`` and its log-prob is evaluated on that returned (possibly rounded) sample,
     so recomputing the log-prob of the stored ``x'`` later gives a ratio of exactly 1.
@@ -172,7 +173,7 @@ def sde_step(
     mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level)
     if prev_sample is None:
         if noise is None:
-            noise = torch.randn(x.shape, generator=generator, device=x.device, dtype=torch.float32)
+            noise = standard_normal(x.shape, generator, x.device)
         elif noise.shape != x.shape:
             raise ValueError(f"noise has shape {tuple(noise.shape)} but x has shape {tuple(x.shape)}")
         prev_sample = (mean + std * noise.float()).to(x.dtype)
@@ -180,6 +181,18 @@ def sde_step(
         raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)} but x has shape {tuple(x.shape)}")
     log_prob = gaussian_log_prob(prev_sample, mean, std, reduce)
     return StepOutput(prev_sample, mean, std.reshape(std.shape[0]), log_prob)
+
+
+def standard_normal(
+    shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator] | None, device: torch.device
+) -> Tensor:
+    """fp32 N(0, 1) noise of ``shape``; with a list of generators, row ``i`` comes from ``generator[i]``."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}: give one per row")
+        rows = [torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generator]
+        return torch.stack(rows).to(device)
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
 
 
 def _per_sample(value: float | Tensor, like: Tensor) -> Tensor:

@@ -24,3 +24,13 @@ def sd3_pipe():
 @pytest.fixture
 def flux_pipe():
     return tiny_flux_pipeline(WORDS, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one global state per process; tests build several trainers with different precisions."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()

@@ -227,3 +227,16 @@ def test_rollout_is_reproducible_with_a_generator():
     a = rollout(*args, kind="dance", generator=torch.Generator().manual_seed(9))
     b = rollout(*args, kind="dance", generator=torch.Generator().manual_seed(9))
     assert torch.equal(a.final, b.final) and torch.equal(a.transitions.log_prob, b.transitions.log_prob)
+
+
+def test_per_row_generators_make_noise_independent_of_batch_layout():
+    x = torch.randn(4, 2, 3, 3)
+    args = (lambda x, s: -x, torch.tensor([1.0, 0.5, 0.2, 0.0]), ConstantNoise(0.7).levels(3))
+    whole = rollout(args[0], x, *args[1:], generator=[torch.Generator().manual_seed(i) for i in range(4)])
+    halves = [
+        rollout(args[0], x[i : i + 2], *args[1:], generator=[torch.Generator().manual_seed(j) for j in range(i, i + 2)])
+        for i in (0, 2)
+    ]
+    assert torch.equal(whole.final, torch.cat([h.final for h in halves]))
+    with pytest.raises(ValueError, match="got 3 generators for a batch of 4"):
+        rollout(args[0], x, *args[1:], generator=[torch.Generator()] * 3)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
+from flowalign.seeding import mixed_seed
 
 __all__ = [
     "EvalConfig",
@@ -111,8 +112,7 @@ def sample_seed(seed: int, prompt_index: int, image_index: int) -> int:
     ``numpy.random.SeedSequence`` mixes them, so nearby triples give unrelated seeds; the value is a 63-bit integer
     for ``torch.Generator().manual_seed``.
     """
-    state = np.random.SeedSequence([int(seed), int(prompt_index), int(image_index)]).generate_state(1, np.uint64)
-    return int(state[0]) & (2**63 - 1)
+    return mixed_seed(seed, prompt_index, image_index)
 
 
 def _prompt_text(entry: Any) -> str:

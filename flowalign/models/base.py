@@ -85,10 +85,17 @@ class FlowModel:
         # A private scheduler copy: computing sigmas must not disturb the pipeline's own scheduler state.
         self.scheduler = copy.deepcopy(pipe.scheduler)
 
+    # A distributed wrapper of the transformer (DDP, FSDP, DeepSpeed) set by the trainer; forward passes go through
+    # it so gradients synchronise, while config, LoRA and saving use the plain ``transformer``.
+    forward_module: torch.nn.Module | None = None
+
     # --- properties ----------------------------------------------------------------------------------------------
     @property
     def transformer(self) -> torch.nn.Module:
         return self.pipe.transformer
+
+    def run_transformer(self, **inputs):
+        return (self.forward_module or self.transformer)(**inputs)
 
     @property
     def device(self) -> torch.device:

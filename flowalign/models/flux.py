@@ -79,7 +79,7 @@ class FluxModel(FlowModel):
             guidance = torch.full((batch,), float(guidance_scale), device=self.device, dtype=torch.float32)
 
         def forward(embeds: Tensor, pooled: Tensor) -> Tensor:
-            return self.transformer(
+            return self.run_transformer(
                 hidden_states=tokens,
                 timestep=timestep,
                 guidance=guidance,

@@ -67,7 +67,7 @@ class SD3Model(FlowModel):
             embeds = torch.cat([cond.negative_embeds, embeds])
             pooled = torch.cat([cond.negative_pooled, pooled])
             timestep = torch.cat([timestep, timestep])
-        v = self.transformer(
+        v = self.run_transformer(
             hidden_states=hidden,
             timestep=timestep,
             encoder_hidden_states=embeds,

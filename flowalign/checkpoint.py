@@ -1,0 +1,147 @@
+"""Atomic, resumable training checkpoints.
+
+A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run needs to continue exactly:
+
+* ``lora/pytorch_lora_weights.safetensors``: the adapter in diffusers' format (``pipe.load_lora_weights`` reads it);
+* ``trainable.safetensors``: the trainable tensors by parameter name (what resuming loads; exact, any format);
+* ``ema.safetensors``: the EMA of the trainable weights, when EMA is on;
+* ``optimizer.pt``: the optimizer state;
+* ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process;
+* ``state.json``: the iteration, the metrics history, and anything else the trainer keeps;
+* ``config.yaml``: the resolved config it was made with.
+
+It is written to a temporary sibling directory and renamed into place, so an interrupted save never leaves a partial
+checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoint_iteration(path: Path) -> int:
+    match = CHECKPOINT_PATTERN.match(Path(path).name)
+    if not match:
+        raise ValueError(f"{path} is not a checkpoint directory (expected a name like checkpoint-000010)")
+    return int(match.group(1))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary directories are ignored)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [p for p in run_dir.iterdir() if p.is_dir() and CHECKPOINT_PATTERN.match(p.name)]
+    return sorted(found, key=checkpoint_iteration)
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    iteration: int,
+    *,
+    trainable: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    config_yaml: str,
+    ema: dict[str, torch.Tensor] | None = None,
+    write_lora=None,
+    keep: int | None = None,
+) -> Path:
+    """Write ``run_dir/checkpoint-<iteration>`` atomically and keep only the newest ``keep`` checkpoints.
+
+    ``write_lora(directory)`` writes the diffusers-format adapter (``FlowModel.save_lora``). Call on the main process
+    only; other processes save their RNG state with ``save_process_rng``.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / f"checkpoint-{iteration:06d}"
+    tmp = run_dir / f".tmp-checkpoint-{iteration:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+    if ema is not None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng-0.pt")
+    (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+    if write_lora is not None:
+        write_lora(tmp / "lora")
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same iteration (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    if keep is not None:
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def save_process_rng(checkpoint: Path, rank: int) -> None:
+    """Non-main processes add their RNG state to a checkpoint the main process wrote."""
+    torch.save(rng_state(), Path(checkpoint) / f"rng-{rank}.pt")
+
+
+def load_checkpoint(
+    checkpoint: str | Path, *, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, rank: int = 0
+) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Restore trainable tensors (in place), the optimizer and this process's RNG; return (state, ema or None)."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "state.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no state.json)")
+    saved = load_file(str(checkpoint / "trainable.safetensors"))
+    missing = sorted(set(trainable) - set(saved))
+    unexpected = sorted(set(saved) - set(trainable))
+    if missing or unexpected:
+        raise ValueError(
+            f"{checkpoint} does not match this model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in trainable.items():
+            tensor.copy_(saved[name])
+    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
+    rng_file = checkpoint / f"rng-{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+    ema = load_file(str(checkpoint / "ema.safetensors")) if (checkpoint / "ema.safetensors").is_file() else None
+    return json.loads((checkpoint / "state.json").read_text()), ema
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush file contents before the rename, so a crash cannot leave a renamed but empty checkpoint."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())

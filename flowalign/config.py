@@ -1,0 +1,519 @@
+"""Typed configs from YAML files and dotted command-line overrides.
+
+The schema is a tree of dataclasses (one per config section, each field with a ``help`` string in its metadata);
+this module knows nothing about any particular schema. ``load_config`` reads a YAML file (which may inherit from
+another with ``base: other.yaml``), applies ``a.b.c=value`` overrides, checks every key and type against the
+dataclasses, builds them, and runs their ``validate`` methods, so that every mistake in a config surfaces as one
+``ConfigError`` naming the dotted key (and the file or override it came from) before any model is loaded.
+
+Merging works on dotted leaf keys: a child file or an override replaces single fields, so sections merge deeply,
+while a field's value (a list, a free-form dict) is replaced whole.
+
+YAML is read with YAML 1.2 rules for floats and bools: ``3e-4`` is a float (PyYAML's YAML 1.1 makes it a string),
+and only ``true``/``false`` are bools (YAML 1.1 turns ``no``, ``off`` and ``y`` into bools, which would break
+``mixed_precision: no``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence, TypeVar, Union
+
+import yaml
+
+T = TypeVar("T")
+
+__all__ = [
+    "ConfigError",
+    "load_config",
+    "validate_config",
+    "to_dict",
+    "save_config",
+    "diff_configs",
+    "format_help",
+    "parse_yaml",
+]
+
+
+class ConfigError(ValueError):
+    """A config mistake. ``key`` is the dotted key at fault when there is one, so callers can point at its source."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+# ------------------------------------------------------------------------------------------------ YAML
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 floats (``1e-3``) and bools (only true/false)."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+# New lists, so SafeLoader's own resolver table is left untouched.
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag not in (_BOOL_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_Loader.add_implicit_resolver(
+    _FLOAT_TAG,
+    re.compile(
+        r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+            |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+            |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+            |[-+]?\.(?:inf|Inf|INF)
+            |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str, *, lines: bool = True) -> Any:
+    """Parse YAML text; a syntax error becomes a ConfigError naming ``source`` (and the line, when ``lines``)."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if lines and mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        what = "YAML" if lines else "value"
+        raise ConfigError(f"malformed {what} in {source}{where}: {problem}") from None
+
+
+# ------------------------------------------------------------------------------------------------ schema helpers
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _schema_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema: sections and leaves."""
+    keys = []
+    for name, tp in _hints(cls).items():
+        keys.append(prefix + name)
+        if _is_section(tp):
+            keys.extend(_schema_keys(tp, f"{prefix}{name}."))
+    return keys
+
+
+def _unknown_key(cls: type, root: type, prefix: str, key: str, where: str) -> ConfigError:
+    """An unknown-key error with the closest known key, or the list of valid keys at that level."""
+    dotted = prefix + key
+    siblings = list(_hints(cls))
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    suggestion = prefix + close[0] if close else None
+    if suggestion is None:  # a key put in the wrong section, e.g. 'lr' for 'optim.lr'
+        same_name = [k for k in _schema_keys(root) if k.rsplit(".", 1)[-1] == key]
+        suggestion = same_name[0] if same_name else None
+    if suggestion is None:
+        close = difflib.get_close_matches(dotted, _schema_keys(root), n=1, cutoff=0.6)
+        suggestion = close[0] if close else None
+    if suggestion is not None:
+        hint = f"did you mean '{suggestion}'?"
+    else:
+        level = f"'{prefix[:-1]}'" if prefix else "the top level"
+        hint = f"the keys of {level} are: {', '.join(siblings)}"
+    return ConfigError(f"unknown key '{dotted}' in {where}: {hint}", key=dotted)
+
+
+def _flatten_layer(cls: type, root: type, data: Any, prefix: str, where: str, out: dict[str, Any]) -> None:
+    """Check ``data``'s keys against the schema and collect its leaf values under their dotted keys."""
+    if data is None and prefix:  # a section left empty in YAML ('optim:' with only comments below)
+        return
+    if not isinstance(data, Mapping):
+        name = prefix[:-1] if prefix else "the config"
+        raise ConfigError(
+            f"{name}: expected a mapping of {cls.__name__} fields, got {_show(data)} {_source_tag(where)}",
+            key=prefix[:-1] or None,
+        )
+    hints = _hints(cls)
+    for key, value in data.items():
+        key = str(key)
+        if key not in hints:
+            raise _unknown_key(cls, root, prefix, key, where)
+        if _is_section(hints[key]):
+            _flatten_layer(hints[key], root, value, f"{prefix}{key}.", where, out)
+        else:
+            out[prefix + key] = value
+
+
+def _leaf_type(cls: type, dotted: str) -> Any:
+    tp: Any = cls
+    for part in dotted.split("."):
+        tp = _hints(tp)[part]
+    return tp
+
+
+# ------------------------------------------------------------------------------------------------ types
+
+
+class _Mismatch(Exception):
+    """A value that does not fit its type: raised while coercing, turned into a ConfigError with its source."""
+
+    def __init__(self, key: str, expected: str, value: Any, extra: str = ""):
+        super().__init__(key)
+        self.key, self.expected, self.value, self.extra = key, expected, value, extra
+
+    def message(self) -> str:
+        return f"{self.key}: expected {self.expected}, got {_show(self.value)}{self.extra}"
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def _union_args(tp: Any) -> tuple | None:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
+
+
+def _describe(tp: Any) -> str:
+    """The type as the error messages say it: 'a float', 'one of 'a', 'b'', 'a list of floats or null'."""
+    if tp is Any:
+        return "any value"
+    if tp is bool:
+        return "a bool (true or false)"
+    if tp is int:
+        return "an int"
+    if tp is float:
+        return "a float"
+    if tp is str:
+        return "a str"
+    args = _union_args(tp)
+    if args is not None:
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list or tp is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return "a list" if item is Any else f"a list of {_plural(item)}"
+    if origin is dict or tp is dict:
+        return "a mapping"
+    if _is_section(tp):
+        return f"a mapping of {tp.__name__} fields"
+    raise TypeError(f"unsupported config field type {tp!r}")
+
+
+def _plural(tp: Any) -> str:
+    names = {bool: "bools", int: "ints", float: "floats", str: "strs"}
+    if _is_section(tp):
+        return f"{tp.__name__} mappings"
+    return names.get(tp, f"({_describe(tp)})")
+
+
+def _coerce(value: Any, tp: Any, key: str, root: type, where: str) -> Any:
+    """Check ``value`` against ``tp`` and convert it (ints to floats, mappings to dataclasses); else _Mismatch."""
+    if tp is Any:
+        return value
+    args = _union_args(tp)
+    if args is not None:
+        if value is None and type(None) in args:
+            return None
+        extra = ""
+        for arg in [a for a in args if a is not type(None)]:
+            try:
+                return _coerce(value, arg, key, root, where)
+            except _Mismatch as e:
+                if e.key != key:  # an element inside the value is at fault: that is the error to show
+                    raise
+                extra = e.extra
+        raise _Mismatch(key, _describe(tp), value, extra)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _Mismatch(key, _describe(tp), value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _Mismatch(key, _describe(tp), value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _Mismatch(key, _describe(tp), value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _Mismatch(key, _describe(tp), value)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        choices = typing.get_args(tp)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        extra = ""
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)], n=1, cutoff=0.6)
+            extra = f"; did you mean {close[0]!r}?" if close else ""
+        raise _Mismatch(key, _describe(tp), value, extra)
+    if origin is list or tp is list:
+        if not isinstance(value, (list, tuple)):
+            raise _Mismatch(key, _describe(tp), value)
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item, f"{key}[{i}]", root, where) for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise _Mismatch(key, _describe(tp), value)
+        key_type, value_type = typing.get_args(tp) or (Any, Any)
+        return {
+            _coerce(k, key_type, f"{key}.{k}", root, where): _coerce(v, value_type, f"{key}.{k}", root, where)
+            for k, v in value.items()
+        }
+    if _is_section(tp):
+        if not isinstance(value, Mapping):
+            raise _Mismatch(key, _describe(tp), value)
+        hints = _hints(tp)
+        for k in value:
+            if str(k) not in hints:
+                raise _unknown_key(tp, root, f"{key}.", str(k), where)
+        for f in dataclasses.fields(tp):
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if required and f.name not in value:
+                raise _Mismatch(key, f"{_describe(tp)} including '{f.name}'", value)
+        return tp(**{str(k): _coerce(v, hints[str(k)], f"{key}.{k}", root, where) for k, v in value.items()})
+    raise TypeError(f"unsupported config field type {tp!r} for {key}")
+
+
+def _build(cls: type[T], root: type, flat: Mapping[str, Any], prefix: str, sources: Mapping[str, str]) -> T:
+    """Build ``cls`` from the dotted leaf values under ``prefix``; fields not given keep their defaults."""
+    kwargs = {}
+    for name, tp in _hints(cls).items():
+        dotted = prefix + name
+        if _is_section(tp):
+            if any(k.startswith(dotted + ".") for k in flat):
+                kwargs[name] = _build(tp, root, flat, dotted + ".", sources)
+        elif dotted in flat:
+            where = sources.get(dotted, "the config")
+            try:
+                kwargs[name] = _coerce(flat[dotted], tp, dotted, root, where)
+            except _Mismatch as e:
+                raise ConfigError(f"{e.message()} {_source_tag(where)}", key=e.key) from None
+    return cls(**kwargs)
+
+
+def _source_tag(where: str) -> str:
+    return f"[from {where}]"
+
+
+# ------------------------------------------------------------------------------------------------ loading
+
+
+def _read_layers(path: str | os.PathLike, chain: tuple[str, ...] = ()) -> list[tuple[str, Any]]:
+    """The YAML layers of ``path``, base first: ``[(source, mapping), ...]``, following ``base:`` links."""
+    source = os.path.normpath(str(path))
+    real = os.path.realpath(source)
+    if real in chain:
+        raise ConfigError(f"{source}: 'base' links form a cycle")
+    try:
+        text = Path(source).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {source}") from None
+    data = parse_yaml(text, source)
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: a config file must be a mapping of keys to values, got {_show(data)}")
+    data = dict(data)
+    base = data.pop("base", None)
+    layers: list[tuple[str, Any]] = []
+    if base is not None:
+        if not isinstance(base, str):
+            message = f"base: expected the path of a YAML file, got {_show(base)} {_source_tag(source)}"
+            raise ConfigError(message, key="base")
+        base_path = os.path.join(os.path.dirname(source), base)
+        if not os.path.exists(base_path):
+            raise ConfigError(f"base file {base!r} of {source} not found (looked for {os.path.normpath(base_path)})")
+        layers = _read_layers(base_path, chain + (real,))
+    return layers + [(source, data)]
+
+
+def _override_layer(cls: type, text: str) -> tuple[str, dict[str, Any]]:
+    """Turn ``a.b.c=value`` into a nested mapping; the value is YAML (``3e-4``, ``true``, ``[1, 2]``, ``null``)."""
+    where = f"override {text!r}"
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"malformed override {text!r}: expected key=value, e.g. optim.lr=3e-4")
+    value = parse_yaml(raw, where, lines=False)
+    # A str field keeps the text as typed: train.out_dir=2024 is the directory '2024', not the int 2024.
+    if isinstance(value, (bool, int, float)):
+        try:
+            tp = _leaf_type(cls, key)
+        except Exception:  # unknown keys are reported when the layer is flattened
+            tp = None
+        if tp is str or [a for a in _union_args(tp) or () if a is not type(None)] == [str]:
+            value = raw.strip()
+    nested: dict[str, Any] = {}
+    node = nested
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return where, nested
+
+
+def validate_config(config: Any, sources: Mapping[str, str] | None = None) -> None:
+    """Run every ``validate`` method, innermost sections first and the top-level one (cross-field checks) last.
+
+    A plain ValueError from a ``validate`` becomes a ConfigError; when the error names its ``key`` and ``sources``
+    knows where that key was set, the message says so.
+    """
+
+    def visit(obj: Any) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            for item in value if isinstance(value, list) else [value]:
+                if dataclasses.is_dataclass(item) and not isinstance(item, type):
+                    visit(item)
+        if hasattr(obj, "validate"):
+            obj.validate()
+
+    try:
+        visit(config)
+    except ConfigError as e:
+        where = _lookup_source(e.key, sources or {})
+        if where is None:
+            raise
+        raise ConfigError(f"{e} {_source_tag(where)}", key=e.key) from None
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _lookup_source(key: str | None, sources: Mapping[str, str]) -> str | None:
+    """The source of ``key`` or of its closest enclosing key (``reward.rewards`` for ``reward.rewards[0].weight``)."""
+    while key:
+        if key in sources:
+            return sources[key]
+        key = re.sub(r"(\.[^.\[]*|\[\d+\])$", "", key) if re.search(r"[.\[]", key) else ""
+    return None
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build a validated ``cls`` from a YAML file (optional) and then ``key=value`` overrides, applied in order.
+
+    Raises ConfigError (a ValueError) for unknown keys, wrong types, malformed YAML or overrides, and whatever
+    the ``validate`` methods reject.
+    """
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'key=value' strings, not one string")
+    layers = _read_layers(path) if path is not None else []
+    layers += [_override_layer(cls, text) for text in overrides]
+    flat: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for where, data in layers:
+        values: dict[str, Any] = {}
+        _flatten_layer(cls, cls, data, "", where, values)
+        flat.update(values)
+        sources.update(dict.fromkeys(values, where))
+    config = _build(cls, cls, flat, "", sources)
+    validate_config(config, sources)
+    return config
+
+
+# ------------------------------------------------------------------------------------------------ saving, diffing
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain nested dicts and lists (a deep copy)."""
+    return dataclasses.asdict(config)
+
+
+def save_config(config: Any, path: str | os.PathLike) -> None:
+    """Write the fully resolved config as YAML; ``load_config(type(config), path)`` gives it back."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None)
+    path.write_text(f"# fully resolved {type(config).__name__}\n{text}")
+
+
+def _flat_items(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat_items(value, f"{prefix}{key}."))
+        else:
+            out[prefix + str(key)] = value
+    return out
+
+
+def diff_configs(a: Mapping[str, Any], b: Mapping[str, Any], ignore: Iterable[str] = ()) -> list[str]:
+    """The dotted keys whose values differ between two config dicts, as ``'key: <a> != <b>'`` lines.
+
+    ``ignore`` holds dotted keys or section prefixes (``"train"`` ignores every ``train.*`` key). A key present in
+    only one dict shows ``<missing>`` on the other side. Used to refuse resuming a checkpoint made with another config.
+    """
+    ignore = tuple(ignore)
+    flat_a, flat_b = _flat_items(a), _flat_items(b)
+    lines = []
+    for key in list(flat_a) + [k for k in flat_b if k not in flat_a]:
+        if any(key == p or key.startswith(p + ".") for p in ignore):
+            continue
+        va, vb = flat_a.get(key, _MISSING), flat_b.get(key, _MISSING)
+        if not _same(va, vb):
+            lines.append(f"{key}: {_repr(va)} != {_repr(vb)}")
+    return lines
+
+
+_MISSING = object()
+
+
+def _repr(value: Any) -> str:
+    return "<missing>" if value is _MISSING else repr(value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal values, where 1 == 1.0 but True != 1 (a bool flag is never the same setting as a number)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+# ------------------------------------------------------------------------------------------------ help
+
+
+def format_help(cls: type, prefix: str = "") -> str:
+    """One line per dotted key: type, default and help string (for ``flowalign train --help-config``)."""
+    lines = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        dotted = prefix + f.name
+        help_text = f.metadata.get("help", "")
+        if _is_section(tp):
+            lines.append(f"{dotted}:  {help_text}".rstrip())
+            lines.append(format_help(tp, dotted + "."))
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "(required)"
+        default = to_dict(default) if dataclasses.is_dataclass(default) else default
+        if isinstance(default, list):
+            default = [to_dict(d) if dataclasses.is_dataclass(d) else d for d in default]
+        lines.append(f"  {dotted} = {default!r}  ({_describe(tp)})  {help_text}".rstrip())
+        item = (typing.get_args(tp) or (None,))[0] if typing.get_origin(tp) is list else None
+        if _is_section(item):  # the fields of each list entry, e.g. reward.rewards[].weight
+            lines.append(format_help(item, dotted + "[]."))
+    return "\n".join(lines)

@@ -1,0 +1,157 @@
+"""The GRPO loss over a minibatch of transitions, its KL terms, and per-step weights.
+
+Every trained unit is one transition ``x_t -> x_{t+1}`` (DESIGN.md §3); this module sees only per-transition tensors.
+
+PPO-clip objective (Flow-GRPO, Liu et al. 2025, eq. 6; Schulman et al. 2017), per transition ``n``:
+
+    ratio_n = exp(log_prob_n - old_log_prob_n)
+    L_n     = -w_n * min(A_n ratio_n, A_n clip(ratio_n, 1 - eps, 1 + eps))
+    loss    = mean_n L_n + beta * mean_n KL_n
+
+``old_log_prob`` is the log-prob the rollout stored and is treated as a constant; with Flow-GRPO's ``mean`` log-prob
+reduction the clip range is tiny (around 1e-4). All arithmetic is fp32: bf16 log-probs drift, so the ratio would not
+be 1 on the first inner step (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "velocity_mse_kl"]
+
+
+def grpo_loss(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    clip_range: float,
+    weights: Tensor | None = None,
+    kl: Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """The clipped GRPO loss (formula in the module docstring) and its detached stats.
+
+    All inputs are ``[N]``; gradients flow through ``log_prob`` and ``kl`` only (``old_log_prob``, ``advantages`` and
+    ``weights`` are constants). ``weights`` defaults to 1. ``kl`` (per transition, e.g. ``latent_mean_kl``) enters the
+    loss as ``beta * mean(kl)``; it is logged even when ``beta`` is 0.
+
+    Stats: ``loss``, ``policy_loss``, ``kl`` (mean, 0 without ``kl``), ``approx_kl`` = mean of
+    ``0.5 (log_prob - old_log_prob)^2``, ``clip_frac`` = fraction with ``|ratio - 1| > eps``, ``ratio_mean`` and
+    ``ratio_max``.
+    """
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if beta > 0 and kl is None:
+        raise ValueError(f"beta={beta} needs a per-transition kl tensor")
+    if log_prob.ndim != 1 or log_prob.numel() == 0:
+        raise ValueError(f"log_prob must be a non-empty 1-D tensor [N], got shape {tuple(log_prob.shape)}")
+    n = log_prob.shape
+    _check_shape("old_log_prob", old_log_prob, n)
+    _check_shape("advantages", advantages, n)
+
+    log_prob = log_prob.float()
+    log_ratio = log_prob - old_log_prob.detach().float()
+    ratio = torch.exp(log_ratio)
+    advantages = advantages.detach().float()
+    unclipped = advantages * ratio
+    clipped = advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    per_transition = -torch.minimum(unclipped, clipped)
+    if weights is not None:
+        _check_shape("weights", weights, n)
+        per_transition = weights.detach().float() * per_transition
+    policy_loss = per_transition.mean()
+
+    kl_mean = torch.zeros((), device=log_prob.device)
+    if kl is not None:
+        _check_shape("kl", kl, n)
+        kl_mean = kl.float().mean()
+    loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
+
+    with torch.no_grad():
+        stats = {
+            "loss": float(loss),
+            "policy_loss": float(policy_loss),
+            "kl": float(kl_mean),
+            "approx_kl": float((0.5 * log_ratio**2).mean()),
+            "clip_frac": float(((ratio - 1.0).abs() > clip_range).float().mean()),
+            "ratio_mean": float(ratio.mean()),
+            "ratio_max": float(ratio.max()),
+        }
+    return loss, stats
+
+
+def latent_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
+    """KL between the policy's and the reference's Gaussian transitions with a shared std (Flow-GRPO's KL).
+
+    ``KL(N(mu_theta, std^2) || N(mu_ref, std^2)) = (mu_theta - mu_ref)^2 / (2 std^2)`` per dimension, reduced over all
+    non-batch dimensions by ``mean`` (the Flow-GRPO convention, matching the ``mean`` log-prob) or ``sum``. ``std`` is
+    the transition std (``Transitions.std``), ``[N]`` or broadcastable ``[N, 1, ...]``. Rows with ``std == 0`` are
+    deterministic (ODE) transitions and get 0, as in ``gaussian_log_prob``. Returns ``[N]`` fp32.
+    """
+    if reduce not in ("mean", "sum"):
+        raise ValueError(f"unknown reduction {reduce!r}: expected 'mean' or 'sum'")
+    if mean.shape != ref_mean.shape:
+        raise ValueError(f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} must have the same shape")
+    std = _per_row(std, mean).float()
+    stochastic = std > 0
+    safe_std = torch.where(stochastic, std, torch.ones_like(std))
+    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * safe_std**2)
+    kl = torch.where(stochastic, kl, torch.zeros_like(kl))
+    dims = tuple(range(1, mean.ndim))
+    return kl.mean(dim=dims) if reduce == "mean" else kl.sum(dim=dims)
+
+
+def velocity_mse_kl(v: Tensor, v_ref: Tensor) -> Tensor:
+    """UniGRPO's KL surrogate: ``mean over non-batch dims of (v_theta - v_ref)^2``, ``[N]`` fp32."""
+    if v.shape != v_ref.shape:
+        raise ValueError(f"v {tuple(v.shape)} and v_ref {tuple(v_ref.shape)} must have the same shape")
+    return ((v.float() - v_ref.float()) ** 2).mean(dim=tuple(range(1, v.ndim)))
+
+
+def noise_aware_weights(std: Tensor, stochastic_mask: Tensor | None = None) -> Tensor:
+    """TempFlow-GRPO's noise-aware step weights ``w_t = c * std_t sqrt(-dt)`` (He et al. 2025, "TempFlow-GRPO").
+
+    ``std`` is the transition std ``std_t sqrt(-dt)`` the rollout stores in ``Transitions.std``. ``c`` makes the mean
+    weight over the trained transitions (``stochastic_mask``, all of them by default) exactly 1, so the loss keeps
+    its scale; untrained transitions get weight 0. Returns ``[N]`` fp32, detached.
+    """
+    std = std.detach().float()
+    if std.ndim != 1 or std.numel() == 0:
+        raise ValueError(f"std must be a non-empty 1-D tensor [N], got shape {tuple(std.shape)}")
+    if stochastic_mask is None:
+        mask = torch.ones_like(std, dtype=torch.bool)
+    else:
+        mask = torch.as_tensor(stochastic_mask, device=std.device)
+        if mask.shape != std.shape or mask.dtype != torch.bool:
+            raise ValueError(f"stochastic_mask must be a bool tensor of shape {tuple(std.shape)}, got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+    trained = std[mask]
+    if not torch.isfinite(trained).all() or (trained < 0).any():
+        raise ValueError("transition stds of trained transitions must be finite and >= 0")
+    if trained.numel() == 0 or not trained.sum() > 0:
+        raise ValueError("noise-aware weights need at least one trained transition with std > 0")
+    c = 1.0 / trained.mean()
+    return torch.where(mask, c * std, torch.zeros_like(std))
+
+
+def _check_shape(name: str, tensor: Tensor, shape: torch.Size) -> None:
+    if tensor.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)} like log_prob, got {tuple(tensor.shape)}")
+
+
+def _per_row(std: Tensor, like: Tensor) -> Tensor:
+    """``std`` as ``[N, 1, ..., 1]`` (from ``[N]``) or as given when it already broadcasts against ``like``."""
+    std = torch.as_tensor(std, device=like.device)
+    if std.ndim == 1:
+        if std.shape[0] != like.shape[0]:
+            raise ValueError(f"std has {std.shape[0]} rows but mean has {like.shape[0]}")
+        return std.reshape(-1, *([1] * (like.ndim - 1)))
+    try:
+        torch.broadcast_shapes(std.shape, like.shape)
+    except RuntimeError:
+        raise ValueError(f"std of shape {tuple(std.shape)} does not broadcast to {tuple(like.shape)}") from None
+    return std

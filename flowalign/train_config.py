@@ -1,0 +1,464 @@
+"""The schema of ``flowalign train``: GRPO fine-tuning of a flow-matching text-to-image model.
+
+Defaults are the toy-world default run. Load with ``load_config(TrainConfig, path, overrides)`` (flowalign.config),
+which checks keys and types and then runs the ``validate`` methods below: each section checks its own ranges, and
+``TrainConfig.validate`` checks what spans sections, including the batch arithmetic for one process. The trainer
+calls ``check_batch(num_processes)`` again once it knows how many processes it runs on.
+
+Vocabulary: a rollout samples ``group_size`` images for each of ``prompts_per_iteration`` prompts, in chunks of
+``sampling.batch_size`` samples. Its stochastic (SDE) steps are the trainable ones; a *transition* is one
+(sample, trained step) pair. The training forward pass runs on *micro-batches* of one rollout chunk at one step: the
+same batch composition as the rollout's own forward, so the first recomputed log-prob ratio is exactly 1. Each inner
+epoch shuffles the trained steps and splits them into ``optim.minibatches`` equal shares; a minibatch is its share
+of steps over all samples (on every process), one optimizer step each, with the gradients accumulated over its
+micro-batches. Splitting by steps rather than samples keeps the updates independent of the process count.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from .config import ConfigError
+
+__all__ = [
+    "TrainConfig",
+    "ModelConfig",
+    "DataConfig",
+    "SamplingConfig",
+    "RewardSpec",
+    "RewardConfig",
+    "AdvantageConfig",
+    "LossConfig",
+    "OptimConfig",
+    "RunConfig",
+    "BatchLayout",
+]
+
+
+def option(default: Any, help: str) -> Any:
+    """A field with a help string; list and dict defaults are copied for each instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def section(cls: type, help: str) -> Any:
+    return field(default_factory=cls, metadata={"help": help})
+
+
+def _processes(n: int) -> str:
+    return "1 process" if n == 1 else f"{n} processes"
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {message}", key=key)
+
+
+def _at_least(key: str, value: int | None, low: int) -> None:
+    """Integers with a lower bound (``None`` passes: it means 'not set')."""
+    if value is not None:
+        _check(value >= low, key, f"must be >= {low}, got {value}")
+
+
+def _finite(
+    key: str, value: float, low: float, *, strict: bool = False, high: float | None = None, note: str = ""
+) -> None:
+    """Floats in ``[low, high]`` (``(low, high]`` when ``strict``), finite unless ``high`` is ``math.inf``."""
+    if math.isnan(value) or (math.isinf(value) and high != math.inf):
+        raise ConfigError(f"{key} must be a finite number, got {value}", key=key)
+    lower = "> " if strict else ">= "
+    accepted = f"{lower}{low:g}" if high is None else f"in {'(' if strict else '['}{low:g}, {high:g}]"
+    in_range = (value > low if strict else value >= low) and (high is None or value <= high)
+    _check(in_range, key, f"must be {accepted}, got {value:g}{note}")
+
+
+# ------------------------------------------------------------------------------------------------ sections
+
+
+@dataclass
+class ModelConfig:
+    """Which model to fine-tune, in which precision, and the LoRA adapter trained on it."""
+
+    path: str = option("assets/toy-sd3", "model directory (diffusers layout) or hub id")
+    family: Literal["sd3", "flux"] | None = option(None, "model family; null = detect from the model's files")
+    dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "dtype of the frozen base weights")
+    mixed_precision: Literal["no", "bf16", "fp16"] = option("no", "autocast dtype for forward passes; no = off")
+    lora_rank: int = option(32, "LoRA rank")
+    lora_alpha: float = option(64.0, "LoRA alpha (the update is scaled by alpha / rank)")
+    lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
+    gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
+    attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
+    max_sequence_length: int | None = option(None, "text tokens kept per prompt; null = the model's default")
+
+    def validate(self) -> None:
+        _at_least("model.lora_rank", self.lora_rank, 1)
+        _finite("model.lora_alpha", self.lora_alpha, 0.0, strict=True)
+        if self.lora_targets is not None:
+            _check(len(self.lora_targets) > 0, "model.lora_targets", "must list at least one module (or be null)")
+            _check(all(self.lora_targets), "model.lora_targets", f"has an empty module name: {self.lora_targets}")
+        _at_least("model.max_sequence_length", self.max_sequence_length, 1)
+        _check(
+            self.dtype == "fp32" or self.mixed_precision in ("no", self.dtype),
+            "model.mixed_precision",
+            f"= {self.mixed_precision!r} contradicts model.dtype = {self.dtype!r}: with reduced-precision weights "
+            "use the same autocast dtype, or 'no'",
+        )
+
+
+@dataclass
+class DataConfig:
+    """Where the prompts come from and how many images a rollout makes."""
+
+    train_prompts: str = option("assets/prompts/train.jsonl", "training prompts (JSONL, one {prompt, ...} a line)")
+    eval_prompts: str = option("assets/prompts/test.jsonl", "held-out prompts for the evaluation at the end")
+    prompts_per_iteration: int = option(4, "distinct prompts per rollout, over all processes")
+    group_size: int = option(16, "images per prompt; advantages compare images within a group")
+
+    def validate(self) -> None:
+        _at_least("data.prompts_per_iteration", self.prompts_per_iteration, 1)
+        _check(
+            self.group_size >= 2,
+            "data.group_size",
+            f"must be >= 2 (GRPO compares the images of one prompt with each other), got {self.group_size}",
+        )
+
+
+@dataclass
+class SamplingConfig:
+    """How rollouts are sampled: the SDE, which steps are stochastic (and so trained), and at what noise level."""
+
+    num_steps: int = option(10, "denoising steps per rollout")
+    kind: Literal["flow_grpo", "dance", "cps"] = option("flow_grpo", "SDE used on the stochastic steps")
+    noise_level: float = option(0.7, "noise level of the stochastic steps (0 = ODE); at most 1 for cps")
+    noise_table: list[float] | None = option(
+        None, "one noise level per step (0 = ODE step), used as given; overrides noise_level"
+    )
+    window_size: int | None = option(None, "number of consecutive SDE steps; null = every step but the last")
+    window_start: Literal["fixed", "random", "sliding"] = option(
+        "fixed",
+        "where the SDE window starts: window_first (fixed), uniform in window_first..window_last for each rollout "
+        "(random, Flow-GRPO-Fast), or moving from window_first to window_last over training (sliding, MixGRPO)",
+    )
+    window_first: int = option(0, "first (or only) step the SDE window may start at")
+    window_last: int | None = option(
+        None, "last step the window may start at (random/sliding); null = the latest that fits"
+    )
+    guidance_scale: float = option(1.0, "classifier-free guidance scale; 1 = no guidance")
+    shared_noise: bool = option(False, "give the images of a group the same initial noise")
+    image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
+    log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
+    train_steps_per_rollout: int | None = option(
+        None, "train a random subset of this many stochastic steps per rollout (DanceGRPO); null = all of them"
+    )
+    batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
+
+    def _levels(self) -> list[float]:
+        """Levels before any window: the table, or the constant level with the last step an ODE step."""
+        if self.noise_table is not None:
+            return list(self.noise_table)
+        return [self.noise_level] * (self.num_steps - 1) + [0.0]
+
+    def _window_starts(self) -> range:
+        latest = self.num_steps - 1 - self.window_size
+        if self.window_start == "fixed":
+            return range(self.window_first, self.window_first + 1)
+        return range(self.window_first, (latest if self.window_last is None else self.window_last) + 1)
+
+    def _stochastic_counts(self) -> set[int]:
+        levels = self._levels()
+        if self.window_size is None:
+            return {sum(level > 0 for level in levels)}
+        return {sum(level > 0 for level in levels[s : s + self.window_size]) for s in self._window_starts()}
+
+    def stochastic_steps(self) -> int:
+        """How many steps of a rollout are stochastic (the same for every rollout of a valid config)."""
+        return min(self._stochastic_counts())
+
+    def trained_steps(self) -> int:
+        """How many steps of each rollout are trained."""
+        return self.train_steps_per_rollout or self.stochastic_steps()
+
+    def noise_schedule_spec(self) -> dict[str, Any]:
+        """The dict ``flowalign.samplers.noise_schedule`` builds the schedule from."""
+        spec: dict[str, Any] = (
+            {"table": list(self.noise_table)} if self.noise_table is not None else {"level": self.noise_level}
+        )
+        if self.window_size is not None:
+            spec.update(window=self.window_size, window_start=self.window_start, window_first=self.window_first)
+            if self.window_last is not None:
+                spec["window_last"] = self.window_last
+        return spec
+
+    def validate(self) -> None:
+        n = self.num_steps
+        _at_least("sampling.num_steps", n, 1)
+        high = 1.0 if self.kind == "cps" else None
+        note = " for kind 'cps'" if high is not None else ""
+        _finite("sampling.noise_level", self.noise_level, 0.0, high=high, note=note)
+        if self.noise_table is not None:
+            size = len(self.noise_table)
+            message = f"has {size} entries but sampling.num_steps = {n}: give one level per step"
+            _check(size == n, "sampling.noise_table", message)
+            for i, level in enumerate(self.noise_table):
+                _finite(f"sampling.noise_table[{i}]", level, 0.0, high=high, note=note)
+        self._validate_window()
+        _finite("sampling.guidance_scale", self.guidance_scale, 0.0)
+        _at_least("sampling.image_size", self.image_size, 1)
+        _at_least("sampling.batch_size", self.batch_size, 1)
+
+        counts = self._stochastic_counts()
+        _check(
+            len(counts) == 1,
+            "sampling.noise_table",
+            f"has zero entries where the SDE window can start, so rollouts would have {sorted(counts)} stochastic "
+            "steps depending on the window position: make the table positive over the window's range",
+        )
+        stochastic = counts.pop()
+        source = "sampling.noise_table" if self.noise_table is not None else "sampling.noise_level"
+        _check(stochastic > 0, source, "leaves no stochastic step: every step is ODE and nothing would be trained")
+        if self.train_steps_per_rollout is not None:
+            _check(
+                1 <= self.train_steps_per_rollout <= stochastic,
+                "sampling.train_steps_per_rollout",
+                f"must be in 1..{stochastic} (the number of stochastic steps), got {self.train_steps_per_rollout}",
+            )
+
+    def _validate_window(self) -> None:
+        n = self.num_steps
+        if self.window_size is None:
+            for key, value, default in (
+                ("window_start", self.window_start, "fixed"),
+                ("window_first", self.window_first, 0),
+                ("window_last", self.window_last, None),
+            ):
+                _check(value == default, f"sampling.{key}", f"= {value!r} needs sampling.window_size to be set")
+            return
+        _check(
+            1 <= self.window_size <= n - 1,
+            "sampling.window_size",
+            f"must be in 1..{n - 1} (sampling.num_steps - 1: the last step is always ODE), got {self.window_size}",
+        )
+        latest = n - 1 - self.window_size
+        fits = f"a window of {self.window_size} steps in a {n}-step rollout can start at 0..{latest}"
+        _check(0 <= self.window_first <= latest, "sampling.window_first", f"= {self.window_first} does not fit: {fits}")
+        if self.window_last is not None:
+            _check(
+                self.window_start != "fixed",
+                "sampling.window_last",
+                "is only used with sampling.window_start 'random' or 'sliding' (a fixed window starts at window_first)",
+            )
+            _check(
+                self.window_first <= self.window_last <= latest,
+                "sampling.window_last",
+                f"= {self.window_last} must be in sampling.window_first..{latest} = {self.window_first}..{latest}: "
+                f"{fits}",
+            )
+
+
+@dataclass
+class RewardSpec:
+    """One reward model and its weight in the total reward."""
+
+    name: str = option("toy_geneval", "registered reward name")
+    weight: float = option(1.0, "weight of this reward in the combination")
+    kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor")
+
+
+@dataclass
+class RewardConfig:
+    """The rewards and how they are combined."""
+
+    rewards: list[RewardSpec] = option(
+        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs}"
+    )
+    combine: Literal["sum_then_normalize", "normalize_then_sum"] = option(
+        "sum_then_normalize",
+        "weight-sum the raw rewards and then normalize within groups, or normalize each reward first and then sum",
+    )
+
+    def validate(self) -> None:
+        _check(len(self.rewards) > 0, "reward.rewards", "must list at least one reward")
+        for i, spec in enumerate(self.rewards):
+            _check(bool(spec.name), f"reward.rewards[{i}].name", "must not be empty")
+            _check(math.isfinite(spec.weight), f"reward.rewards[{i}].weight", f"must be finite, got {spec.weight}")
+
+
+@dataclass
+class AdvantageConfig:
+    """How rewards become advantages."""
+
+    std: Literal["group", "global"] = option("group", "divide by the std of the prompt's group or of the whole batch")
+    clip: float = option(5.0, "clip advantages to [-clip, clip]; .inf = no clipping")
+
+    def validate(self) -> None:
+        _finite("advantage.clip", self.clip, 0.0, strict=True, high=math.inf)
+
+
+@dataclass
+class LossConfig:
+    """The clipped policy-gradient loss and its KL penalty."""
+
+    clip_range: float = option(1e-4, "PPO ratio clip range: ratios outside [1 - c, 1 + c] get no gradient")
+    beta: float = option(0.0, "weight of the KL penalty to the reference model; 0 = none")
+    kl: Literal["latent_mean", "velocity_mse"] = option(
+        "latent_mean", "KL estimate: between the transition means in latent space, or the velocity MSE"
+    )
+    step_weighting: Literal["uniform", "noise_aware"] = option(
+        "uniform", "weight of each step's loss: equal, or scaled by the step's noise"
+    )
+
+    def validate(self) -> None:
+        _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
+        _finite("loss.beta", self.beta, 0.0)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW on the LoRA weights, and how each rollout's transitions are cut into optimizer steps."""
+
+    lr: float = option(1e-3, "learning rate")
+    weight_decay: float = option(1e-4, "AdamW weight decay")
+    betas: list[float] = option([0.9, 0.999], "AdamW betas")
+    eps: float = option(1e-8, "AdamW epsilon")
+    max_grad_norm: float = option(1.0, "clip the gradient norm to this")
+    inner_epochs: int = option(1, "passes over each rollout's transitions")
+    minibatches: int = option(1, "optimizer steps per inner epoch: the transitions are split into this many parts")
+    ema_decay: float = option(0.0, "EMA of the LoRA weights (used for sampling grids and eval); 0 = no EMA")
+    warmup_iterations: int = option(0, "linear learning-rate warmup, in iterations")
+
+    def validate(self) -> None:
+        _finite("optim.lr", self.lr, 0.0, strict=True)
+        _finite("optim.weight_decay", self.weight_decay, 0.0)
+        _check(len(self.betas) == 2, "optim.betas", f"must hold two numbers, got {self.betas}")
+        for i, beta in enumerate(self.betas):
+            _check(0.0 <= beta < 1.0, f"optim.betas[{i}]", f"must be in [0, 1), got {beta:g}")
+        _finite("optim.eps", self.eps, 0.0, strict=True)
+        _finite("optim.max_grad_norm", self.max_grad_norm, 0.0, strict=True)
+        _at_least("optim.inner_epochs", self.inner_epochs, 1)
+        _at_least("optim.minibatches", self.minibatches, 1)
+        _check(0.0 <= self.ema_decay < 1.0, "optim.ema_decay", f"must be in [0, 1), got {self.ema_decay:g}")
+        _at_least("optim.warmup_iterations", self.warmup_iterations, 0)
+
+
+@dataclass
+class RunConfig:
+    """Length of the run, logging, checkpoints and the final evaluation."""
+
+    iterations: int = option(40, "training iterations (one rollout and its optimizer steps each)")
+    seed: int = option(0, "random seed")
+    out_dir: str = option("outputs/train", "where logs, sample grids, checkpoints and the resolved config go")
+    log_every: int = option(1, "log metrics every this many iterations")
+    sample_every: int = option(10, "save a sample grid every this many iterations; 0 = never")
+    checkpoint_every: int = option(10, "save a checkpoint every this many iterations; 0 = only at the end")
+    keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
+    eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
+    eval_images_per_prompt: int = option(48, "images per prompt in the final evaluation")
+    eval_steps: int = option(10, "ODE steps per image in the final evaluation")
+    tracker: Literal["tensorboard", "wandb", "none"] = option("tensorboard", "where metrics are logged")
+    resume: str | None = option(None, "checkpoint directory to resume from; its config must match this one")
+
+    def validate(self) -> None:
+        for name, low in (
+            ("iterations", 1),
+            ("seed", 0),
+            ("log_every", 1),
+            ("sample_every", 0),
+            ("checkpoint_every", 0),
+            ("keep_checkpoints", 1),
+            ("eval_images_per_prompt", 1),
+            ("eval_steps", 1),
+        ):
+            _at_least(f"train.{name}", getattr(self, name), low)
+
+
+# ------------------------------------------------------------------------------------------------ the whole config
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The batch arithmetic of one iteration on ``num_processes`` processes (all counts per process but the first)."""
+
+    num_processes: int
+    global_samples: int
+    samples_per_process: int
+    rollout_batch_size: int
+    trained_steps: int
+    transitions_per_process: int
+    micro_batches_per_process: int
+    micro_batches_per_minibatch: int
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``flowalign train`` needs; see the module docstring for the vocabulary."""
+
+    model: ModelConfig = section(ModelConfig, "the model and its LoRA adapter")
+    data: DataConfig = section(DataConfig, "prompts and rollout size")
+    sampling: SamplingConfig = section(SamplingConfig, "rollout sampling and noise schedule")
+    reward: RewardConfig = section(RewardConfig, "reward models")
+    advantage: AdvantageConfig = section(AdvantageConfig, "advantage normalization")
+    loss: LossConfig = section(LossConfig, "policy loss and KL penalty")
+    optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
+    train: RunConfig = section(RunConfig, "run length, logging, checkpoints, evaluation")
+
+    def noise_schedule_spec(self) -> dict[str, Any]:
+        """The dict ``flowalign.samplers.noise_schedule`` accepts."""
+        return self.sampling.noise_schedule_spec()
+
+    def check_batch(self, num_processes: int) -> BatchLayout:
+        """Check that an iteration's samples and transitions split evenly; return the resulting sizes."""
+        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
+            raise ConfigError(f"the number of processes must be an integer >= 1, got {num_processes!r}")
+        data, sampling, optim = self.data, self.sampling, self.optim
+        samples = data.prompts_per_iteration * data.group_size
+        _check(
+            samples % num_processes == 0,
+            "data.prompts_per_iteration",
+            f"* data.group_size = {samples} samples cannot be split over {_processes(num_processes)} "
+            f"({data.prompts_per_iteration} prompts x {data.group_size} images): make it a multiple of {num_processes}",
+        )
+        local = samples // num_processes
+        rollout_batch = sampling.batch_size or local
+        _check(
+            local % rollout_batch == 0,
+            "sampling.batch_size",
+            f"= {rollout_batch} does not divide the {local} samples per process "
+            f"(data.prompts_per_iteration * data.group_size / {_processes(num_processes)})",
+        )
+        steps = sampling.trained_steps()
+        steps_from = (
+            "sampling.train_steps_per_rollout"
+            if sampling.train_steps_per_rollout is not None
+            else "stochastic steps of the noise schedule"
+        )
+        transitions = local * steps
+        micro_batches = (local // rollout_batch) * steps
+        _check(
+            steps % optim.minibatches == 0,
+            "optim.minibatches",
+            f"= {optim.minibatches} does not divide the {steps} {steps_from}: a minibatch is a share of the trained "
+            "steps over all samples, so that the updates do not depend on the number of processes",
+        )
+        return BatchLayout(
+            num_processes=num_processes,
+            global_samples=samples,
+            samples_per_process=local,
+            rollout_batch_size=rollout_batch,
+            trained_steps=steps,
+            transitions_per_process=transitions,
+            micro_batches_per_process=micro_batches,
+            micro_batches_per_minibatch=micro_batches // optim.minibatches,
+        )
+
+    def validate(self) -> None:
+        """Cross-section checks; runs after every section's own ``validate``."""
+        _check(
+            self.optim.warmup_iterations <= self.train.iterations,
+            "optim.warmup_iterations",
+            f"= {self.optim.warmup_iterations} exceeds train.iterations = {self.train.iterations}",
+        )
+        self.check_batch(1)

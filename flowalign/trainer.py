@@ -1,0 +1,502 @@
+"""GRPO fine-tuning of a flow-matching text-to-image model: the loop behind ``flowalign train``.
+
+One iteration is one straight pass through DESIGN.md §3's data flow:
+
+    prompts -> encode -> rollout (SDE on the stochastic steps) -> transitions
+            -> decode -> rewards (gathered across processes) -> group advantages -> step weights
+            -> PPO-clipped loss on recomputed log-probs (+ KL to the LoRA-disabled reference) -> optimizer
+
+Every method (Flow-GRPO, Flow-GRPO-Fast, DanceGRPO, MixGRPO, ...) is a config of this one loop (configs/methods/).
+
+Layout and determinism. The ``P * K`` samples of an iteration are numbered prompt-major (sample ``j`` belongs to
+prompt ``j // K``) and each process takes a contiguous slice, so a group may span processes: rewards are gathered
+before normalising. Every random draw is keyed by what it is for (``flowalign.seeding``): prompt choice and SDE windows
+by the iteration, noise by the sample number. A 2-process run therefore equals a 1-process run at the same global
+batch, and a resumed run equals an uninterrupted one.
+
+Training forward passes run on *micro-batches* of one rollout chunk at one step, the rollout's own batch composition,
+so the first recomputed log-prob ratio of an iteration is exactly 1. Log-probs are always fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .advantages import group_advantages
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_process_rng
+from .config import diff_configs, to_dict
+from .evaluation.geneval import load_metadata
+from .loss import grpo_loss, latent_mean_kl, noise_aware_weights, velocity_mse_kl
+from .models import FlowModel, load_flow_model
+from .models.base import Cond
+from .rewards import build_reward, combine_rewards, score_all
+from .samplers import Rollout, noise_schedule, rollout, sde_mean_std, sde_step
+from .seeding import generator, numpy_rng
+from .train_config import TrainConfig
+
+# Purposes of random draws (the last element of a seed key).
+_PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
+# Keys that may change between a checkpoint and its resumption.
+RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
+                  "train.tracker", "train.eval_images_per_prompt", "train.eval_steps", "train.keep_checkpoints")
+
+
+@dataclass
+class Chunk:
+    """One rollout chunk of a process: its rollout, its samples' global ids and its conditioning rows."""
+
+    rollout: Rollout
+    sample_ids: Tensor  # global sample numbers j
+    cond: Cond  # one row per sample
+
+
+class GRPOTrainer:
+    def __init__(self, config: TrainConfig, *, accelerator=None):
+        from accelerate import Accelerator
+
+        self.config = config
+        precision = config.model.mixed_precision
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision=precision, log_with=None if config.train.tracker == "none" else config.train.tracker,
+            project_dir=config.train.out_dir,
+        )
+        self.layout = config.check_batch(self.accelerator.num_processes)
+        self.out_dir = Path(config.train.out_dir)
+        self.schedule = noise_schedule(config.noise_schedule_spec())
+        self.prompts = load_metadata(config.data.train_prompts)
+        self.rewards = [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        torch.manual_seed(config.train.seed)  # the LoRA initialisation, identical on every process and layout
+        self.model = self._load_model()
+        if self.accelerator.num_processes > 1:  # wrap before building the optimizer, as FSDP needs
+            self.model.forward_module = self.accelerator.prepare(self.model.transformer)
+        self.params = [p for p in (self.model.forward_module or self.model.transformer).parameters() if p.requires_grad]
+        self.optimizer = self.accelerator.prepare(torch.optim.AdamW(
+            self.params, lr=config.optim.lr, betas=tuple(config.optim.betas), eps=config.optim.eps,
+            weight_decay=config.optim.weight_decay,
+        ))
+        self.ema = [p.detach().clone() for p in self.params] if config.optim.ema_decay > 0 else None
+        self.iteration = 0
+        self.history: list[dict[str, float]] = []
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------------------------------------- setup
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+    def _load_model(self) -> FlowModel:
+        cfg = self.config.model
+        model = load_flow_model(
+            cfg.path, family=cfg.family, dtype=cfg.dtype, device=self.accelerator.device,
+            max_sequence_length=cfg.max_sequence_length,
+        )
+        if cfg.attention == "xformers":
+            enable_xformers(model)
+        if cfg.gradient_checkpointing:
+            model.transformer.enable_gradient_checkpointing()
+        model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
+        model.freeze_base()
+        for param in model.transformer.parameters():
+            if param.requires_grad:  # LoRA weights train in fp32 whatever the base dtype
+                param.data = param.data.float()
+        return model
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        return {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
+
+    # ----------------------------------------------------------------------------------------------- rollout
+    def prompts_for(self, iteration: int) -> list[dict]:
+        """The iteration's prompts, the same on every process."""
+        count = self.config.data.prompts_per_iteration
+        rng = numpy_rng(self.config.train.seed, iteration, _PROMPTS)
+        index = rng.choice(len(self.prompts), size=count, replace=count > len(self.prompts))
+        return [self.prompts[i] for i in index]
+
+    def local_sample_ids(self) -> Tensor:
+        n = self.layout.samples_per_process
+        start = self.accelerator.process_index * n
+        return torch.arange(start, start + n)
+
+    @torch.no_grad()
+    def collect(self, iteration: int, prompts: list[dict]) -> list[Chunk]:
+        cfg, seed = self.config, self.config.train.seed
+        group_size = cfg.data.group_size
+        progress = iteration / max(1, cfg.train.iterations - 1)
+        levels = self.schedule.levels(cfg.sampling.num_steps, progress=progress, generator=generator(seed, iteration, _WINDOW))
+        sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.image_size)
+        # Every process encodes all the iteration's prompts: the text encoders then see the same batch whatever the
+        # process layout, and their outputs are bitwise the same.
+        texts = [entry["prompt"] for entry in prompts]
+        negatives = [""] * len(texts) if self.model.uses_cfg(cfg.sampling.guidance_scale) else None
+        cond = self.model.encode(texts, negative_prompts=negatives)
+        chunks = []
+        for ids in self.local_sample_ids().split(self.layout.rollout_batch_size):
+            rows = [int(j) // group_size for j in ids]
+            noise_keys = [int(j) // group_size if cfg.sampling.shared_noise else int(j) for j in ids]
+            x_init = self.model.prepare_noise(
+                len(ids), cfg.sampling.image_size, generator=[generator(seed, iteration, k, _INIT_NOISE) for k in noise_keys]
+            )
+            chunk_cond = cond.index(rows)
+            with self.accelerator.autocast():
+                result = rollout(
+                    self.model.velocity_fn(chunk_cond, cfg.sampling.guidance_scale), x_init, sigmas, levels,
+                    kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
+                    generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
+                    group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
+                )
+            chunks.append(Chunk(result, ids, chunk_cond))
+        return chunks
+
+    def trained_steps(self, iteration: int, chunks: list[Chunk]) -> list[int]:
+        """The stochastic steps, or DanceGRPO's random subset of them (the same subset for every sample)."""
+        t = chunks[0].rollout.transitions
+        stochastic = sorted({int(s) for s in t.step[t.stochastic]})
+        subset = self.config.sampling.train_steps_per_rollout
+        if subset is None or subset >= len(stochastic):
+            return stochastic
+        rng = numpy_rng(self.config.train.seed, iteration, _STEP_SUBSET)
+        return sorted(int(s) for s in rng.choice(stochastic, size=subset, replace=False))
+
+    # ------------------------------------------------------------------------------------------------ reward
+    @torch.no_grad()
+    def score(self, prompts: list[dict], chunks: list[Chunk]) -> tuple[Tensor, dict[str, float], Tensor]:
+        """Decode, score, gather across processes, normalise: (local advantages, stats, local images)."""
+        cfg = self.config
+        images = torch.cat([self.model.decode(c.rollout.final).float() for c in chunks])
+        ids = torch.cat([c.sample_ids for c in chunks])
+        metadata = [prompts[int(j) // cfg.data.group_size] for j in ids]
+        scores = score_all(self.rewards, images, [m["prompt"] for m in metadata], metadata)
+        device = self.accelerator.device
+        raw = self.accelerator.gather(scores.raw.T.contiguous().to(device)).T.cpu()
+        valid = self.accelerator.gather(scores.valid.to(device)).cpu()
+        group_ids = torch.arange(self.layout.global_samples) // cfg.data.group_size
+        combined = combine_rewards(raw, scores.weights.cpu(), valid, group_ids, mode=cfg.reward.combine,
+                                   std=cfg.advantage.std)
+        advantages, adv_stats = group_advantages(combined, group_ids, valid, std=cfg.advantage.std,
+                                                 clip=cfg.advantage.clip)
+        kept = combined[valid]
+        stats = {
+            "reward": float(kept.mean()) if len(kept) else math.nan,
+            "reward_std": float(kept.std(unbiased=False)) if len(kept) else math.nan,
+            "reward_invalid": float((~valid).sum()),
+            "zero_std_frac": float(adv_stats["zero_std_frac"]),
+        }
+        for name, row in zip(scores.names, raw):
+            stats[f"rewards/{name}/mean"] = float(row[valid].mean()) if valid.any() else math.nan
+        self.last_advantages = advantages
+        return advantages[ids], stats, images.cpu()
+
+    # ------------------------------------------------------------------------------------------------- train
+    def micro_batch_loss(self, chunk: Chunk, step: int, advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict]:
+        """The GRPO loss of one rollout chunk at one step, log-probs recomputed under the current policy."""
+        cfg = self.config
+        t = chunk.rollout.transitions
+        sel = t.step == step
+        st = t.select(sel)
+        with self.accelerator.autocast():
+            v = self.model.velocity(st.x_t, st.sigma, chunk.cond.index(st.prompt_id), cfg.sampling.guidance_scale)
+        out = sde_step(st.x_t, v, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level,
+                       prev_sample=st.x_next, reduce=t.reduce)
+        kl = None
+        if cfg.loss.beta > 0 or cfg.loss.kl == "velocity_mse":
+            with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
+                v_ref = self.model.velocity(st.x_t, st.sigma, chunk.cond.index(st.prompt_id), cfg.sampling.guidance_scale)
+            if cfg.loss.kl == "latent_mean":
+                ref_mean, _ = sde_mean_std(st.x_t, v_ref, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level)
+                kl = latent_mean_kl(out.mean, ref_mean, out.std)
+            else:
+                kl = velocity_mse_kl(v.float(), v_ref.float())
+        return grpo_loss(out.log_prob, st.log_prob, advantages[st.sample_id], clip_range=cfg.loss.clip_range,
+                         weights=weights[sel], kl=kl, beta=cfg.loss.beta)
+
+    def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
+        t = chunk.rollout.transitions
+        trained = torch.isin(t.step, torch.tensor(steps))
+        if self.config.loss.step_weighting == "noise_aware":
+            return noise_aware_weights(t.std, trained)
+        return trained.float()
+
+    def update(self, iteration: int, chunks: list[Chunk], advantages: Tensor) -> dict[str, float]:
+        cfg = self.config
+        steps = self.trained_steps(iteration, chunks)
+        # Advantages are indexed by a chunk's local sample position (``sample_id`` within the chunk).
+        offsets = torch.cumsum(torch.tensor([0] + [len(c.sample_ids) for c in chunks]), 0)
+        per_chunk = [advantages[offsets[i]: offsets[i + 1]] for i in range(len(chunks))]
+        weights = [self.step_weights(c, steps) for c in chunks]
+        per_minibatch = self.layout.micro_batches_per_minibatch
+        module = self.model.forward_module or self.model.transformer
+        records: list[dict] = []
+        for epoch in range(cfg.optim.inner_epochs):
+            # Shuffle the steps (identically on every process); a minibatch is a share of them over all samples.
+            order = torch.randperm(len(steps), generator=generator(cfg.train.seed, iteration, epoch, _SHUFFLE))
+            units = [(i, steps[k]) for k in order.tolist() for i in range(len(chunks))]
+            for start in range(0, len(units), per_minibatch):
+                minibatch = units[start: start + per_minibatch]
+                for n, (i, s) in enumerate(minibatch):
+                    sync = n == len(minibatch) - 1 or self.accelerator.num_processes == 1
+                    with nullcontext() if sync else self.accelerator.no_sync(module):
+                        loss, stats = self.micro_batch_loss(chunks[i], s, per_chunk[i], weights[i])
+                        self.accelerator.backward(loss / len(minibatch))
+                    records.append({**stats, "epoch": epoch})
+                grad_norm = self.accelerator.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)
+                records[-1]["grad_norm"] = float(grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._update_ema()
+        summary = {key: sum(r[key] for r in records) / len(records)
+                   for key in ("loss", "policy_loss", "kl", "approx_kl", "clip_frac", "ratio_mean")}
+        summary["ratio_max"] = max(r["ratio_max"] for r in records)
+        summary["first_ratio_max"] = records[0]["ratio_max"]
+        summary["first_ratio_mean"] = records[0]["ratio_mean"]
+        summary["grad_norm"] = sum(r["grad_norm"] for r in records if "grad_norm" in r) / max(
+            1, sum("grad_norm" in r for r in records))
+        return summary
+
+    def set_learning_rate(self, iteration: int) -> None:
+        """Linear warmup over ``optim.warmup_iterations``, then constant."""
+        warmup = self.config.optim.warmup_iterations
+        scale = min(1.0, (iteration + 1) / warmup) if warmup else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.optim.lr * scale
+
+    @torch.no_grad()
+    def _update_ema(self) -> None:
+        if self.ema is None:
+            return
+        decay = self.config.optim.ema_decay
+        for avg, param in zip(self.ema, self.params):
+            avg.lerp_(param.detach(), 1 - decay)
+
+    # -------------------------------------------------------------------------------------------- iteration
+    def train_iteration(self, iteration: int) -> dict[str, float]:
+        timings = {}
+        start = time.perf_counter()
+        prompts = self.prompts_for(iteration)
+        self.model.transformer.eval()
+        chunks = self.collect(iteration, prompts)
+        timings["time/rollout"] = time.perf_counter() - start
+        start = time.perf_counter()
+        advantages, stats, images = self.score(prompts, chunks)
+        timings["time/reward"] = time.perf_counter() - start
+        start = time.perf_counter()
+        nfe = sum(c.rollout.nfe for c in chunks) * self.accelerator.num_processes
+        if stats["zero_std_frac"] >= 1.0:
+            warnings.warn(f"iteration {iteration}: every group has zero reward variance; skipping the update")
+            update = {"skipped": 1.0}
+        else:
+            self.model.transformer.train()
+            self.set_learning_rate(iteration)
+            update = self.update(iteration, chunks, advantages)
+            update["skipped"] = 0.0
+        timings["time/train"] = time.perf_counter() - start
+        metrics = {"iteration": float(iteration), **stats, **update, **timings, "nfe": float(nfe),
+                   "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.is_main and self.config.train.sample_every and iteration % self.config.train.sample_every == 0:
+            self.save_samples(iteration, prompts, chunks, images)
+        return metrics
+
+    def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor) -> None:
+        from .evaluation.images import save_grid
+
+        ids = torch.cat([c.sample_ids for c in chunks])[:16]
+        scores = score_all(self.rewards, images[:16], [prompts[int(j) // self.config.data.group_size]["prompt"] for j in ids],
+                           [prompts[int(j) // self.config.data.group_size] for j in ids])
+        total = (scores.weights[:, None] * scores.raw).sum(0)
+        captions = [f"{prompts[int(j) // self.config.data.group_size]['prompt']} | {float(r):.2f}" for j, r in zip(ids, total)]
+        save_grid(images[:16], captions, self.out_dir / "samples" / f"iteration-{iteration:06d}.png", columns=8)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def config_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(to_dict(self.config), sort_keys=False)
+
+    def save(self) -> Path | None:
+        path = None
+        if self.is_main:
+            last = getattr(self, "last_advantages", None)
+            state = {"history": self.history, "last_advantages": None if last is None else last.tolist()}
+            ema = {n: e for (n, _), e in zip(self.trainable_state().items(), self.ema)} if self.ema else None
+            path = save_checkpoint(
+                self.out_dir, self.iteration, trainable=self.trainable_state(), optimizer=self.optimizer.optimizer
+                if hasattr(self.optimizer, "optimizer") else self.optimizer, state=state, config_yaml=self.config_yaml(),
+                ema=ema, write_lora=self.model.save_lora, keep=self.config.train.keep_checkpoints,
+            )
+        self.accelerator.wait_for_everyone()
+        if not self.is_main:
+            save_process_rng(self.out_dir / f"checkpoint-{self.iteration:06d}", self.accelerator.process_index)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def resume(self, where: str) -> None:
+        import yaml
+
+        checkpoint = latest_checkpoint(self.out_dir) if where == "latest" else Path(where)
+        if checkpoint is None or not Path(checkpoint).is_dir():
+            raise FileNotFoundError(f"no checkpoint to resume from at {where!r} (run directory {self.out_dir})")
+        saved = yaml.safe_load((Path(checkpoint) / "config.yaml").read_text())
+        differences = diff_configs(saved, to_dict(self.config), ignore=RESUMABLE_KEYS)
+        if differences:
+            raise ValueError(f"checkpoint {checkpoint} was made with a different config: " + "; ".join(differences))
+        optimizer = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
+        state, ema = load_checkpoint(checkpoint, trainable=self.trainable_state(), optimizer=optimizer,
+                                     rank=self.accelerator.process_index)
+        if self.ema is not None and ema is not None:
+            self.ema = [ema[n].clone() for n in self.trainable_state()]
+        self.iteration = int(state["iteration"])
+        self.history = state["history"]
+
+    # ------------------------------------------------------------------------------------------------- run
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = True
+
+    def _agreed_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(flag, "max").item() > 0)
+
+    def train(self) -> list[dict[str, float]]:
+        from tqdm import tqdm
+
+        from .config import save_config
+
+        cfg = self.config
+        if cfg.train.resume:
+            self.resume(cfg.train.resume)
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out_dir / "config.yaml")
+        if cfg.train.tracker != "none":
+            self.accelerator.init_trackers("flowalign", config=_flat(to_dict(cfg)))
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm(range(self.iteration, cfg.train.iterations), initial=self.iteration, total=cfg.train.iterations,
+                   desc="train", disable=not self.is_main, dynamic_ncols=True)
+        try:
+            for iteration in bar:
+                metrics = self.train_iteration(iteration)
+                self.iteration = iteration + 1
+                self.history.append(metrics)
+                self.log(metrics)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0.0):.2e}")
+                last = self.iteration == cfg.train.iterations
+                every = cfg.train.checkpoint_every
+                stop = self._agreed_stop()
+                if last or stop or (every and self.iteration % every == 0):
+                    self.save()
+                if stop:
+                    if self.is_main:
+                        print(f"stopped by signal after iteration {iteration}; checkpoint saved, resume with "
+                              f"train.resume=latest")
+                    break
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            bar.close()
+        if cfg.train.eval_at_end and self.iteration == cfg.train.iterations and not self.stop_requested:
+            self.evaluate_before_after()
+        if cfg.train.tracker != "none":
+            self.accelerator.end_training()
+        return self.history
+
+    def log(self, metrics: dict[str, float]) -> None:
+        if self.config.train.tracker != "none":
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=int(metrics["iteration"]))
+        if self.is_main and int(metrics["iteration"]) % max(1, self.config.train.log_every) == 0:
+            with open(self.out_dir / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+
+    # -------------------------------------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate_before_after(self) -> dict | None:
+        """Held-out toy GenEval of the reference (LoRA off) and the trained policy on identical seeds."""
+        from .evaluation.toy_eval import evaluate, paired_difference
+
+        if not self.is_main:
+            self.accelerator.wait_for_everyone()
+            return None
+        cfg = self.config
+        metadata = load_metadata(cfg.data.eval_prompts)
+        kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=cfg.train.eval_images_per_prompt,
+                      seed=cfg.train.seed + 10_000, image_size=cfg.sampling.image_size)
+        self.model.transformer.eval()
+        with self.model.reference():
+            before, before_summary, before_images = evaluate(self.model, metadata, **kwargs)
+        with self.ema_weights():
+            after, after_summary, after_images = evaluate(self.model, metadata, **kwargs)
+        report = write_before_after(self.out_dir / "eval", before, after, before_summary, after_summary,
+                                    paired_difference(before, after), before_images, after_images)
+        self.accelerator.wait_for_everyone()
+        return report
+
+    def ema_weights(self):
+        """Context in which the trainable weights are their EMA (a no-op without EMA)."""
+        trainer = self
+
+        class _Swap:
+            def __enter__(self):
+                if trainer.ema is not None:
+                    self.saved = [p.detach().clone() for p in trainer.params]
+                    for p, e in zip(trainer.params, trainer.ema):
+                        p.data.copy_(e)
+
+            def __exit__(self, *exc):
+                if trainer.ema is not None:
+                    for p, s in zip(trainer.params, self.saved):
+                        p.data.copy_(s)
+
+        return _Swap()
+
+
+def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images) -> dict:
+    """Write ``before_after.md`` / ``.json`` and the two grids; return the report."""
+    from .evaluation.geneval import TAGS
+    from .evaluation.images import save_grid
+
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| tag | before | after | paired gain | SE | z |", "|---|---|---|---|---|---|"]
+    for tag in [t for t in TAGS if t in paired["tags"]] + ["overall"]:
+        entry = paired["overall"] if tag == "overall" else paired["tags"][tag]
+        lines.append(f"| {tag} | {entry['mean_a']:.3f} | {entry['mean_b']:.3f} | {entry['diff']:+.3f} | "
+                     f"{entry['se']:.3f} | {entry['z']:.1f} |")
+    n = len(before)
+    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after.")
+    (out / "before_after.md").write_text("\n".join(lines) + "\n")
+    report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n}
+    (out / "before_after.json").write_text(json.dumps(report, indent=1))
+    for name, results, images in (("before", before, before_images), ("after", after, after_images)):
+        captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:64]]
+        save_grid(images[:64], captions, out / f"grid_{name}.png")
+    print("\n".join(lines))
+    return report
+
+
+def enable_xformers(model: FlowModel) -> None:
+    """xformers attention needs its extra and a CUDA device; otherwise say which is missing."""
+    try:
+        import xformers  # noqa: F401
+    except ImportError:
+        raise ValueError("model.attention='xformers' needs the xformers extra: pip install -e '.[xformers]'") from None
+    if model.device.type != "cuda":
+        raise ValueError(f"model.attention='xformers' needs a CUDA device, but the model is on {model.device}")
+    model.pipe.enable_xformers_memory_efficient_attention()
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, name + "."))
+        else:
+            flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat

@@ -1,0 +1,92 @@
+"""Every shipped config loads; method presets run an iteration; model presets run on tiny pipelines of their class."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flowalign.config import load_config
+from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.toy.prompts import split_prompts
+from flowalign.train_config import TrainConfig
+from flowalign.trainer import GRPOTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = sorted((REPO / "configs/methods").glob("*.yaml"))
+MODELS = sorted((REPO / "configs/models").glob("*.yaml"))
+
+
+def words():
+    train, test = split_prompts()
+    return sorted({w for e in train + test for w in e["prompt"].split()})
+
+
+@pytest.fixture(scope="module")
+def tiny_paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tiny_sd3_pipeline(words(), seed=0).save_pretrained(root / "sd3")
+    tiny_flux_pipeline(words(), seed=0).save_pretrained(root / "flux")
+    return {"sd3": root / "sd3", "flux": root / "flux"}
+
+
+def small_run(model_path, out, **extra):
+    values = {
+        "model.path": str(model_path), "model.lora_rank": 4, "model.lora_alpha": 8,
+        "reward.rewards": "[{name: brightness}]",
+        "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
+        "data.group_size": 2, "sampling.image_size": 32, "sampling.batch_size": 2, "train.iterations": 2,
+        "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0, "train.out_dir": str(out),
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def test_the_expected_presets_ship():
+    assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo"}
+    assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
+    for name in ("ddp", "fsdp", "deepspeed_zero2", "multi_node"):
+        launch = yaml.safe_load((REPO / "configs/accelerate" / f"{name}.yaml").read_text())
+        assert launch["distributed_type"] in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
+
+
+@pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
+def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
+    config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path))
+    history = GRPOTrainer(config).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    stochastic = config.sampling.stochastic_steps()
+    expected = {"flow_grpo": 9, "flow_grpo_fast": 2, "mix_grpo": 4, "dance_grpo": 9}[preset.stem]
+    assert stochastic == expected
+
+
+def test_method_presets_differ_only_in_their_knobs():
+    flow = load_config(TrainConfig, REPO / "configs/methods/flow_grpo.yaml", [])
+    fast = load_config(TrainConfig, REPO / "configs/methods/flow_grpo_fast.yaml", [])
+    dance = load_config(TrainConfig, REPO / "configs/methods/dance_grpo.yaml", [])
+    mix = load_config(TrainConfig, REPO / "configs/methods/mix_grpo.yaml", [])
+    assert fast.sampling.window_start == "random" and fast.sampling.window_size == 2
+    assert dance.sampling.kind == "dance" and dance.sampling.shared_noise and dance.sampling.train_steps_per_rollout == 5
+    assert mix.sampling.window_start == "sliding"
+    assert flow.optim == fast.optim == dance.optim == mix.optim  # one trainer, different sampling knobs
+
+
+def test_sd35_medium_preset_has_the_published_defaults_and_runs_on_a_tiny_sd3(tiny_paths, tmp_path):
+    preset = load_config(TrainConfig, REPO / "configs/models/sd35_medium.yaml", [])
+    assert (preset.sampling.num_steps, preset.sampling.noise_level, preset.model.lora_rank, preset.model.lora_alpha,
+            preset.optim.lr, preset.data.group_size, preset.loss.beta, preset.sampling.image_size) == \
+        (10, 0.7, 32, 64, 3e-4, 24, 0.04, 512)
+    config = load_config(TrainConfig, REPO / "configs/models/sd35_medium.yaml", small_run(
+        tiny_paths["sd3"], tmp_path, **{"sampling.guidance_scale": 4.5}))
+    history = GRPOTrainer(config).train()
+    assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # CFG doubles the evaluations
+    assert history[-1]["kl"] >= 0
+
+
+def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny_paths, tmp_path):
+    preset = load_config(TrainConfig, REPO / "configs/models/flux_dev.yaml", [])
+    assert (preset.sampling.num_steps, preset.sampling.noise_level, preset.loss.beta, preset.model.family) == \
+        (6, 0.9, 0.0, "flux")
+    config = load_config(TrainConfig, REPO / "configs/models/flux_dev.yaml", small_run(
+        tiny_paths["flux"], tmp_path, **{"model.gradient_checkpointing": "false"}))
+    history = GRPOTrainer(config).train()
+    assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass

@@ -1,0 +1,218 @@
+"""The GRPO trainer end to end on a tiny random SD3 pipeline: ratios, resume, 2 processes, signals, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowalign.config import ConfigError, load_config
+from flowalign.models.tiny import tiny_sd3_pipeline
+from flowalign.rewards import REWARDS, register_reward
+from flowalign.toy.prompts import split_prompts
+from flowalign.train_config import TrainConfig
+from flowalign.trainer import GRPOTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    train, test = split_prompts()
+    words = sorted({w for e in train + test for w in e["prompt"].split()})
+    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
+    tiny_sd3_pipeline(words, seed=0).save_pretrained(path)
+    return path
+
+
+def overrides(model, out, **extra):
+    base = {
+        "model.path": str(model),
+        "model.lora_rank": 4,
+        "model.lora_alpha": 8,
+        "reward.rewards": "[{name: brightness}]",
+        "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"),
+        "data.eval_prompts": str(REPO / "assets/prompts/test.jsonl"),
+        "data.prompts_per_iteration": 2,
+        "data.group_size": 4,
+        "sampling.num_steps": 4,
+        "sampling.batch_size": 4,
+        "optim.lr": 3e-3,
+        "train.iterations": 3,
+        "train.tracker": "none",
+        "train.eval_at_end": "false",
+        "train.sample_every": 0,
+        "train.out_dir": str(out),
+    }
+    base.update(extra)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def make_trainer(model, out, **extra):
+    return GRPOTrainer(load_config(TrainConfig, None, overrides(model, out, **extra)))
+
+
+def final_checkpoint(run: Path) -> Path:
+    return sorted(run.glob("checkpoint-*"))[-1]
+
+
+def test_first_ratio_is_exactly_one_and_metrics_are_logged(tiny_model, tmp_path):
+    history = make_trainer(tiny_model, tmp_path / "run", **{"optim.inner_epochs": 2, "optim.minibatches": 3}).train()
+    assert len(history) == 3
+    for metrics in history:
+        assert metrics["first_ratio_max"] == 1.0 and metrics["first_ratio_mean"] == 1.0
+        assert metrics["nfe"] == 8 * 4 and metrics["skipped"] == 0.0
+        for key in ("reward", "reward_std", "rewards/brightness/mean", "kl", "approx_kl", "clip_frac",
+                    "zero_std_frac", "time/rollout", "time/reward", "time/train"):
+            assert key in metrics and metrics[key] == metrics[key]  # present and not NaN
+    # with two epochs and three minibatches the policy moves within an iteration, so ratios leave 1
+    assert any(m["ratio_max"] > 1.0 for m in history)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["iteration"] for line in lines] == [0, 1, 2]
+    saved = final_checkpoint(tmp_path / "run")
+    assert (saved / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
+    extra = {"train.iterations": 4, "train.checkpoint_every": 1, "optim.ema_decay": 0.5}
+    full = make_trainer(tiny_model, tmp_path / "full", **extra).train()
+    make_trainer(tiny_model, tmp_path / "split", **{**extra, "train.iterations": 2}).train()
+    resumed = make_trainer(tiny_model, tmp_path / "split", **{**extra, "train.resume": "latest"}).train()
+    assert [m["reward"] for m in resumed[2:]] == [m["reward"] for m in full[2:]]
+    a = load_file(str(tmp_path / "full" / "checkpoint-000004" / "trainable.safetensors"))
+    b = load_file(str(tmp_path / "split" / "checkpoint-000004" / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ema_a = load_file(str(tmp_path / "full" / "checkpoint-000004" / "ema.safetensors"))
+    ema_b = load_file(str(tmp_path / "split" / "checkpoint-000004" / "ema.safetensors"))
+    assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
+
+
+def test_resume_refuses_a_different_config(tiny_model, tmp_path):
+    make_trainer(tiny_model, tmp_path / "run", **{"train.iterations": 1}).train()
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"train.resume": "latest", "optim.lr": 5e-4})
+    with pytest.raises(ValueError, match=r"different config: optim.lr"):
+        trainer.train()
+
+
+def test_nan_rewards_are_masked_and_counted(tiny_model, tmp_path):
+    class HalfNaN:
+        name = "half_nan"
+
+        def __call__(self, images, prompts, metadata):
+            scores = images.mean(dim=(1, 2, 3))
+            scores[::2] = float("nan")
+            return scores
+
+    register_reward("half_nan", HalfNaN, overwrite=True)
+    try:
+        trainer = make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: half_nan}]",
+                                                                 "train.iterations": 2})
+        history = trainer.train()
+    finally:
+        REWARDS.pop("half_nan")
+    assert all(m["reward_invalid"] == 4 for m in history)
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+    assert all(m["reward"] == m["reward"] for m in history)
+
+
+def test_a_failing_reward_names_itself_and_the_prompt(tiny_model, tmp_path):
+    class Broken:
+        name = "broken"
+
+        def __call__(self, images, prompts, metadata):
+            raise OSError("scorer weights missing")
+
+    register_reward("broken", Broken, overwrite=True)
+    try:
+        trainer = make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: broken}]"})
+        with pytest.raises(RuntimeError, match=r"reward 'broken' failed .*first prompt: 'a photo of"):
+            trainer.train()
+    finally:
+        REWARDS.pop("broken")
+
+
+def test_all_zero_variance_skips_the_update(tiny_model, tmp_path):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: toy_geneval}]",
+                                                             "train.iterations": 1})
+    before = [p.detach().clone() for p in trainer.params]
+    with pytest.warns(UserWarning, match="zero reward variance; skipping the update"):
+        history = trainer.train()
+    assert history[0]["skipped"] == 1.0 and history[0]["zero_std_frac"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.params))
+
+
+def test_bad_configs_fail_before_any_model_loads(tmp_path):
+    missing_model = tmp_path / "no-model"  # never loaded: validation fails first
+    for extra, message in [
+        ({"optim.lrr": 1}, "did you mean 'optim.lr'"),
+        ({"optim.lr": "fast"}, "optim.lr: expected a float"),
+        ({"data.group_size": 1}, "data.group_size"),
+        ({"sampling.noise_level": -1}, "sampling.noise_level"),
+        ({"sampling.batch_size": 3}, "sampling.batch_size = 3 does not divide"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainConfig, None, overrides(missing_model, tmp_path, **extra))
+
+
+def run_cli(args, env_extra=None, **kwargs):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    return subprocess.run([str(BIN / "flowalign"), "train", *args], env=env, capture_output=True, text=True, **kwargs)
+
+
+def test_cli_reports_bad_config_with_exit_code_2(tmp_path):
+    result = run_cli(["optim.lrr=1"])
+    assert result.returncode == 2 and "did you mean 'optim.lr'" in result.stderr
+    result = run_cli([str(tmp_path / "missing.yaml")])
+    assert result.returncode == 2 and "missing.yaml" in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tiny_model, tmp_path):
+    """torchrun --nproc_per_node 2 with gloo on CPU: same advantages and same updated weights as one process."""
+    args = overrides(tiny_model, tmp_path / "one", **{"train.iterations": 2, "optim.minibatches": 3})
+    one = run_cli(args, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    args2 = overrides(tiny_model, tmp_path / "two", **{"train.iterations": 2, "optim.minibatches": 3})
+    two = subprocess.run(
+        [str(BIN / "torchrun"), "--nproc_per_node", "2", "-m", "flowalign.cli", "train", *args2],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
+    )
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
+    assert (b / "rng-1.pt").is_file()  # both processes wrote their RNG state
+    state_a, state_b = json.loads((a / "state.json").read_text()), json.loads((b / "state.json").read_text())
+    torch.testing.assert_close(torch.tensor(state_a["last_advantages"]), torch.tensor(state_b["last_advantages"]),
+                               rtol=0, atol=1e-4)
+    assert [m["reward"] for m in state_a["history"]] == pytest.approx([m["reward"] for m in state_b["history"]], abs=1e-6)
+    wa, wb = load_file(str(a / "trainable.safetensors")), load_file(str(b / "trainable.safetensors"))
+    moved = max((wa[k] - torch.zeros_like(wa[k])).abs().max().item() for k in wa if "lora_B" in k)
+    assert moved > 1e-3  # the update is real...
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5 * max(1.0, moved * 100)  # ...and the same
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_iteration_checkpoints_and_exits_zero(tiny_model, tmp_path):
+    run = tmp_path / "run"
+    args = overrides(tiny_model, run, **{"train.iterations": 200, "train.checkpoint_every": 0})
+    process = subprocess.Popen([str(BIN / "flowalign"), "train", *args], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (run / "metrics.jsonl").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0, stderr[-2000:]
+    checkpoint = final_checkpoint(run)
+    done = json.loads((checkpoint / "state.json").read_text())["iteration"]
+    assert 1 <= done < 200 and "stopped by signal" in stdout
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == done
+    # and it resumes from there
+    resumed = make_trainer(tiny_model, run, **{"train.iterations": done + 1, "train.resume": "latest"}).train()
+    assert len(resumed) == done + 1
