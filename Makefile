@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (see README):
-#   make train   -- the main job on the embedded toy default (arrives with the trainer, issue #4)
+#   make train   -- the main job: GRPO on the embedded toy default (flowalign train)
 #   make test    -- install into .venv and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -19,6 +19,9 @@ install: $(VENV)/.installed
 
 test: install
 	$(BIN)/python -m pytest -q
+
+train: install
+	$(BIN)/flowalign train
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"

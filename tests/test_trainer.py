@@ -80,6 +80,29 @@ def test_first_ratio_is_exactly_one_and_metrics_are_logged(tiny_model, tmp_path)
     assert (saved / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_a_short_run_on_the_toy_model_raises_the_reward(tmp_path):
+    """12 iterations on the shipped toy model, two seeds: the mean reward of the last 4 iterations beats the first 4.
+
+    Brightness is dense and prompt-free, so a dozen iterations move it clearly (measured: +0.019 for both seeds,
+    against an iteration-to-iteration spread of about 0.01).
+    """
+    for seed in (0, 1):
+        config = load_config(TrainConfig, None, [
+            "reward.rewards=[{name: brightness}]", "data.prompts_per_iteration=2", "data.group_size=8",
+            "optim.lr=1e-2", "model.lora_rank=8", "model.lora_alpha=16", "train.iterations=12", f"train.seed={seed}",
+            "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
+            f"train.out_dir={tmp_path / str(seed)}", f"model.path={REPO / 'assets/toy-sd3'}",
+            f"data.train_prompts={REPO / 'assets/prompts/train.jsonl'}",
+        ])
+        rewards = [m["reward"] for m in GRPOTrainer(config).train()]
+        assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.008, rewards
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def test_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     extra = {"train.iterations": 4, "train.checkpoint_every": 1, "optim.ema_decay": 0.5}
     full = make_trainer(tiny_model, tmp_path / "full", **extra).train()

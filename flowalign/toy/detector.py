@@ -20,15 +20,16 @@ Recipe
 
 Score (confidence in (0, 1]) is the product of five factors, each 1 for a clean render:
 
-* ``shape``  = ``0.5 + 0.5 * min(1, m / 0.06)``, with ``m`` the distance of ``(f, t)`` from the
+* ``shape``  = ``0.5 + 0.5 * min(1, m / 0.04)``, with ``m`` the distance of ``(f, t)`` from the
   nearest decision boundary of step 3 (Euclidean in the (f, t) plane). A blob on a boundary is a
   coin flip (0.5); clean shapes sit at least 0.068 away.
 * ``size``   = ``min(1, area / A_full)`` with ``A_full = max(16, 2 % of the canvas)`` px (20.5 px at
   32x32; the smallest sampled toy shape, a 7 px triangle, has 25 px), so specks of a few pixels,
   as noise produces, stay below GenEval's 0.3 threshold.
 * ``solid``  = raw pixels / filled area: 1 minus the share of the blob that was a hole.
-* ``colour`` = ``1 - 0.5 * mean_distance / 90``: how far the blob's pixels are from the exact
-  palette colour (0.5 at the edge of the colour radius).
+* ``colour`` = 1 while the blob's mean distance to its exact palette colour is at most 40, then
+  falling linearly to 0.5 at the edge of the colour radius (90). Generated images never hit the
+  palette exactly: a soft but unambiguous colour is not a reason for doubt.
 * ``ragged`` = ``min(1, 1.6 / r)`` with ``r = boundary edges / (4 * sqrt(area))`` (1.0 for a
   square, about 1.1 for a disc and 1.3-1.5 for a clean triangle); frayed outlines raise ``r``.
 
@@ -55,7 +56,8 @@ SQUARE_ABOVE = 0.88
 TRIANGLE_BELOW = 0.62
 TRIANGLE_BELOW_IF_BOTTOM_HEAVY = 0.72
 TOP_SHARE_BELOW = 0.38
-SHAPE_MARGIN_FULL = 0.06
+SHAPE_MARGIN_FULL = 0.04
+COLOR_DISTANCE_FULL = 40.0
 FULL_AREA_PX = 16
 FULL_AREA_FRACTION = 0.02
 RAGGED_FULL = 1.6
@@ -171,7 +173,8 @@ def detect(image: np.ndarray) -> dict[str, list[dict[str, Any]]]:
             c_shape = 0.5 + 0.5 * min(1.0, margin / SHAPE_MARGIN_FULL)
             c_size = min(1.0, area / full_area)
             c_solid = float(raw.sum()) / area
-            c_color = 1.0 - 0.5 * min(mean_dist, COLOR_RADIUS) / COLOR_RADIUS
+            excess = max(0.0, min(mean_dist, COLOR_RADIUS) - COLOR_DISTANCE_FULL)
+            c_color = 1.0 - 0.5 * excess / (COLOR_RADIUS - COLOR_DISTANCE_FULL)
             c_ragged = min(1.0, RAGGED_FULL / _boundary_ratio(tight, area))
             score = float(np.clip(c_shape * c_size * c_solid * c_color * c_ragged, 0.0, 1.0))
 
