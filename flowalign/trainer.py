@@ -25,7 +25,7 @@ import math
 import signal
 import time
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -439,23 +439,20 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         return report
 
+    @contextmanager
     def ema_weights(self):
         """Context in which the trainable weights are their EMA (a no-op without EMA)."""
-        trainer = self
-
-        class _Swap:
-            def __enter__(self):
-                if trainer.ema is not None:
-                    self.saved = [p.detach().clone() for p in trainer.params]
-                    for p, e in zip(trainer.params, trainer.ema):
-                        p.data.copy_(e)
-
-            def __exit__(self, *exc):
-                if trainer.ema is not None:
-                    for p, s in zip(trainer.params, self.saved):
-                        p.data.copy_(s)
-
-        return _Swap()
+        if self.ema is None:
+            yield
+            return
+        saved = [p.detach().clone() for p in self.params]
+        for param, average in zip(self.params, self.ema):
+            param.data.copy_(average)
+        try:
+            yield
+        finally:
+            for param, kept in zip(self.params, saved):
+                param.data.copy_(kept)
 
 
 def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images) -> dict:

@@ -239,3 +239,13 @@ def test_sigterm_finishes_the_iteration_checkpoints_and_exits_zero(tiny_model, t
     # and it resumes from there
     resumed = make_trainer(tiny_model, run, **{"train.iterations": done + 1, "train.resume": "latest"}).train()
     assert len(resumed) == done + 1
+
+
+def test_ema_weights_swap_in_and_back(tiny_model, tmp_path):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"train.iterations": 2, "optim.ema_decay": 0.5})
+    trainer.train()
+    live = [p.detach().clone() for p in trainer.params]
+    with trainer.ema_weights():
+        assert all(torch.equal(p, e) for p, e in zip(trainer.params, trainer.ema))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.params, live))
+    assert any(not torch.equal(p, e) for p, e in zip(live, trainer.ema))
