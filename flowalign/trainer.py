@@ -196,6 +196,7 @@ class GRPOTrainer:
         for name, row in zip(scores.names, raw):
             stats[f"rewards/{name}/mean"] = float(row[valid].mean()) if valid.any() else math.nan
         self.last_advantages = advantages
+        self.last_local_rewards = (scores.weights[:, None] * scores.raw).sum(0).cpu()  # for the sample grids
         return advantages[ids], stats, images.cpu()
 
     # ------------------------------------------------------------------------------------------------- train
@@ -308,13 +309,13 @@ class GRPOTrainer:
         return metrics
 
     def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor) -> None:
+        """A grid of this process's first 16 samples captioned ``prompt | reward`` (the scores ``score`` computed)."""
         from .evaluation.images import save_grid
 
         ids = torch.cat([c.sample_ids for c in chunks])[:16]
-        scores = score_all(self.rewards, images[:16], [prompts[int(j) // self.config.data.group_size]["prompt"] for j in ids],
-                           [prompts[int(j) // self.config.data.group_size] for j in ids])
-        total = (scores.weights[:, None] * scores.raw).sum(0)
-        captions = [f"{prompts[int(j) // self.config.data.group_size]['prompt']} | {float(r):.2f}" for j, r in zip(ids, total)]
+        rewards = self.last_local_rewards[:16]
+        captions = [f"{prompts[int(j) // self.config.data.group_size]['prompt']} | {float(r):.2f}"
+                    for j, r in zip(ids, rewards)]
         save_grid(images[:16], captions, self.out_dir / "samples" / f"iteration-{iteration:06d}.png", columns=8)
 
     # ------------------------------------------------------------------------------------------ checkpoints

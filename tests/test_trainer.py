@@ -249,3 +249,24 @@ def test_ema_weights_swap_in_and_back(tiny_model, tmp_path):
         assert all(torch.equal(p, e) for p, e in zip(trainer.params, trainer.ema))
     assert all(torch.equal(p, q) for p, q in zip(trainer.params, live))
     assert any(not torch.equal(p, e) for p, e in zip(live, trainer.ema))
+
+
+def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
+    calls = []
+
+    class Counting:
+        name = "counting_brightness"
+
+        def __call__(self, images, prompts, metadata):
+            calls.append(len(images))
+            return images.mean(dim=(1, 2, 3))
+
+    register_reward("counting_brightness", Counting, overwrite=True)
+    try:
+        make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: counting_brightness}]",
+                                                       "train.iterations": 2, "train.sample_every": 1}).train()
+    finally:
+        REWARDS.pop("counting_brightness")
+    assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == \
+        ["iteration-000000.png", "iteration-000001.png"]
+    assert calls == [8, 8]  # one scoring pass per iteration, none for the grids
