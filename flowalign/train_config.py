@@ -117,6 +117,11 @@ class DataConfig:
     eval_prompts: str = option("assets/prompts/test.jsonl", "held-out prompts for the evaluation at the end")
     prompts_per_iteration: int = option(4, "distinct prompts per rollout, over all processes")
     group_size: int = option(16, "images per prompt; advantages compare images within a group")
+    prompt_sampling: Literal["tag_balanced", "uniform"] = option(
+        "uniform",
+        "draw each iteration's prompts with every prompt equally likely, or with every metadata 'tag' equally likely "
+        "(tag_balanced: GenEval's overall is the unweighted mean of its tags); prompts without a tag form one group",
+    )
 
     def validate(self) -> None:
         _at_least("data.prompts_per_iteration", self.prompts_per_iteration, 1)

@@ -39,6 +39,7 @@ def test_defaults_are_the_toy_run_and_valid():
     assert config.optim.betas == [0.9, 0.999]
     assert TrainConfig().optim.betas is not TrainConfig().optim.betas  # mutable defaults are not shared
     assert config.sampling.stochastic_steps() == 9  # every step but the last
+    assert config.data.prompt_sampling == "uniform"
 
 
 def test_every_field_has_help_and_shows_in_format_help():

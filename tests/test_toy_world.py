@@ -156,6 +156,27 @@ def test_detector_clean_shapes_exact():
             assert obj["score"] == pytest.approx(1.0)
 
 
+
+def test_detector_leaves_edge_blend_nearer_the_background_out():
+    """A decoded square's edge blends into the grey; blend pixels nearer the grey than the colour are background.
+
+    Purple is the palette colour closest to the background: a 30 % purple / 70 % grey pixel is within the colour
+    radius of purple, but it is the grey it resembles, and counting it as purple frays the square into a "circle".
+    """
+    image = render([Shape("square", "purple", 16, 16, 10)]).astype(np.float32)
+    blend = 0.3 * np.asarray(PALETTE["purple"], np.float32) + 0.7 * np.asarray(BACKGROUND, np.float32)
+    inside = np.zeros((32, 32), dtype=bool)
+    inside[11:21, 11:21] = True
+    ring = np.zeros((32, 32), dtype=bool)
+    ring[10:22, 10:22] = True
+    ring &= ~inside
+    ring[10, 10:22:3] = ring[21, 10:22:2] = False  # a ragged fringe, not a clean bigger square
+    image[ring] = blend
+    detections = detect(image.astype(np.uint8))
+    assert [k for k, v in detections.items() if v] == ["square"]
+    assert detections["square"][0]["box"] == (11, 11, 21, 21)
+    assert detections["square"][0]["score"] == pytest.approx(1.0)
+
 def test_detector_scores_drop_on_noise_and_specks_are_ignored():
     rng = np.random.default_rng(5)
     clean = render([Shape("square", "green", 16, 16, 10)])

@@ -270,3 +270,16 @@ def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == \
         ["iteration-000000.png", "iteration-000001.png"]
     assert calls == [8, 8]  # one scoring pass per iteration, none for the grids
+
+
+def test_tag_balanced_prompt_sampling_gives_every_tag_equal_mass():
+    from flowalign.trainer import prompt_weights
+
+    prompts = [{"prompt": f"p{i}", "tag": "a"} for i in range(9)] + [{"prompt": "q", "tag": "b"}, {"prompt": "r"}]
+    weights = prompt_weights(prompts, "tag_balanced")
+    assert weights.sum() == pytest.approx(1.0)
+    assert weights[:9].sum() == pytest.approx(1 / 3) and weights[9] == pytest.approx(1 / 3)
+    assert weights[10] == pytest.approx(1 / 3)  # untagged prompts form one group of their own
+    assert prompt_weights(prompts, "uniform") is None
+    with pytest.raises(ConfigError, match="data.prompt_sampling"):
+        load_config(TrainConfig, overrides=["data.prompt_sampling=by_tag"])

@@ -7,7 +7,11 @@
 Recipe
 ------
 1. Colour quantisation: every pixel goes to its nearest palette colour when the RGB (Euclidean)
-   distance is below ``COLOR_RADIUS`` = 90, otherwise to the background.
+   distance is below ``COLOR_RADIUS`` = 90 *and* the pixel is nearer to that colour than to the
+   grey background, otherwise to the background. The background competes as a class of its own:
+   a decoded image blends each shape's edge into the grey, and without that test the blend pixels
+   of a colour close to grey (purple is 116 from it) join the shape as a ragged fringe that turns
+   squares into "circles".
 2. Blobs: 8-connected components of each colour's mask (``scipy.ndimage.label``), holes filled,
    blobs smaller than ``max(4 px, 0.4 % of the canvas)`` dropped.
 3. Class from the fill ratio ``f = area / bbox area`` and the top-half mass share ``t`` (share of
@@ -45,7 +49,7 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-from flowalign.toy.scenes import PALETTE, SHAPES
+from flowalign.toy.scenes import BACKGROUND, PALETTE, SHAPES
 
 __all__ = ["COLOR_RADIUS", "detect", "detect_batch", "quantize", "classify"]
 
@@ -64,6 +68,7 @@ RAGGED_FULL = 1.6
 
 _COLOR_NAMES = tuple(PALETTE)
 _PALETTE_RGB = np.asarray([PALETTE[c] for c in _COLOR_NAMES], dtype=np.float32)  # (K, 3)
+_BACKGROUND_RGB = np.asarray(BACKGROUND, dtype=np.float32)
 _EIGHT_CONNECTED = np.ones((3, 3), dtype=bool)
 
 
@@ -71,13 +76,16 @@ def quantize(image: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Nearest-palette assignment of an (H, W, 3) uint8 image.
 
     Returns ``(labels, distance)``: ``labels`` (H, W) int with the palette index (order of
-    ``PALETTE``) or -1 for background, and the RGB distance to that palette colour.
+    ``PALETTE``) or -1 for background, and the RGB distance to that palette colour. A pixel is
+    background when it is at least ``COLOR_RADIUS`` from every palette colour or no farther from the
+    background grey than from its nearest palette colour.
     """
     pixels = image.astype(np.float32)
     dist = np.linalg.norm(pixels[:, :, None, :] - _PALETTE_RGB[None, None], axis=-1)  # (H, W, K)
     nearest = dist.argmin(axis=-1)
     nearest_dist = np.take_along_axis(dist, nearest[..., None], axis=-1)[..., 0]
-    labels = np.where(nearest_dist < COLOR_RADIUS, nearest, -1)
+    to_background = np.linalg.norm(pixels - _BACKGROUND_RGB, axis=-1)
+    labels = np.where((nearest_dist < COLOR_RADIUS) & (nearest_dist < to_background), nearest, -1)
     return labels, nearest_dist
 
 
