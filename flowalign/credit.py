@@ -28,12 +28,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .advantages import ZERO_STD
+
 __all__ = ["FUSIONS", "Tree", "tree_advantages"]
 
 FUSIONS = ("mean", "prob_weighted")
-_ZERO_STD = 1e-6
-_EPS = 1e-8
 
+_EPS = 1e-8
 
 class Tree:
     """The structure of a forest given by a parent list, checked: depths, roots, children, leaves."""
@@ -75,10 +76,8 @@ class Tree:
     def __len__(self) -> int:
         return len(self.parents)
 
-
 def _fuse(tree: Tree, leaf_rewards: Tensor, fusion: str, edge_log_probs: Tensor | None) -> Tensor:
-    rewards = torch.zeros(len(tree), dtype=torch.float64)
-    rewards[tree.leaves] = leaf_rewards
+    """Node rewards, leaves up: mean of the leaves below, or the softmax(edge log-prob) average of the children."""
     if fusion == "mean":
         total = torch.zeros(len(tree), dtype=torch.float64)
         count = torch.zeros(len(tree), dtype=torch.float64)
@@ -90,13 +89,14 @@ def _fuse(tree: Tree, leaf_rewards: Tensor, fusion: str, edge_log_probs: Tensor 
                 total[parent] += total[node]
                 count[parent] += count[node]
         return total / count
+    rewards = torch.zeros(len(tree), dtype=torch.float64)
+    rewards[tree.leaves] = leaf_rewards
     for node in reversed(tree.order):
         children = tree.children[node]
         if children:
             weights = torch.softmax(edge_log_probs[children], dim=0)
             rewards[node] = (weights * rewards[children]).sum()
     return rewards
-
 
 def tree_advantages(
     parents: Sequence[int | None],
@@ -137,7 +137,7 @@ def tree_advantages(
             continue
         values = rewards[nodes]
         std = values.std(unbiased=True)
-        if std < _ZERO_STD:
+        if std < ZERO_STD:
             continue
         advantages[nodes] = (values - values.mean()) / (std + _EPS)
     return rewards, advantages

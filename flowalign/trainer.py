@@ -174,8 +174,11 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ reward
     @torch.no_grad()
-    def score(self, prompts: list[dict], chunks: list[Chunk]) -> tuple[Tensor, dict[str, float], Tensor]:
-        """Decode, score, gather across processes, normalise: (local advantages, stats, local images)."""
+    def score(self, prompts: list[dict], chunks: list[Chunk]) -> tuple[Tensor, dict[str, float], Tensor, Tensor]:
+        """Decode, score, gather across processes, normalise.
+
+        Returns (local advantages, stats, local images, local weighted reward sums for the sample grids).
+        """
         cfg = self.config
         images = torch.cat([self.model.decode(c.rollout.final).float() for c in chunks])
         ids = torch.cat([c.sample_ids for c in chunks])
@@ -199,8 +202,8 @@ class GRPOTrainer:
         for name, row in zip(scores.names, raw):
             stats[f"rewards/{name}/mean"] = float(row[valid].mean()) if valid.any() else math.nan
         self.last_advantages = advantages
-        self.last_local_rewards = (scores.weights[:, None] * scores.raw).sum(0).cpu()  # for the sample grids
-        return advantages[ids], stats, images.cpu()
+        local_rewards = (scores.weights[:, None] * scores.raw).sum(0).cpu()
+        return advantages[ids], stats, images.cpu(), local_rewards
 
     # ------------------------------------------------------------------------------------------------- train
     def micro_batch_loss(self, chunk: Chunk, step: int, advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict]:
@@ -292,7 +295,7 @@ class GRPOTrainer:
         chunks = self.collect(iteration, prompts)
         timings["time/rollout"] = time.perf_counter() - start
         start = time.perf_counter()
-        advantages, stats, images = self.score(prompts, chunks)
+        advantages, stats, images, rewards = self.score(prompts, chunks)
         timings["time/reward"] = time.perf_counter() - start
         start = time.perf_counter()
         nfe = sum(c.rollout.nfe for c in chunks) * self.accelerator.num_processes
@@ -308,17 +311,17 @@ class GRPOTrainer:
         metrics = {"iteration": float(iteration), **stats, **update, **timings, "nfe": float(nfe),
                    "lr": self.optimizer.param_groups[0]["lr"]}
         if self.is_main and self.config.train.sample_every and iteration % self.config.train.sample_every == 0:
-            self.save_samples(iteration, prompts, chunks, images)
+            self.save_samples(iteration, prompts, chunks, images, rewards)
         return metrics
 
-    def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor) -> None:
+    def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor,
+                     rewards: Tensor) -> None:
         """A grid of this process's first 16 samples captioned ``prompt | reward`` (the scores ``score`` computed)."""
         from .evaluation.images import save_grid
 
         ids = torch.cat([c.sample_ids for c in chunks])[:16]
-        rewards = self.last_local_rewards[:16]
         captions = [f"{prompts[int(j) // self.config.data.group_size]['prompt']} | {float(r):.2f}"
-                    for j, r in zip(ids, rewards)]
+                    for j, r in zip(ids, rewards[:16])]
         save_grid(images[:16], captions, self.out_dir / "samples" / f"iteration-{iteration:06d}.png", columns=8)
 
     # ------------------------------------------------------------------------------------------ checkpoints
