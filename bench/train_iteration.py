@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo")
+PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
+           "tp_grpo")
 
 CHILD = r"""
 import json, resource, sys, torch

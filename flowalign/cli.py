@@ -14,6 +14,8 @@ Commands:
 * ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.trainer``).
 * ``flowalign eval toy``: GenEval-style evaluation on the toy world (``flowalign.evaluation.toy_eval``).
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
+* ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
+  (``flowalign.calibrate``), written as a config for ``flowalign train``.
 """
 
 from __future__ import annotations
@@ -138,17 +140,54 @@ def _run_train(args: argparse.Namespace) -> None:
     if args.help_config:
         print(format_help(TrainConfig))
         return
-    path, overrides = None, list(args.items)
-    if overrides and "=" not in overrides[0]:
-        path = overrides.pop(0)
-        if not Path(path).is_file():
-            raise CommandError(f"config file {path!r} does not exist")
+    path, overrides = _config_and_overrides(args.items)
     if args.resume is not None:
         overrides.append(f"train.resume={args.resume}")
     config = load_config(TrainConfig, path, overrides)  # every check runs before any model loads
     from flowalign.trainer import GRPOTrainer
 
     GRPOTrainer(config).train()
+
+
+def _add_calibrate(commands) -> None:
+    parser = commands.add_parser(
+        "calibrate",
+        help="calibrate per-step noise levels (DenseGRPO) and write them as a train config",
+        description="Sample trajectories with the training config, score the ODE completion of every state, and "
+        "move each stochastic step's noise level up (signs of dR balanced) or down (unbalanced); the result is a "
+        "YAML config with sampling.noise_table for `flowalign train`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE", help="a YAML config, then dotted overrides")
+    parser.add_argument("--out", required=True, help="the calibrated config to write (YAML)")
+    parser.add_argument("--rounds", type=positive_int, default=10, help="calibration rounds")
+    parser.add_argument("--eps1", type=non_negative_float, default=2.0, help="sign-balance tolerance")
+    parser.add_argument("--eps2", type=non_negative_float, default=0.01, help="noise-level step per round")
+    parser.set_defaults(handler=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    from flowalign.config import load_config
+    from flowalign.train_config import TrainConfig
+
+    path, overrides = _config_and_overrides(args.items)
+    config = load_config(TrainConfig, path, overrides)
+    from flowalign.calibrate import calibrate, write_calibrated_config
+
+    levels, history = calibrate(config, rounds=args.rounds, eps1=args.eps1, eps2=args.eps2)
+    out = write_calibrated_config(args.out, levels, history, base=path, overrides=overrides, eps1=args.eps1,
+                                  eps2=args.eps2)
+    print(f"wrote {out}: sampling.noise_table = {levels}")
+
+
+def _config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``[CONFIG] [KEY=VALUE ...]`` -> (config path or None, overrides); a named config must exist."""
+    path, overrides = None, list(items)
+    if overrides and "=" not in overrides[0]:
+        path = overrides.pop(0)
+        if not Path(path).is_file():
+            raise CommandError(f"config file {path!r} does not exist")
+    return path, overrides
 
 
 def _add_toy_pretrain(group) -> None:
@@ -187,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     _add_train(commands)
+    _add_calibrate(commands)
 
     eval_group = _group(commands, "eval", "evaluate a model")
     _add_eval_toy(eval_group)

@@ -17,12 +17,22 @@ Depth-wise advantages: within one tree, the nodes at the same depth are normalis
 and ``A_i = 0`` where depth ``d`` holds a single node or ``std_d < 1e-6``. The root (depth 0, alone) gets 0. The edge
 into node ``i`` is trained with ``A_i``.
 
+Pruning (BranchGRPO §3.3) never changes the rollout or the advantages, only which edges get gradients:
+
+* **Width pruning** after the last split: the subtrees born at the last split (a *branch* is the chain from a child of
+  the last split down to its leaf) are ranked by the advantage of their first node. ``"top"`` keeps the best
+  ``ceil(fraction * b)`` of each parent's ``b`` children; ``"extremes"`` keeps the best and the worst
+  ``ceil(fraction * n / 2)`` of a tree's ``n`` branches. Edges above the last split are always kept.
+* **Depth pruning** drops the edges produced at chosen steps; ``sliding_prune_steps`` moves that set from high noise
+  towards low noise as training progresses.
+
 Trees are given as parent lists: ``parents[i]`` is the index of node ``i``'s parent or ``None`` for a root. Several
 roots make a forest; normalisation never mixes trees. Leaves are the nodes without children, in index order.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -30,11 +40,22 @@ from torch import Tensor
 
 from .advantages import ZERO_STD
 
-__all__ = ["FUSIONS", "Tree", "tree_advantages"]
+__all__ = [
+    "FUSIONS",
+    "WIDTH_PRUNE_MODES",
+    "Tree",
+    "depth_prune_mask",
+    "leaf_mean",
+    "sliding_prune_steps",
+    "tree_advantages",
+    "width_prune_mask",
+]
 
 FUSIONS = ("mean", "prob_weighted")
+WIDTH_PRUNE_MODES = ("top", "extremes")
 
 _EPS = 1e-8
+
 
 class Tree:
     """The structure of a forest given by a parent list, checked: depths, roots, children, leaves."""
@@ -76,6 +97,15 @@ class Tree:
     def __len__(self) -> int:
         return len(self.parents)
 
+    def ancestor_at(self, node: int, depth: int) -> int | None:
+        """The ancestor of ``node`` at ``depth`` (the node itself at its own depth; None when it is shallower)."""
+        if self.depth[node] < depth:
+            return None
+        while self.depth[node] > depth:
+            node = self.parents[node]
+        return node
+
+
 def _fuse(tree: Tree, leaf_rewards: Tensor, fusion: str, edge_log_probs: Tensor | None) -> Tensor:
     """Node rewards, leaves up: mean of the leaves below, or the softmax(edge log-prob) average of the children."""
     if fusion == "mean":
@@ -97,6 +127,14 @@ def _fuse(tree: Tree, leaf_rewards: Tensor, fusion: str, edge_log_probs: Tensor 
             weights = torch.softmax(edge_log_probs[children], dim=0)
             rewards[node] = (weights * rewards[children]).sum()
     return rewards
+
+def leaf_mean(tree: Tree, leaf_values: Tensor | Sequence[float]) -> Tensor:
+    """Per node, the mean of ``leaf_values`` over the leaves below it (float64 ``[N]``)."""
+    leaf_values = torch.as_tensor(leaf_values, dtype=torch.float64).flatten()
+    if leaf_values.numel() != len(tree.leaves):
+        raise ValueError(f"the tree has {len(tree.leaves)} leaves but {leaf_values.numel()} leaf values were given")
+    return _fuse(tree, leaf_values, "mean", None)
+
 
 def tree_advantages(
     parents: Sequence[int | None],
@@ -141,3 +179,75 @@ def tree_advantages(
             continue
         advantages[nodes] = (values - values.mean()) / (std + _EPS)
     return rewards, advantages
+
+
+def width_prune_mask(
+    parents: Sequence[int | None] | Tree,
+    advantages: Tensor | Sequence[float],
+    *,
+    split_depth: int,
+    mode: str = "top",
+    fraction: float = 0.5,
+) -> Tensor:
+    """Boolean ``[N]``: does the edge *into* node ``i`` keep its gradient (False for roots)?
+
+    ``split_depth`` is the depth of the nodes the last split created (``last split step + 1`` for a rollout tree,
+    whose roots have depth 0). See the module docstring for the two modes.
+    """
+    tree = parents if isinstance(parents, Tree) else Tree(parents)
+    if mode not in WIDTH_PRUNE_MODES:
+        raise ValueError(f"width pruning mode must be one of {WIDTH_PRUNE_MODES}, got {mode!r}")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"width pruning fraction must lie in (0, 1], got {fraction!r}")
+    if split_depth < 1:
+        raise ValueError(f"split_depth must be >= 1 (the depth of the last split's children), got {split_depth}")
+    advantages = torch.as_tensor(advantages, dtype=torch.float64).flatten()
+    if advantages.numel() != len(tree):
+        raise ValueError(f"advantages has {advantages.numel()} entries for {len(tree)} nodes")
+    branches = [i for i in range(len(tree)) if tree.depth[i] == split_depth]
+    if mode == "top":
+        pools: dict[int, list[int]] = {}
+        for node in branches:
+            pools.setdefault(tree.parents[node], []).append(node)
+        quota = {key: math.ceil(fraction * len(pool)) for key, pool in pools.items()}
+        kept = {n for key, pool in pools.items() for n in _ranked(pool, advantages)[: quota[key]]}
+    else:
+        pools = {}
+        for node in branches:
+            pools.setdefault(tree.root[node], []).append(node)
+        kept = set()
+        for pool in pools.values():
+            ranked = _ranked(pool, advantages)
+            half = math.ceil(fraction * len(pool) / 2)
+            kept |= set(ranked[:half]) | set(ranked[len(ranked) - half:])
+    mask = torch.tensor([p is not None for p in tree.parents])
+    for node in range(len(tree)):
+        if tree.depth[node] >= split_depth and tree.ancestor_at(node, split_depth) not in kept:
+            mask[node] = False
+    return mask
+
+
+def _ranked(nodes: list[int], advantages: Tensor) -> list[int]:
+    """``nodes`` by decreasing advantage (ties by index, so the choice is deterministic)."""
+    return sorted(nodes, key=lambda n: (-float(advantages[n]), n))
+
+
+def depth_prune_mask(node_step: Tensor | Sequence[int], drop_steps: Sequence[int]) -> Tensor:
+    """Boolean ``[N]``: False for nodes produced at one of ``drop_steps`` (their incoming edge gets no gradient)."""
+    node_step = torch.as_tensor(node_step)
+    return ~torch.isin(node_step, torch.as_tensor(list(drop_steps), dtype=node_step.dtype))
+
+
+def sliding_prune_steps(drop_steps: Sequence[int], progress: float, last_step: int) -> list[int]:
+    """``drop_steps`` shifted towards ``last_step`` by ``round(progress * (last_step - max(drop_steps)))``.
+
+    At the start of training the given (early, high-noise) steps are dropped; by the end the same-sized set sits at
+    the last trained steps.
+    """
+    if not 0.0 <= progress <= 1.0:
+        raise ValueError(f"training progress must lie in [0, 1], got {progress!r}")
+    drop = sorted(int(s) for s in drop_steps)
+    if not drop:
+        return []
+    shift = round(progress * max(0, last_step - drop[-1]))
+    return [s + shift for s in drop]

@@ -28,6 +28,8 @@ __all__ = [
     "ModelConfig",
     "DataConfig",
     "SamplingConfig",
+    "RolloutConfig",
+    "StepRewardConfig",
     "RewardSpec",
     "RewardConfig",
     "AdvantageConfig",
@@ -232,6 +234,16 @@ class SamplingConfig:
                 f"must be in 1..{stochastic} (the number of stochastic steps), got {self.train_steps_per_rollout}",
             )
 
+    def always_stochastic_steps(self) -> set[int]:
+        """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
+        levels = self._levels()
+        stochastic = {i for i, level in enumerate(levels) if level > 0}
+        if self.window_size is None:
+            return stochastic
+        for start in self._window_starts():
+            stochastic &= set(range(start, start + self.window_size))
+        return stochastic
+
     def _validate_window(self) -> None:
         n = self.num_steps
         if self.window_size is None:
@@ -262,6 +274,105 @@ class SamplingConfig:
                 f"= {self.window_last} must be in sampling.window_first..{latest} = {self.window_first}..{latest}: "
                 f"{fits}",
             )
+
+
+@dataclass
+class RolloutConfig:
+    """The shape of a rollout: independent groups, or BranchGRPO trees whose leaves form a group (DESIGN.md §4)."""
+
+    shape: Literal["group", "tree", "probe"] = option(
+        "group",
+        "group: group_size independent trajectories per prompt; tree: one branching tree per prompt (BranchGRPO); "
+        "probe: an ODE trunk per prompt with group_size ODE-completed SDE children at each probe step (TempFlow-GRPO)",
+    )
+    split_steps: list[int] = option([0, 2, 4, 6], "tree: the steps at which every live node branches (increasing)")
+    branching: list[int] = option([2], "tree: children per split, one per split step or a single factor for all")
+    split_noise_scale: float = option(
+        1.0, "tree: the split steps draw with this multiple of the SDE std (and are scored with it)"
+    )
+    fusion: Literal["mean", "prob_weighted"] = option(
+        "mean", "tree: a node's reward is the mean of its leaves, or the softmax(edge log-prob) mix of its children"
+    )
+    width_prune: Literal["none", "top", "extremes"] = option(
+        "none",
+        "tree: after the last split train only the best children of each parent (top) or the best and worst "
+        "branches of each tree (extremes)",
+    )
+    width_prune_fraction: float = option(0.5, "tree: the fraction of branches width pruning keeps, in (0, 1]")
+    depth_prune_steps: list[int] = option([], "tree: steps whose edges get no gradient (depth pruning)")
+    depth_prune_sliding: bool = option(
+        False, "tree: slide the depth-pruned steps from where they are towards the last trained step over training"
+    )
+
+    probe_steps: list[int] = option(
+        [0, 2, 4, 6], "probe: the trunk steps that branch; each gives one group of data.group_size children"
+    )
+
+    def factors(self) -> list[int]:
+        return list(self.branching) * len(self.split_steps) if len(self.branching) == 1 else list(self.branching)
+
+    def leaves(self) -> int:
+        return math.prod(self.factors())
+
+    def validate(self) -> None:
+        steps = self.split_steps
+        _check(len(steps) > 0, "rollout.split_steps", "must list at least one step")
+        _check(min(steps) >= 0, "rollout.split_steps", f"must be >= 0, got {steps}")
+        _check(
+            all(b > a for a, b in zip(steps, steps[1:])), "rollout.split_steps", f"must strictly increase, got {steps}"
+        )
+        _check(
+            len(self.branching) in (1, len(steps)),
+            "rollout.branching",
+            f"has {len(self.branching)} factors for {len(steps)} split steps: give one per split or a single one",
+        )
+        for i, factor in enumerate(self.branching):
+            _at_least(f"rollout.branching[{i}]", factor, 1)
+        _finite("rollout.split_noise_scale", self.split_noise_scale, 0.0, strict=True)
+        _finite("rollout.width_prune_fraction", self.width_prune_fraction, 0.0, strict=True, high=1.0)
+        for i, step in enumerate(self.depth_prune_steps):
+            _at_least(f"rollout.depth_prune_steps[{i}]", step, 0)
+        probes = self.probe_steps
+        _check(len(probes) > 0, "rollout.probe_steps", "must list at least one step")
+        _check(min(probes) >= 0, "rollout.probe_steps", f"must be >= 0, got {probes}")
+        _check(
+            all(b > a for a, b in zip(probes, probes[1:])), "rollout.probe_steps", f"must strictly increase, got {probes}"
+        )
+        if self.shape != "tree":
+            for key, value, default in (
+                ("width_prune", self.width_prune, "none"),
+                ("depth_prune_steps", self.depth_prune_steps, []),
+            ):
+                _check(value == default, f"rollout.{key}", f"= {value!r} needs rollout.shape = 'tree'")
+
+    def groups_per_prompt(self) -> int:
+        """GRPO groups (of data.group_size samples) per prompt: one per probe step for probes, else one."""
+        return len(self.probe_steps) if self.shape == "probe" else 1
+
+
+@dataclass
+class StepRewardConfig:
+    """Where a transition's reward comes from: the terminal reward, or the rewards of intermediate states."""
+
+    estimator: Literal["terminal", "dense", "return_to_go", "turning_point"] = option(
+        "terminal",
+        "terminal: every transition gets its trajectory's reward; dense: R_{t+1} - R_t of the clean estimates "
+        "(DenseGRPO); return_to_go: R_T - R_t; turning_point: TP-GRPO's incremental rewards with aggregated rewards "
+        "at turning points. Non-terminal estimators normalise per step within each group",
+    )
+    clean: Literal["ode", "x0"] = option(
+        "ode", "clean estimate of an intermediate state: an ODE completion, or the one-step x0 projection"
+    )
+    ode_steps: int | None = option(None, "ODE completion steps; null = the rollout's whole remaining schedule")
+    balanced: bool = option(False, "turning_point: keep as many positive as negative turning points per group")
+
+    def validate(self) -> None:
+        _at_least("step_reward.ode_steps", self.ode_steps, 1)
+        _check(
+            not self.balanced or self.estimator == "turning_point",
+            "step_reward.balanced",
+            "only applies to step_reward.estimator = 'turning_point'",
+        )
 
 
 @dataclass
@@ -404,6 +515,8 @@ class TrainConfig:
     model: ModelConfig = section(ModelConfig, "the model and its LoRA adapter")
     data: DataConfig = section(DataConfig, "prompts and rollout size")
     sampling: SamplingConfig = section(SamplingConfig, "rollout sampling and noise schedule")
+    rollout: RolloutConfig = section(RolloutConfig, "rollout shape: groups, branching trees or probed trunks")
+    step_reward: StepRewardConfig = section(StepRewardConfig, "per-step rewards from intermediate states")
     reward: RewardConfig = section(RewardConfig, "reward models")
     advantage: AdvantageConfig = section(AdvantageConfig, "advantage normalization")
     loss: LossConfig = section(LossConfig, "policy loss and KL penalty")
@@ -414,17 +527,24 @@ class TrainConfig:
         """The dict ``flowalign.samplers.noise_schedule`` accepts."""
         return self.sampling.noise_schedule_spec()
 
+    def samples_per_prompt(self) -> int:
+        """Final images per prompt: data.group_size, times the probe steps for probes."""
+        return self.data.group_size * self.rollout.groups_per_prompt()
+
     def check_batch(self, num_processes: int) -> BatchLayout:
         """Check that an iteration's samples and transitions split evenly; return the resulting sizes."""
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ConfigError(f"the number of processes must be an integer >= 1, got {num_processes!r}")
         data, sampling, optim = self.data, self.sampling, self.optim
-        samples = data.prompts_per_iteration * data.group_size
+        per_prompt = self.samples_per_prompt()
+        samples = data.prompts_per_iteration * per_prompt
+        groups = self.rollout.groups_per_prompt()
+        probes = f" * {groups} rollout.probe_steps" if self.rollout.shape == "probe" else ""
         _check(
             samples % num_processes == 0,
             "data.prompts_per_iteration",
-            f"* data.group_size = {samples} samples cannot be split over {_processes(num_processes)} "
-            f"({data.prompts_per_iteration} prompts x {data.group_size} images): make it a multiple of {num_processes}",
+            f"* data.group_size{probes} = {samples} samples cannot be split over {_processes(num_processes)} "
+            f"({data.prompts_per_iteration} prompts x {per_prompt} images): make it a multiple of {num_processes}",
         )
         local = samples // num_processes
         rollout_batch = sampling.batch_size or local
@@ -434,12 +554,33 @@ class TrainConfig:
             f"= {rollout_batch} does not divide the {local} samples per process "
             f"(data.prompts_per_iteration * data.group_size / {_processes(num_processes)})",
         )
-        steps = sampling.trained_steps()
-        steps_from = (
-            "sampling.train_steps_per_rollout"
-            if sampling.train_steps_per_rollout is not None
-            else "stochastic steps of the noise schedule"
-        )
+        if self.rollout.shape != "group" or self.step_reward.estimator != "terminal":
+            # A tree or a probed trunk is grown in one batched pass, and step rewards are normalised per group from
+            # the states of one chunk, so these cannot span processes or rollout chunks.
+            shape = self.rollout.shape
+            _check(
+                local % per_prompt == 0,
+                "data.prompts_per_iteration",
+                f"= {data.prompts_per_iteration} prompts cannot be split evenly over {_processes(num_processes)}: "
+                f"with rollout.shape = {shape!r} and step_reward.estimator = {self.step_reward.estimator!r} every process "
+                f"takes whole prompts ({per_prompt} samples each)",
+            )
+            _check(
+                rollout_batch % per_prompt == 0,
+                "sampling.batch_size",
+                f"= {rollout_batch} is not a multiple of the {per_prompt} samples of one prompt: with rollout.shape = "
+                f"{shape!r} and step_reward.estimator = {self.step_reward.estimator!r} a rollout chunk holds whole "
+                "prompts",
+            )
+        if self.rollout.shape == "probe":
+            steps, steps_from = len(self.rollout.probe_steps), "rollout.probe_steps"
+        else:
+            steps = sampling.trained_steps()
+            steps_from = (
+                "sampling.train_steps_per_rollout"
+                if sampling.train_steps_per_rollout is not None
+                else "stochastic steps of the noise schedule"
+            )
         transitions = local * steps
         micro_batches = (local // rollout_batch) * steps
         _check(
@@ -461,9 +602,67 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Cross-section checks; runs after every section's own ``validate``."""
+        if self.rollout.shape == "tree":
+            self._validate_tree()
+        if self.step_reward.estimator != "terminal":
+            self._validate_step_reward()
+        if self.rollout.shape == "probe":
+            stochastic = self.sampling.always_stochastic_steps()
+            outside = [s for s in self.rollout.probe_steps if s not in stochastic]
+            _check(
+                not outside,
+                "rollout.probe_steps",
+                f"{outside} are not stochastic steps of the noise schedule (the steps that are: {sorted(stochastic)} of "
+                f"0..{self.sampling.num_steps - 1})",
+            )
+            _check(
+                self.sampling.train_steps_per_rollout is None,
+                "sampling.train_steps_per_rollout",
+                "does not apply to rollout.shape = 'probe' (every probe step is trained)",
+            )
         _check(
             self.optim.warmup_iterations <= self.train.iterations,
             "optim.warmup_iterations",
             f"= {self.optim.warmup_iterations} exceeds train.iterations = {self.train.iterations}",
         )
         self.check_batch(1)
+
+    def _validate_step_reward(self) -> None:
+        estimator = self.step_reward.estimator
+        _check(
+            self.rollout.shape == "group",
+            "step_reward.estimator",
+            f"= {estimator!r} scores the intermediate states of independent trajectories: it needs rollout.shape = "
+            f"'group', not {self.rollout.shape!r}",
+        )
+        _check(
+            self.reward.combine == "sum_then_normalize",
+            "reward.combine",
+            f"must be 'sum_then_normalize' with step_reward.estimator = {estimator!r}: intermediate states are scored "
+            "with the weighted sum of the raw rewards",
+        )
+        _check(
+            self.advantage.std == "group",
+            "advantage.std",
+            f"must be 'group' with step_reward.estimator = {estimator!r} (step rewards are normalised per step within "
+            "each group)",
+        )
+
+    def _validate_tree(self) -> None:
+        rollout, sampling = self.rollout, self.sampling
+        stochastic = sampling.always_stochastic_steps()
+        outside = [s for s in rollout.split_steps if s not in stochastic]
+        _check(
+            not outside,
+            "rollout.split_steps",
+            f"{outside} are not stochastic (trained) steps of every rollout; the steps that are: {sorted(stochastic)} "
+            f"of 0..{sampling.num_steps - 1}",
+        )
+        _check(
+            rollout.leaves() == self.data.group_size,
+            "data.group_size",
+            f"= {self.data.group_size} must equal the leaves of one tree, the product of rollout.branching "
+            f"{rollout.factors()} = {rollout.leaves()}",
+        )
+        late = [s for s in rollout.depth_prune_steps if s >= sampling.num_steps]
+        _check(not late, "rollout.depth_prune_steps", f"{late} are past the last step ({sampling.num_steps - 1})")

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .advantages import group_advantages
+from .advantages import group_advantages, group_normalize
+from .credit import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree_advantages, width_prune_mask
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_process_rng
 from .config import diff_configs, to_dict
 from .evaluation.geneval import load_metadata
@@ -43,7 +44,16 @@ from .loss import grpo_loss, latent_mean_kl, noise_aware_weights, velocity_mse_k
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
 from .rewards import build_reward, combine_rewards, score_all
-from .samplers import Rollout, noise_schedule, rollout, sde_mean_std, sde_step
+from .samplers import (
+    Rollout,
+    TreeSchedule,
+    noise_schedule,
+    probe_rollout,
+    rollout,
+    sde_mean_std,
+    sde_step,
+    tree_rollout,
+)
 from .seeding import generator, numpy_rng
 from .train_config import TrainConfig
 
@@ -57,11 +67,29 @@ RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "trai
 
 @dataclass
 class Chunk:
-    """One rollout chunk of a process: its rollout, its samples' global ids and its conditioning rows."""
+    """One rollout chunk of a process: its rollout, its samples' global ids and its conditioning rows.
+
+    ``cond`` has one row per ``transitions.prompt_id``: per sample for groups, per tree for trees. ``advantages`` and
+    ``weights`` (one per transition) are filled in by the credit assignment.
+    """
 
     rollout: Rollout
-    sample_ids: Tensor  # global sample numbers j
-    cond: Cond  # one row per sample
+    sample_ids: Tensor  # global sample numbers j of the final images
+    cond: Cond
+    advantages: Tensor | None = None
+    weights: Tensor | None = None
+
+
+@dataclass
+class Scores:
+    """The rewards of an iteration: gathered, combined and normalised into per-sample group advantages."""
+
+    advantages: Tensor  # local samples, group-normalised
+    combined: Tensor  # local samples, the combined reward before normalisation
+    valid: Tensor  # local samples
+    stats: dict[str, float]
+    images: Tensor  # local decoded images
+    display: Tensor  # local weighted reward sums for the sample grids
 
 
 class GRPOTrainer:
@@ -136,7 +164,7 @@ class GRPOTrainer:
     def collect(self, iteration: int, prompts: list[dict]) -> list[Chunk]:
         cfg, seed = self.config, self.config.train.seed
         group_size = cfg.data.group_size
-        progress = iteration / max(1, cfg.train.iterations - 1)
+        progress = min(1.0, iteration / max(1, cfg.train.iterations - 1))
         levels = self.schedule.levels(cfg.sampling.num_steps, progress=progress, generator=generator(seed, iteration, _WINDOW))
         sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.image_size)
         # Every process encodes all the iteration's prompts: the text encoders then see the same batch whatever the
@@ -144,23 +172,71 @@ class GRPOTrainer:
         texts = [entry["prompt"] for entry in prompts]
         negatives = [""] * len(texts) if self.model.uses_cfg(cfg.sampling.guidance_scale) else None
         cond = self.model.encode(texts, negative_prompts=negatives)
-        chunks = []
-        for ids in self.local_sample_ids().split(self.layout.rollout_batch_size):
-            rows = [int(j) // group_size for j in ids]
-            noise_keys = [int(j) // group_size if cfg.sampling.shared_noise else int(j) for j in ids]
-            x_init = self.model.prepare_noise(
-                len(ids), cfg.sampling.image_size, generator=[generator(seed, iteration, k, _INIT_NOISE) for k in noise_keys]
-            )
-            chunk_cond = cond.index(rows)
-            with self.accelerator.autocast():
-                result = rollout(
-                    self.model.velocity_fn(chunk_cond, cfg.sampling.guidance_scale), x_init, sigmas, levels,
-                    kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
-                    generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
-                    group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
-                )
-            chunks.append(Chunk(result, ids, chunk_cond))
-        return chunks
+        grow = {"group": self._sample_chains, "tree": self._grow_trees, "probe": self._probe_trunks}[cfg.rollout.shape]
+        with self.accelerator.autocast():
+            return [grow(iteration, ids, cond, sigmas, levels)
+                    for ids in self.local_sample_ids().split(self.layout.rollout_batch_size)]
+
+    def _sample_chains(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
+        """``len(ids)`` independent trajectories (Flow-GRPO, DanceGRPO, MixGRPO, ...)."""
+        cfg, seed, group_size = self.config, self.config.train.seed, self.config.data.group_size
+        rows = [int(j) // group_size for j in ids]
+        noise_keys = [int(j) // group_size if cfg.sampling.shared_noise else int(j) for j in ids]
+        x_init = self.model.prepare_noise(
+            len(ids), cfg.sampling.image_size, generator=[generator(seed, iteration, k, _INIT_NOISE) for k in noise_keys]
+        )
+        chunk_cond = cond.index(rows)
+        result = rollout(
+            self.model.velocity_fn(chunk_cond, cfg.sampling.guidance_scale), x_init, sigmas, levels,
+            kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
+            generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
+            group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
+        )
+        return Chunk(result, ids, chunk_cond)
+
+    def _grow_trees(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
+        """One BranchGRPO tree per prompt of the chunk; its leaves are the prompt's ``group_size`` samples."""
+        cfg, seed = self.config, self.config.train.seed
+        groups = torch.unique_consecutive(ids // cfg.data.group_size)
+        roots = self.model.prepare_noise(
+            len(groups), cfg.sampling.image_size, generator=[generator(seed, iteration, int(g), _INIT_NOISE) for g in groups]
+        )
+        chunk_cond = cond.index(groups)
+        result = tree_rollout(
+            self._per_row_velocity(chunk_cond), roots, sigmas, levels, self.tree_schedule(), kind=cfg.sampling.kind,
+            reduce=cfg.sampling.log_prob_reduce, generator=[generator(seed, iteration, int(g), _SDE_NOISE) for g in groups],
+            group_ids=groups, prompt_ids=torch.arange(len(groups)),
+        )
+        return Chunk(result, ids, chunk_cond)
+
+    def _probe_trunks(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
+        """One ODE trunk per prompt of the chunk, probed at ``rollout.probe_steps`` with ``group_size`` children."""
+        cfg, seed = self.config, self.config.train.seed
+        owners = torch.unique_consecutive(ids // self.config.samples_per_prompt())
+        x_init = self.model.prepare_noise(
+            len(owners), cfg.sampling.image_size, generator=[generator(seed, iteration, int(p), _INIT_NOISE) for p in owners]
+        )
+        chunk_cond = cond.index(owners)
+        result = probe_rollout(
+            self._per_row_velocity(chunk_cond), x_init, sigmas, levels, cfg.rollout.probe_steps, cfg.data.group_size,
+            kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
+            generator=[generator(seed, iteration, int(p), _SDE_NOISE) for p in owners], prompt_ids=owners,
+        )
+        return Chunk(result, ids, chunk_cond)
+
+    def _per_row_velocity(self, cond: Cond):
+        """``velocity(x, sigma, row)``: each state with the conditioning row ``row`` of ``cond`` (trees, probes)."""
+        scale = self.config.sampling.guidance_scale
+
+        def velocity(x: Tensor, sigma: Tensor, row: Tensor) -> Tensor:
+            return self.model.velocity(x, sigma, cond.index(row), scale)
+
+        velocity.evals_per_sample = 2 if self.model.uses_cfg(scale) else 1
+        return velocity
+
+    def tree_schedule(self) -> TreeSchedule:
+        cfg = self.config.rollout
+        return TreeSchedule(tuple(cfg.split_steps), tuple(cfg.factors()), cfg.split_noise_scale)
 
     def trained_steps(self, iteration: int, chunks: list[Chunk]) -> list[int]:
         """The stochastic steps, or DanceGRPO's random subset of them (the same subset for every sample)."""
@@ -174,15 +250,12 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ reward
     @torch.no_grad()
-    def score(self, prompts: list[dict], chunks: list[Chunk]) -> tuple[Tensor, dict[str, float], Tensor, Tensor]:
-        """Decode, score, gather across processes, normalise.
-
-        Returns (local advantages, stats, local images, local weighted reward sums for the sample grids).
-        """
+    def score(self, prompts: list[dict], chunks: list[Chunk]) -> Scores:
+        """Decode, score, gather across processes, combine and group-normalise."""
         cfg = self.config
         images = torch.cat([self.model.decode(c.rollout.final).float() for c in chunks])
         ids = torch.cat([c.sample_ids for c in chunks])
-        metadata = [prompts[int(j) // cfg.data.group_size] for j in ids]
+        metadata = [prompts[int(j) // cfg.samples_per_prompt()] for j in ids]
         scores = score_all(self.rewards, images, [m["prompt"] for m in metadata], metadata)
         device = self.accelerator.device
         raw = self.accelerator.gather(scores.raw.T.contiguous().to(device)).T.cpu()
@@ -202,46 +275,181 @@ class GRPOTrainer:
         for name, row in zip(scores.names, raw):
             stats[f"rewards/{name}/mean"] = float(row[valid].mean()) if valid.any() else math.nan
         self.last_advantages = advantages
-        local_rewards = (scores.weights[:, None] * scores.raw).sum(0).cpu()
-        return advantages[ids], stats, images.cpu(), local_rewards
+        display = (scores.weights[:, None] * scores.raw).sum(0).cpu()
+        return Scores(advantages[ids], combined[ids], valid[ids], stats, images.cpu(), display)
+
+    # ------------------------------------------------------------------------------------------------ credit
+    def assign_credit(self, iteration: int, prompts: list[dict], chunks: list[Chunk], scores: Scores) -> int:
+        """Give every transition its advantage and weight (DESIGN.md §3: the loss only sees transitions).
+
+        Groups: a trajectory's transitions share its group advantage, or (``step_reward.estimator``) each trained
+        transition gets its own step reward from the rewards of intermediate states, normalised per step within its
+        group. Trees: an edge gets the depth-wise advantage of the node it leads to
+        (``flowalign.credit.tree_advantages``), and pruning zeroes the weights of some edges. Returns the NFEs spent
+        on intermediate completions.
+        """
+        steps = self.trained_steps(iteration, chunks)
+        offset, nfe = 0, 0
+        for chunk in chunks:
+            t = chunk.rollout.transitions
+            count = len(chunk.sample_ids)
+            advantages = scores.advantages[offset: offset + count]
+            combined, valid = scores.combined[offset: offset + count], scores.valid[offset: offset + count]
+            offset += count
+            weights = self.step_weights(chunk, steps)
+            if self.config.rollout.shape == "tree":
+                node_advantages, keep = self.tree_credit(iteration, chunk, combined, valid)
+                chunk.advantages = node_advantages[t.dst].float()
+                chunk.weights = weights * keep[t.dst].float()
+            elif self.config.step_reward.estimator != "terminal":
+                chunk.advantages, keep, spent = self.step_credit(prompts, chunk, steps, combined, valid)
+                chunk.weights = weights * keep.float()
+                nfe += spent
+            else:
+                chunk.advantages = advantages[t.sample_id]
+                chunk.weights = weights
+        return nfe
+
+    @torch.no_grad()
+    def intermediate_rewards(self, prompts: list[dict], chunk: Chunk, positions: set[int], combined: Tensor,
+                             valid: Tensor) -> tuple[Tensor, int]:
+        """``R [B, T + 1]`` (float64, NaN where not computed or invalid) of a chain chunk's states, and the NFEs spent.
+
+        ``R_T`` is the terminal reward already computed; ``R_k`` for the other ``positions`` comes from an
+        ``IntermediateScorer``: the clean estimate of ``x_k`` (``step_reward.clean``: an ODE completion or the x0
+        projection), decoded and scored with the weighted sum of the rewards.
+        """
+        from .reward_models.intermediate import IntermediateScorer
+
+        cfg = self.config
+        t = chunk.rollout.transitions
+        batch, num_steps = len(chunk.sample_ids), cfg.sampling.num_steps
+        metadata = [prompts[int(j) // cfg.samples_per_prompt()] for j in chunk.sample_ids]
+
+        def reward(images: Tensor, rows: Tensor) -> Tensor:
+            picked = [metadata[int(r)] for r in rows]
+            out = score_all(self.rewards, images.float(), [m["prompt"] for m in picked], picked)
+            total = (out.weights[:, None] * out.raw).sum(0).double()
+            return torch.where(out.valid, total, torch.full_like(total, math.nan))
+
+        sigmas = self.model.sigmas(num_steps, cfg.sampling.image_size)
+        scorer = IntermediateScorer(self._per_row_velocity(chunk.cond), self.model.decode, reward, sigmas,
+                                    estimate=cfg.step_reward.clean, ode_steps=cfg.step_reward.ode_steps)
+        rewards = torch.full((batch, num_steps + 1), math.nan, dtype=torch.float64)
+        rewards[:, num_steps] = torch.where(valid, combined.double(), torch.full_like(combined.double(), math.nan))
+        rows = torch.arange(batch)
+        with self.accelerator.autocast():
+            for k in sorted(set(positions) - {num_steps}):
+                states = t.states[k * batch: (k + 1) * batch]  # node id = step * batch + row
+                rewards[:, k] = scorer.score(states, [k] * batch, rows, keys=[(k, r) for r in range(batch)])
+        return rewards, scorer.nfe
+
+    def step_credit(self, prompts: list[dict], chunk: Chunk, steps: list[int], combined: Tensor,
+                    valid: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Per-transition advantages from the step rewards of ``flowalign.step_rewards``, normalised per
+        (group, step); a mask of the trained transitions with a finite step reward; the NFEs of the completions."""
+        from .step_rewards import dense_increments, return_to_go, turning_point_rewards
+
+        cfg = self.config
+        t = chunk.rollout.transitions
+        num_steps = cfg.sampling.num_steps
+        estimator = cfg.step_reward.estimator
+        if estimator == "turning_point":
+            positions = set(range(num_steps + 1))
+        elif estimator == "dense":
+            positions = {k for s in steps for k in (s, s + 1)}
+        else:
+            positions = set(steps)
+        rewards, nfe = self.intermediate_rewards(prompts, chunk, positions, combined, valid)
+        if estimator == "dense":
+            values = dense_increments(rewards)
+        elif estimator == "return_to_go":
+            values = return_to_go(rewards)
+        else:
+            values, _ = turning_point_rewards(rewards, balanced=cfg.step_reward.balanced,
+                                              pools=chunk.sample_ids // cfg.data.group_size)
+        per_transition = values[t.sample_id, t.step]  # chain transitions are (step, row) pairs
+        finite = torch.isfinite(per_transition) & torch.isin(t.step, torch.tensor(steps))
+        groups = t.group_id * num_steps + t.step
+        advantages, _ = group_normalize(torch.where(finite, per_transition, 0.0).float(), groups, finite)
+        return advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip), finite, nfe
+
+    def tree_credit(self, iteration: int, chunk: Chunk, combined: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-node advantages (clipped) and per-node 'the edge into it is trained' masks of a chunk's trees.
+
+        A leaf with an invalid reward takes its tree's mean valid reward (so it ranks nowhere) and the edges that
+        lead only to invalid leaves are not trained; a tree without a valid leaf trains nothing.
+        """
+        cfg = self.config
+        result = chunk.rollout
+        tree = Tree(result.parents)
+        leaf_tree = result.tree_of_node[result.leaf_nodes]
+        rewards = combined.double().clone()
+        for r in leaf_tree.unique():
+            members = leaf_tree == r
+            good = members & valid
+            rewards[members & ~valid] = rewards[good].mean() if good.any() else 0.0
+        edge_log_probs = torch.zeros(len(tree), dtype=torch.float64)
+        edge_log_probs[result.transitions.dst] = result.transitions.log_prob.double()
+        _, advantages = tree_advantages(tree.parents, rewards, fusion=cfg.rollout.fusion, edge_log_probs=edge_log_probs)
+        advantages = advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip)
+        keep = torch.tensor([p is not None for p in tree.parents])
+        keep &= leaf_mean(tree, valid.double()) > 0
+        if cfg.rollout.width_prune != "none":
+            keep &= width_prune_mask(tree, advantages, split_depth=cfg.rollout.split_steps[-1] + 1,
+                                     mode=cfg.rollout.width_prune, fraction=cfg.rollout.width_prune_fraction)
+        if cfg.rollout.depth_prune_steps:
+            drop = cfg.rollout.depth_prune_steps
+            if cfg.rollout.depth_prune_sliding:
+                progress = min(1.0, iteration / max(1, cfg.train.iterations - 1))
+                drop = sliding_prune_steps(drop, progress, last_step=cfg.sampling.num_steps - 2)
+            keep &= depth_prune_mask(result.node_step, drop)
+        return advantages, keep
 
     # ------------------------------------------------------------------------------------------------- train
-    def micro_batch_loss(self, chunk: Chunk, step: int, advantages: Tensor, weights: Tensor) -> tuple[Tensor, dict]:
-        """The GRPO loss of one rollout chunk at one step, log-probs recomputed under the current policy."""
+    def micro_batch_loss(self, chunk: Chunk, step: int) -> tuple[Tensor, dict]:
+        """The GRPO loss of one rollout chunk at one step, log-probs recomputed under the current policy.
+
+        The velocity is evaluated once per distinct source state, in the rollout's own order (a tree's split children
+        share their parent's evaluation), so the batch matches the rollout's forward and the first ratio is exactly 1.
+        """
         cfg = self.config
         t = chunk.rollout.transitions
         sel = t.step == step
         st = t.select(sel)
+        sources, inverse = torch.unique(st.src, return_inverse=True)
+        rows = torch.empty_like(sources).scatter_(0, inverse, st.prompt_id)
+        x, sigma = t.states[sources], st.sigma[:1].expand(len(sources))
         with self.accelerator.autocast():
-            v = self.model.velocity(st.x_t, st.sigma, chunk.cond.index(st.prompt_id), cfg.sampling.guidance_scale)
+            v = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
         out = sde_step(st.x_t, v, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level,
-                       prev_sample=st.x_next, reduce=t.reduce)
+                       prev_sample=st.x_next, reduce=t.reduce, noise_scale=st.noise_scale)
         kl = None
         if cfg.loss.beta > 0 or cfg.loss.kl == "velocity_mse":
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
-                v_ref = self.model.velocity(st.x_t, st.sigma, chunk.cond.index(st.prompt_id), cfg.sampling.guidance_scale)
+                v_ref = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
             if cfg.loss.kl == "latent_mean":
                 ref_mean, _ = sde_mean_std(st.x_t, v_ref, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level)
                 kl = latent_mean_kl(out.mean, ref_mean, out.std)
             else:
                 kl = velocity_mse_kl(v.float(), v_ref.float())
-        return grpo_loss(out.log_prob, st.log_prob, advantages[st.sample_id], clip_range=cfg.loss.clip_range,
-                         weights=weights[sel], kl=kl, beta=cfg.loss.beta)
+        return grpo_loss(out.log_prob, st.log_prob, chunk.advantages[sel], clip_range=cfg.loss.clip_range,
+                         weights=chunk.weights[sel], kl=kl, beta=cfg.loss.beta)
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
+        """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.
+
+        Noise-aware weights use the SDE's own std, without a tree's split-noise scale.
+        """
         t = chunk.rollout.transitions
         trained = torch.isin(t.step, torch.tensor(steps))
         if self.config.loss.step_weighting == "noise_aware":
-            return noise_aware_weights(t.std, trained)
+            return noise_aware_weights(t.std / t.noise_scale, trained)
         return trained.float()
 
-    def update(self, iteration: int, chunks: list[Chunk], advantages: Tensor) -> dict[str, float]:
+    def update(self, iteration: int, chunks: list[Chunk]) -> dict[str, float]:
         cfg = self.config
         steps = self.trained_steps(iteration, chunks)
-        # Advantages are indexed by a chunk's local sample position (``sample_id`` within the chunk).
-        offsets = torch.cumsum(torch.tensor([0] + [len(c.sample_ids) for c in chunks]), 0)
-        per_chunk = [advantages[offsets[i]: offsets[i + 1]] for i in range(len(chunks))]
-        weights = [self.step_weights(c, steps) for c in chunks]
         per_minibatch = self.layout.micro_batches_per_minibatch
         module = self.model.forward_module or self.model.transformer
         records: list[dict] = []
@@ -254,7 +462,7 @@ class GRPOTrainer:
                 for n, (i, s) in enumerate(minibatch):
                     sync = n == len(minibatch) - 1 or self.accelerator.num_processes == 1
                     with nullcontext() if sync else self.accelerator.no_sync(module):
-                        loss, stats = self.micro_batch_loss(chunks[i], s, per_chunk[i], weights[i])
+                        loss, stats = self.micro_batch_loss(chunks[i], s)
                         self.accelerator.backward(loss / len(minibatch))
                     records.append({**stats, "epoch": epoch})
                 grad_norm = self.accelerator.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)
@@ -295,23 +503,30 @@ class GRPOTrainer:
         chunks = self.collect(iteration, prompts)
         timings["time/rollout"] = time.perf_counter() - start
         start = time.perf_counter()
-        advantages, stats, images, rewards = self.score(prompts, chunks)
+        scores = self.score(prompts, chunks)
+        stats = scores.stats
+        completion_nfe = self.assign_credit(iteration, prompts, chunks, scores)
         timings["time/reward"] = time.perf_counter() - start
         start = time.perf_counter()
-        nfe = sum(c.rollout.nfe for c in chunks) * self.accelerator.num_processes
+        rollout_nfe = sum(c.rollout.nfe for c in chunks) * self.accelerator.num_processes
+        if self.accelerator.num_processes > 1:
+            spent = torch.tensor([float(completion_nfe)], device=self.accelerator.device)
+            completion_nfe = int(self.accelerator.reduce(spent, "sum").item())
         if stats["zero_std_frac"] >= 1.0:
             warnings.warn(f"iteration {iteration}: every group has zero reward variance; skipping the update")
             update = {"skipped": 1.0}
         else:
             self.model.transformer.train()
             self.set_learning_rate(iteration)
-            update = self.update(iteration, chunks, advantages)
+            update = self.update(iteration, chunks)
             update["skipped"] = 0.0
         timings["time/train"] = time.perf_counter() - start
-        metrics = {"iteration": float(iteration), **stats, **update, **timings, "nfe": float(nfe),
+        metrics = {"iteration": float(iteration), **stats, **update, **timings,
+                   "nfe": float(rollout_nfe + completion_nfe), "nfe/rollout": float(rollout_nfe),
+                   "nfe/completion": float(completion_nfe),
                    "lr": self.optimizer.param_groups[0]["lr"]}
         if self.is_main and self.config.train.sample_every and iteration % self.config.train.sample_every == 0:
-            self.save_samples(iteration, prompts, chunks, images, rewards)
+            self.save_samples(iteration, prompts, chunks, scores.images, scores.display)
         return metrics
 
     def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor,
@@ -320,7 +535,7 @@ class GRPOTrainer:
         from .evaluation.images import save_grid
 
         ids = torch.cat([c.sample_ids for c in chunks])[:16]
-        captions = [f"{prompts[int(j) // self.config.data.group_size]['prompt']} | {float(r):.2f}"
+        captions = [f"{prompts[int(j) // self.config.samples_per_prompt()]['prompt']} | {float(r):.2f}"
                     for j, r in zip(ids, rewards[:16])]
         save_grid(images[:16], captions, self.out_dir / "samples" / f"iteration-{iteration:06d}.png", columns=8)
 

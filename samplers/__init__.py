@@ -5,6 +5,8 @@ Samplers work on tensors and plain callables only: they never import models or r
 
 from .rollout import Rollout, Transitions, count_nfe, rollout
 from .schedules import ConstantNoise, NoiseSchedule, PerStepNoise, SDEWindow, noise_schedule
+from .probe import ProbeRollout, probe_nfe, probe_rollout
+from .tree import TreeRollout, TreeSchedule, tree_rollout
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
@@ -23,17 +25,23 @@ __all__ = [
     "ConstantNoise",
     "NoiseSchedule",
     "PerStepNoise",
+    "ProbeRollout",
     "Rollout",
     "SDEWindow",
     "StepOutput",
     "Transitions",
+    "TreeRollout",
+    "TreeSchedule",
     "check_sigmas",
     "count_nfe",
     "gaussian_log_prob",
     "noise_schedule",
     "ode_step",
     "predict_x0",
+    "probe_nfe",
+    "probe_rollout",
     "rollout",
     "sde_mean_std",
     "sde_step",
+    "tree_rollout",
 ]

@@ -25,7 +25,9 @@ class Transitions:
     """A set of transitions over shared state storage. Per-transition fields have shape ``[N]``.
 
     ``states[src]`` is ``x_t`` and ``states[dst]`` is ``x_{t+1}``. ``std`` is the transition std actually used to draw
-    the sample (0 for ODE steps) and ``log_prob`` its log-density under the rollout policy (0 for ODE steps).
+    the sample (0 for ODE steps) and ``log_prob`` its log-density under the rollout policy (0 for ODE steps);
+    ``noise_scale`` is the factor by which that std exceeds the SDE's own (1 except on a tree's split edges), so a
+    recomputed log-prob uses the same density.
     ``sample_id`` is the trajectory (final image) a transition belongs to; ``group_id`` and ``prompt_id`` index the
     GRPO group and the prompt (the row of the conditioning batch).
     """
@@ -38,6 +40,7 @@ class Transitions:
     sigma_next: Tensor
     noise_level: Tensor
     std: Tensor
+    noise_scale: Tensor
     log_prob: Tensor
     stochastic: Tensor
     sample_id: Tensor
@@ -83,6 +86,19 @@ def count_nfe(velocity: Velocity, batch: int) -> int:
     return batch * int(getattr(velocity, "evals_per_sample", 1))
 
 
+def check_rollout_inputs(sigmas: Tensor, noise_levels: Tensor, kind: str, reduce: str, device) -> tuple[Tensor, Tensor]:
+    """Checked ``(sigmas on device, fp32 noise_levels [T])`` for a rollout of ``len(sigmas) - 1`` steps."""
+    sigmas = check_sigmas(sigmas).to(device)
+    check_kind(kind)
+    check_reduce(reduce)
+    num_steps = sigmas.numel() - 1
+    noise_levels = torch.as_tensor(noise_levels, dtype=torch.float32)
+    if noise_levels.shape != (num_steps,):
+        raise ValueError(f"noise_levels must have one entry per step ({num_steps}), got shape {tuple(noise_levels.shape)}")
+    check_noise_level(noise_levels, kind)
+    return sigmas, noise_levels
+
+
 @torch.no_grad()
 def rollout(
     velocity: Velocity,
@@ -102,14 +118,8 @@ def rollout(
     ``prompt_ids`` default to one group/prompt per row. Noise comes from ``generator`` (or one generator per row);
     states keep ``x_init``'s dtype.
     """
-    sigmas = check_sigmas(sigmas).to(x_init.device)
-    check_kind(kind)
-    check_reduce(reduce)
+    sigmas, noise_levels = check_rollout_inputs(sigmas, noise_levels, kind, reduce, x_init.device)
     num_steps = sigmas.numel() - 1
-    noise_levels = torch.as_tensor(noise_levels, dtype=torch.float32)
-    if noise_levels.shape != (num_steps,):
-        raise ValueError(f"noise_levels must have one entry per step ({num_steps}), got shape {tuple(noise_levels.shape)}")
-    check_noise_level(noise_levels, kind)
     batch, device = x_init.shape[0], x_init.device
     rows = torch.arange(batch, device=device)
     group_ids = rows if group_ids is None else torch.as_tensor(group_ids, device=device)
@@ -142,6 +152,7 @@ def rollout(
         sigma_next=per_step(sigmas[1:]),
         noise_level=per_step(noise_levels),
         std=torch.cat(stds),
+        noise_scale=torch.ones(num_steps * batch, device=device),
         log_prob=torch.cat(log_probs),
         stochastic=per_step(noise_levels) > 0,
         sample_id=rows.repeat(num_steps),

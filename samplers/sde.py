@@ -154,6 +154,7 @@ def sde_step(
     prev_sample: Tensor | None = None,
     reduce: str = "mean",
     generator: torch.Generator | list[torch.Generator] | None = None,
+    noise_scale: float | Tensor = 1.0,
 ) -> StepOutput:
     """One stochastic step ``x -> x'`` and its exact log-prob (formulas in the module docstring).
 
@@ -165,12 +166,21 @@ def sde_step(
 
     The sample is returned in ``x.dtype`` and its log-prob is evaluated on that returned (possibly rounded) sample,
     so recomputing the log-prob of the stored ``x'`` later gives a ratio of exactly 1.
+
+    ``noise_scale`` (scalar or ``[batch]``, > 0) widens the draw around the same mean: ``x' = mu + c std eps``, as
+    BranchGRPO's split steps do. The returned ``std`` and the log-prob use ``c std``, the std that actually produced
+    the sample (BranchGRPO's public code scores scaled noise with the unscaled std, which is not the density of
+    what it sampled).
     """
     check_kind(kind)
     check_reduce(reduce)
     check_noise_level(noise_level, kind)
     _check_decreasing(sigma, sigma_next)
     mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level)
+    scale = _per_sample(noise_scale, x)
+    if not (scale > 0).all():
+        raise ValueError(f"noise_scale must be > 0, got {_show(noise_scale)}")
+    std = std * scale
     if prev_sample is None:
         if noise is None:
             noise = standard_normal(x.shape, generator, x.device)

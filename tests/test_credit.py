@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowalign.credit import Tree, tree_advantages
+from flowalign.credit import Tree, depth_prune_mask, sliding_prune_steps, tree_advantages, width_prune_mask
 
 # root 0 -> {1, 2}; 1 -> {3, 4}; 2 -> {5, 6}: two levels, factor 2, leaves 3..6.
 TWO_LEVEL = [None, 0, 0, 1, 1, 2, 2]
@@ -80,3 +80,51 @@ def test_forest_normalises_each_tree_separately():
 def test_bad_trees_are_refused(parents, rewards, kwargs, message):
     with pytest.raises(ValueError, match=message):
         tree_advantages(parents, rewards, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- pruning
+# root 0 -> 1, 2 (first split); 1 -> 3, 4 and 2 -> 5, 6 (last split, depth 2); chains 3 -> 7, 4 -> 8, 5 -> 9, 6 -> 10.
+PRUNE_PARENTS = [None, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6]
+PRUNE_LEAF_REWARDS = [1.0, 4.0, 2.0, 3.0]
+
+
+def _kept(mask):
+    return [i for i, keep in enumerate(mask.tolist()) if keep]
+
+
+def test_width_pruning_top_keeps_the_best_child_of_each_last_split_parent():
+    _, advantages = tree_advantages(PRUNE_PARENTS, PRUNE_LEAF_REWARDS)
+    # Depth 2 rewards 1, 4, 2, 3: node 4 beats 3 under parent 1, node 6 beats 5 under parent 2.
+    mask = width_prune_mask(PRUNE_PARENTS, advantages, split_depth=2, mode="top", fraction=0.5)
+    assert _kept(mask) == [1, 2, 4, 6, 8, 10]
+
+
+def test_width_pruning_extremes_keeps_the_best_and_worst_branches_of_a_tree():
+    _, advantages = tree_advantages(PRUNE_PARENTS, PRUNE_LEAF_REWARDS)
+    mask = width_prune_mask(PRUNE_PARENTS, advantages, split_depth=2, mode="extremes", fraction=0.5)
+    assert _kept(mask) == [1, 2, 3, 4, 7, 8]  # best (4 -> 8) and worst (3 -> 7)
+
+
+def test_width_pruning_fraction_one_keeps_every_edge():
+    _, advantages = tree_advantages(PRUNE_PARENTS, PRUNE_LEAF_REWARDS)
+    for mode in ("top", "extremes"):
+        mask = width_prune_mask(PRUNE_PARENTS, advantages, split_depth=2, mode=mode, fraction=1.0)
+        assert _kept(mask) == list(range(1, 11))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="top", fraction=0.0), r"\(0, 1\]"),
+    (dict(mode="top", fraction=1.5), r"\(0, 1\]"),
+    (dict(mode="best", fraction=0.5), "mode"),
+])
+def test_width_pruning_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        width_prune_mask(PRUNE_PARENTS, torch.zeros(11), split_depth=2, **kwargs)
+
+
+def test_depth_pruning_drops_the_chosen_steps_and_slides():
+    node_step = torch.tensor([-1, 0, 0, 1, 1, 2, 2])
+    assert _kept(depth_prune_mask(node_step, [1])) == [0, 1, 2, 5, 6]
+    assert sliding_prune_steps([0, 1], 0.0, last_step=8) == [0, 1]
+    assert sliding_prune_steps([0, 1], 0.5, last_step=8) == [4, 5]
+    assert sliding_prune_steps([0, 1], 1.0, last_step=8) == [7, 8]

@@ -42,21 +42,42 @@ def small_run(model_path, out, **extra):
 
 
 def test_the_expected_presets_ship():
-    assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo"}
+    assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
+                                         "tempflow_grpo", "dense_grpo", "tp_grpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     for name in ("ddp", "fsdp", "deepspeed_zero2", "multi_node"):
         launch = yaml.safe_load((REPO / "configs/accelerate" / f"{name}.yaml").read_text())
         assert launch["distributed_type"] in {"MULTI_GPU", "FSDP", "DEEPSPEED"}
 
 
+# Rollout sizes that fit each preset's shape in a small run: a tree's leaves are its group, a probed trunk's
+# chunk holds all of a prompt's probe groups.
+SMALL_RUN_SHAPE = {
+    "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
+    "tempflow_grpo": {"sampling.batch_size": 8},
+}
+# (stochastic steps, NFEs of one iteration of 2 prompts: rollout + completions) at 10 steps, group 2 (16 for trees).
+EXPECTED = {
+    "flow_grpo": (9, 2 * 2 * 10),
+    "flow_grpo_fast": (2, 2 * 2 * 10),
+    "mix_grpo": (4, 2 * 2 * 10),
+    "dance_grpo": (9, 2 * 2 * 10),
+    "branch_grpo": (9, 2 * (1 + 2 + 2 + 4 + 4 + 8 + 8 + 16 * 3)),
+    "tempflow_grpo": (9, 2 * 7 + 2 * 2 * (9 + 7 + 5 + 3)),
+    "dense_grpo": (9, 2 * 2 * (10 + 55)),
+    "tp_grpo": (9, 2 * 2 * (10 + 55)),
+}
+
+
 @pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
 def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
-    config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path))
+    extra = SMALL_RUN_SHAPE.get(preset.stem, {})
+    config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
-    stochastic = config.sampling.stochastic_steps()
-    expected = {"flow_grpo": 9, "flow_grpo_fast": 2, "mix_grpo": 4, "dance_grpo": 9}[preset.stem]
-    assert stochastic == expected
+    stochastic, nfe = EXPECTED[preset.stem]
+    assert config.sampling.stochastic_steps() == stochastic
+    assert history[0]["nfe"] == nfe
 
 
 def test_method_presets_differ_only_in_their_knobs():

@@ -246,7 +246,7 @@ def test_split_is_disjoint_and_covers_vocabulary():
     assert not train_caps & test_caps
     assert len(train) + len(test) == len(P.all_prompts())
     held = {tag: len(v) for tag, v in _by_tag(test).items()}
-    assert held == {"single_object": 3, "two_object": 2, "counting": 3, "colors": 6, "position": 6,
+    assert held == {"single_object": 3, "two_object": 2, "counting": 3, "colors": 6, "position": 8,
                     "color_attr": 44}
     assert not _by_tag(train)["single_object"]
 
@@ -280,6 +280,23 @@ def _layout_key(entry):
 def test_split_holds_out_combinations_not_just_wordings():
     train, test = P.split_prompts()
     assert not {_layout_key(e) for e in train} & {_layout_key(e) for e in test}
+
+
+def _pair_axis(entry):
+    """Position entry -> (unordered shape pair, axis): what a mirrored caption has in common."""
+    ref, obj = entry["include"]
+    axis = "horizontal" if obj["position"][0] in ("left of", "right of") else "vertical"
+    return frozenset((ref["class"], obj["class"])), axis
+
+
+def test_position_split_holds_out_whole_pair_axes_not_mirrors():
+    train, test = P.split_prompts()
+    held = {_pair_axis(e) for e in test if e["tag"] == "position"}
+    assert len(held) == 2 and {axis for _, axis in held} == {"horizontal", "vertical"}
+    assert not held & {_pair_axis(e) for e in train if e["tag"] == "position"}
+    # Every relation word is still trained on some other pair.
+    trained = {e["include"][1]["position"][0] for e in train if e["tag"] == "position"}
+    assert trained == set(P.RELATIONS)
 
 
 def test_committed_prompt_files_match_split(tmp_path):

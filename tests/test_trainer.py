@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowalign.config import ConfigError, load_config
+from flowalign.credit import tree_advantages
 from flowalign.models.tiny import tiny_sd3_pipeline
 from flowalign.rewards import REWARDS, register_reward
 from flowalign.toy.prompts import split_prompts
@@ -283,3 +284,127 @@ def test_tag_balanced_prompt_sampling_gives_every_tag_equal_mass():
     assert prompt_weights(prompts, "uniform") is None
     with pytest.raises(ConfigError, match="data.prompt_sampling"):
         load_config(TrainConfig, overrides=["data.prompt_sampling=by_tag"])
+
+
+# ------------------------------------------------------------------------------------------------- trees
+def _credited(trainer, iteration=0):
+    prompts = trainer.prompts_for(iteration)
+    chunks = trainer.collect(iteration, prompts)
+    scores = trainer.score(prompts, chunks)
+    nfe = trainer.assign_credit(iteration, prompts, chunks, scores)
+    return chunks, scores, nfe
+
+
+TREE = {"rollout.shape": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
+        "rollout.split_noise_scale": 2.0}
+
+
+def test_tree_rollouts_train_with_ratio_one_and_count_nfes(tiny_model, tmp_path):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"train.iterations": 2, "optim.minibatches": 3})
+    history = trainer.train()
+    for metrics in history:
+        # 2 trees x (1 + 2 + 4 + 4) evaluations, against 8 x 4 = 32 for independent trajectories
+        assert metrics["nfe"] == 2 * 11
+        assert metrics["first_ratio_max"] == 1.0 and metrics["first_ratio_mean"] == 1.0
+        assert metrics["skipped"] == 0.0
+    assert any(m["ratio_max"] > 1.0 for m in history)
+
+
+def test_tree_credit_gives_edges_their_childs_depthwise_advantage(tiny_model, tmp_path):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"rollout.width_prune": "top",
+                                                                     "rollout.width_prune_fraction": 0.5})
+    chunks, scores, _ = _credited(trainer)
+    chunk = chunks[0]
+    result, t = chunk.rollout, chunk.rollout.transitions
+    leaf_rewards = scores.combined[:4].double()  # sampling.batch_size 4: one tree per chunk
+    _, expected = tree_advantages(result.parents, leaf_rewards)
+    torch.testing.assert_close(chunk.advantages, expected[t.dst].float())
+    # Width pruning after the last split (step 1): of each pair of siblings only the better branch is trained.
+    last = (t.step >= 1) & t.stochastic  # step 3 is the final ODE step, never trained
+    assert int((chunk.weights[last] > 0).sum()) == int(last.sum()) // 2
+    assert torch.all(chunk.weights[t.step == 0] == 1.0) and torch.all(chunk.weights[~t.stochastic] == 0.0)
+
+
+def test_tree_nan_leaves_are_not_trained(tiny_model, tmp_path):
+    class FirstNaN:
+        name = "first_nan"
+
+        def __call__(self, images, prompts, metadata):
+            scores = images.mean(dim=(1, 2, 3))
+            scores[0] = float("nan")
+            return scores
+
+    register_reward("first_nan", FirstNaN, overwrite=True)
+    try:
+        trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"reward.rewards": "[{name: first_nan}]"})
+        chunks, _, _ = _credited(trainer)
+    finally:
+        REWARDS.pop("first_nan")
+    t = chunks[0].rollout.transitions
+    # From the last split (step 1) on, the edges leading only to leaf 0 are not trained; the step-0 edge above it
+    # also leads to the valid leaf 1 and is.
+    weights = chunks[0].weights
+    only_leaf_0 = (t.sample_id == 0) & (t.step >= 1)
+    assert torch.all(weights[only_leaf_0] == 0)
+    assert torch.all(weights[(t.step <= 2) & ~only_leaf_0] == 1.0)
+    assert torch.isfinite(chunks[0].advantages).all()
+
+
+def test_tree_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
+    make_trainer(tiny_model, tmp_path / "full", **TREE, **{"train.iterations": 3}).train()
+    make_trainer(tiny_model, tmp_path / "part", **TREE, **{"train.iterations": 1}).train()
+    make_trainer(tiny_model, tmp_path / "part", **TREE, **{"train.iterations": 3, "train.resume": "latest"}).train()
+    a = load_file(str(final_checkpoint(tmp_path / "full") / "trainable.safetensors"))
+    b = load_file(str(final_checkpoint(tmp_path / "part") / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------- probes and step rewards
+def test_probe_groups_are_normalised_per_prompt_and_step_with_noise_aware_weights(tiny_model, tmp_path):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{
+        "rollout.shape": "probe", "rollout.probe_steps": "[0, 2]", "sampling.batch_size": 8,
+        "loss.step_weighting": "noise_aware"})
+    chunks, scores, _ = _credited(trainer)
+    t = chunks[0].rollout.transitions
+    assert len(t) == 8 and sorted(set(t.step.tolist())) == [0, 2]
+    for group in t.group_id.unique():
+        members = t.group_id == group
+        assert int(members.sum()) == 4 and len(set(t.step[members].tolist())) == 1
+        assert abs(float(chunks[0].advantages[members].mean())) < 1e-5
+    weights = chunks[0].weights
+    assert abs(float(weights.mean()) - 1.0) < 1e-5  # every probe edge is trained; mean weight 1
+    assert weights[t.step == 0].mean() > weights[t.step == 2].mean()  # more noise, more weight
+
+
+@pytest.mark.parametrize("estimator", ["dense", "return_to_go", "turning_point"])
+def test_step_reward_estimators_give_per_step_group_normalised_advantages(tiny_model, tmp_path, estimator):
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"step_reward.estimator": estimator})
+    chunks, _, nfe = _credited(trainer)
+    # sampling.num_steps 4: completions from x_0..x_3 cost 4 + 3 + 2 + 1 evaluations per sample (8 samples); dense
+    # and turning points need every state, return-to-go only the trained steps' sources (x_0, x_1, x_2).
+    assert nfe == 8 * (10 if estimator != "return_to_go" else 9)
+    for chunk in chunks:
+        t = chunk.rollout.transitions
+        trained = chunk.weights > 0
+        assert torch.equal(trained, t.stochastic)  # brightness is always finite
+        for key in (t.group_id * 4 + t.step)[trained].unique():
+            members = ((t.group_id * 4 + t.step) == key) & trained
+            assert abs(float(chunk.advantages[members].mean())) < 1e-5
+
+
+def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
+    out = tmp_path / "calibrated.yaml"
+    args = overrides(tiny_model, tmp_path / "cal", **{"train.iterations": 1})
+    result = subprocess.run([str(BIN / "flowalign"), "calibrate", *args, "--rounds", "2", "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = out.read_text()
+    assert text.startswith("# flowalign calibrate") and "# round 1:" in text
+    config = load_config(TrainConfig, out, [])
+    table = config.sampling.noise_table
+    assert len(table) == 4 and table[-1] == 0.0
+    # two rounds of +-0.01 from 0.7 on each stochastic step
+    assert all(round(level, 4) in (0.68, 0.7, 0.72) for level in table[:-1])
+    bad = subprocess.run([str(BIN / "flowalign"), "train", str(out), "sampling.num_steps=5"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "sampling.noise_table has 4 entries but sampling.num_steps = 5" in bad.stderr

@@ -1,0 +1,164 @@
+"""Sample efficiency of the method presets on the toy world, under one NFE budget.
+
+Every preset trains from the same toy model with the same shared settings (``--set key=value`` adds more) until its
+cumulative NFEs (rollout evaluations plus intermediate-state completions) reach ``--budget``. At ``--curve-points``
+evenly spaced fractions of the budget the policy (its EMA weights when there are any) is evaluated on the held-out
+toy prompts with the ODE, on the same captions and seeds as the base model, so every point is a *paired* gain with
+its standard error. Wall time counts training only (the evaluations are excluded).
+
+Each (preset, seed) runs in its own process and writes ``<out>/<preset>-seed<k>.json``; finished runs are skipped on
+a rerun, so the benchmark can be resumed and can run in the background across sessions. ``--report`` only rebuilds
+``<out>/methods.md`` and ``<out>/methods.json`` from the finished runs.
+
+    python bench/methods.py --presets flow_grpo,branch_grpo --seeds 0 [--budget 25600] [--images-per-prompt 16]
+    python bench/methods.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
+           "tp_grpo")
+# Shared by every run: short logs, no checkpoints or grids, the run's own evaluation off (the bench evaluates).
+COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
+          "optim.lr=5e-4"]
+
+
+def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt: int, extra: list[str],
+            out: Path) -> dict:
+    """Train ``preset`` until ``budget`` NFEs, evaluating at ``points`` fractions of it (runs in a child process)."""
+    import torch
+
+    from flowalign.config import load_config
+    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.evaluation.toy_eval import evaluate, paired_difference
+    from flowalign.train_config import TrainConfig
+    from flowalign.trainer import GRPOTrainer
+
+    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
+    overrides = [*COMMON, f"train.seed={seed}", f"train.out_dir={out / f'{preset}-seed{seed}.run'}", *extra]
+    config = load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides)
+    trainer = GRPOTrainer(config)
+    metadata = load_metadata(config.data.eval_prompts)
+    kwargs = dict(steps=10, images_per_prompt=images_per_prompt, seed=10_000 + seed)
+    trainer.model.transformer.eval()
+    with trainer.model.reference():
+        base, _, _ = evaluate(trainer.model, metadata, **kwargs)
+    targets = [budget * (k + 1) / points for k in range(points)]
+    curve, nfe, wall, iteration = [], 0, 0.0, 0
+    while targets:
+        start = time.perf_counter()
+        metrics = trainer.train_iteration(iteration)
+        wall += time.perf_counter() - start
+        if iteration == 0:  # the schedule's progress (sliding windows) needs the run length
+            config.train.iterations = max(2, math.ceil(budget / metrics["nfe"]))
+        iteration += 1
+        trainer.iteration = iteration
+        nfe += int(metrics["nfe"])
+        if nfe >= targets[0]:
+            while targets and nfe >= targets[0]:
+                targets.pop(0)
+            trainer.model.transformer.eval()
+            with trainer.ema_weights():
+                after, _, _ = evaluate(trainer.model, metadata, **kwargs)
+            paired = paired_difference(base, after)
+            curve.append({"iteration": iteration, "nfe": nfe, "wall_s": wall, "overall": paired["overall"],
+                          "tags": paired["tags"]})
+            print(f"{preset} seed {seed}: {nfe} NFEs, {wall:.0f} s, gain {paired['overall']['diff']:+.3f} "
+                  f"± {paired['overall']['se']:.3f}", flush=True)
+    return {"preset": preset, "seed": seed, "budget": budget, "overrides": overrides, "iterations": iteration,
+            "nfe": nfe, "wall_s": wall, "images_per_prompt": images_per_prompt, "curve": curve}
+
+
+def report(out: Path) -> None:
+    """``methods.md`` / ``methods.json``: per preset, the final paired gain (mean over seeds), wall time, and the NFE
+    at which it first reached flow_grpo's final score."""
+    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))]
+    if not runs:
+        print(f"no finished runs in {out}")
+        return
+    by_preset: dict[str, list[dict]] = {}
+    for run in runs:
+        by_preset.setdefault(run["preset"], []).append(run)
+    reference = by_preset.get("flow_grpo")
+    target = None
+    if reference:
+        target = sum(r["curve"][-1]["overall"]["diff"] for r in reference) / len(reference)
+    lines = ["| preset | seeds | NFE budget | iterations | final gain | SE | z | wall s | NFE to reach flow_grpo's "
+             "final gain (share of budget) |", "|---|---|---|---|---|---|---|---|---|"]
+    table = {}
+    for preset in [p for p in PRESETS if p in by_preset]:
+        group = by_preset[preset]
+        finals = [r["curve"][-1]["overall"] for r in group]
+        gain = sum(f["diff"] for f in finals) / len(finals)
+        se = math.sqrt(sum(f["se"] ** 2 for f in finals)) / len(finals)
+        reached = None
+        if target is not None:
+            mean_curve = [sum(r["curve"][k]["overall"]["diff"] for r in group) / len(group)
+                          for k in range(min(len(r["curve"]) for r in group))]
+            hit = next((k for k, value in enumerate(mean_curve) if value >= target), None)
+            if hit is not None:
+                reached = sum(r["curve"][hit]["nfe"] for r in group) / len(group)
+        budget = group[0]["budget"]
+        wall = sum(r["wall_s"] for r in group) / len(group)
+        iterations = sum(r["iterations"] for r in group) / len(group)
+        reach = "not reached" if reached is None else f"{reached:.0f} ({reached / budget:.0%})"
+        lines.append(f"| {preset} | {len(group)} | {budget} | {iterations:.0f} | {gain:+.3f} | {se:.3f} | "
+                     f"{gain / se if se else float('nan'):.1f} | {wall:.0f} | {reach} |")
+        table[preset] = {"seeds": [r["seed"] for r in group], "final_gain": gain, "se": se, "wall_s": wall,
+                         "nfe_to_reach_flow_grpo": reached, "curves": [r["curve"] for r in group]}
+    text = "\n".join(lines) + "\n"
+    (out / "methods.md").write_text(text)
+    (out / "methods.json").write_text(json.dumps({"flow_grpo_final_gain": target, "presets": table}, indent=1))
+    print(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--seeds", default="0")
+    parser.add_argument("--budget", type=int, default=25_600, help="NFEs per run (40 flow_grpo iterations of 640)")
+    parser.add_argument("--curve-points", type=int, default=4)
+    parser.add_argument("--images-per-prompt", type=int, default=16)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    parser.add_argument("--out", default=str(REPO / "bench/results/methods"))
+    parser.add_argument("--report", action="store_true", help="only rebuild the tables from finished runs")
+    parser.add_argument("--child", nargs=2, metavar=("PRESET", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.child:
+        preset, seed = args.child[0], int(args.child[1])
+        result = run_one(preset, seed, args.budget, args.curve_points, args.images_per_prompt, args.set, out)
+        (out / f"{preset}-seed{seed}.json").write_text(json.dumps(result, indent=1))
+        return
+    if not args.report:
+        unknown = sorted(set(args.presets.split(",")) - set(PRESETS))
+        if unknown:
+            parser.error(f"unknown presets {unknown}: choose from {', '.join(PRESETS)}")
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for preset in args.presets.split(","):
+                if (out / f"{preset}-seed{seed}.json").exists():
+                    print(f"{preset} seed {seed}: done, skipped")
+                    continue
+                command = [sys.executable, __file__, "--child", preset, str(seed), "--budget", str(args.budget),
+                           "--curve-points", str(args.curve_points), "--images-per-prompt",
+                           str(args.images_per_prompt), "--out", str(out)]
+                for item in args.set:
+                    command += ["--set", item]
+                done = subprocess.run(command, cwd=REPO)
+                if done.returncode != 0:
+                    raise SystemExit(f"{preset} seed {seed} failed (exit {done.returncode})")
+    report(out)
+
+
+if __name__ == "__main__":
+    main()

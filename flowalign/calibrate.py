@@ -1,0 +1,101 @@
+"""``flowalign calibrate``: DenseGRPO's per-step noise calibration, written as a config ``flowalign train`` takes.
+
+Reference: Deng et al. 2026, "DenseGRPO" (arXiv:2601.20218), Algorithm 1, and DESIGN.md §4. Before training, each
+round samples a batch of trajectories (the training config's prompts, group size and reward) with the current
+per-step noise levels ``psi``, scores the full ODE completion of every state (``R_0 .. R_T``), takes the dense
+rewards ``dR_t = R_{t+1} - R_t`` and updates every stochastic step's level with
+:func:`flowalign.step_rewards.calibrate_noise` (``+eps2`` where the signs of ``dR_t`` are balanced within ``eps1``,
+``-eps2`` otherwise). The paper's ``psi`` is the SDE's diffusion coefficient itself; here it is the noise *level*
+``a`` of ``sampling.kind`` per step (for ``flow_grpo`` the coefficient is ``a sqrt(s / (1 - s))``), so the table
+plugs into ``sampling.noise_table`` and works for every SDE kind.
+
+The output is a YAML config: ``base:`` the input config (when there is one), the command-line overrides, and
+``sampling.noise_table`` with the calibrated levels, plus the per-round history as comments. Train with it directly:
+``flowalign train calibrated.yaml``. Calibration runs SDE on every stochastic step of the base levels (an SDE window
+in the config is kept for training but ignored while calibrating, so every step is measured).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import yaml
+
+from .config import parse_yaml
+from .samplers import PerStepNoise
+from .step_rewards import calibrate_noise, dense_increments
+from .train_config import TrainConfig
+
+__all__ = ["calibrate", "write_calibrated_config"]
+
+
+def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: float = 0.01) -> tuple[list[float], list[dict]]:
+    """Run ``rounds`` calibration rounds; returns ``(levels, history)`` (one entry per round: levels used, the counts
+    of positive and negative ``dR`` per step)."""
+    from .trainer import GRPOTrainer
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if config.rollout.shape != "group":
+        raise ValueError(f"calibration samples independent trajectories: rollout.shape must be 'group', got "
+                         f"{config.rollout.shape!r}")
+    trainer = GRPOTrainer(config)
+    num_steps = config.sampling.num_steps
+    levels = torch.tensor(config.sampling._levels(), dtype=torch.float64)
+    stochastic = [t for t in range(num_steps) if levels[t] > 0]
+    high = 1.0 if config.sampling.kind == "cps" else None
+    history = []
+    trainer.model.transformer.eval()
+    for r in range(rounds):
+        trainer.schedule = PerStepNoise(tuple(float(x) for x in levels))
+        prompts = trainer.prompts_for(r)
+        chunks = trainer.collect(r, prompts)
+        scores = trainer.score(prompts, chunks)
+        increments, offset = [], 0
+        for chunk in chunks:
+            count = len(chunk.sample_ids)
+            rewards, _ = trainer.intermediate_rewards(prompts, chunk, set(range(num_steps + 1)),
+                                                      scores.combined[offset: offset + count],
+                                                      scores.valid[offset: offset + count])
+            increments.append(dense_increments(rewards))
+            offset += count
+        dr = torch.cat(increments)
+        history.append({
+            "round": r,
+            "levels": [round(float(x), 4) for x in levels],
+            "positive": [int((dr[:, t] > 0).sum()) for t in range(num_steps)],
+            "negative": [int((dr[:, t] < 0).sum()) for t in range(num_steps)],
+        })
+        levels = calibrate_noise(levels, dr, eps1=eps1, eps2=eps2, steps=stochastic, high=high)
+        print(f"round {r}: dR>0 {history[-1]['positive']}, dR<0 {history[-1]['negative']} -> "
+              f"levels {[round(float(x), 3) for x in levels]}")
+    return [round(float(x), 6) for x in levels], history
+
+
+def write_calibrated_config(out: str | os.PathLike, levels: list[float], history: list[dict], *,
+                            base: str | None, overrides: list[str], eps1: float, eps2: float) -> Path:
+    """Write the calibrated config (see the module docstring); the file is written whole or not at all."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body: dict = {}
+    if base is not None:
+        body["base"] = os.path.relpath(Path(base).resolve(), out.parent.resolve())
+    for item in overrides:
+        key, _, value = item.partition("=")
+        node = body
+        *parents, leaf = key.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = parse_yaml(value, f"override {key}", lines=False)
+    body.setdefault("sampling", {})["noise_table"] = levels
+    lines = [f"# flowalign calibrate: DenseGRPO noise calibration, {len(history)} rounds, eps1={eps1}, eps2={eps2}"]
+    for entry in history:
+        lines.append(f"# round {entry['round']}: levels {entry['levels']} dR>0 {entry['positive']} "
+                     f"dR<0 {entry['negative']}")
+    text = "\n".join(lines) + "\n" + yaml.safe_dump(body, sort_keys=False)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, out)
+    return out
