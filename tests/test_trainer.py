@@ -197,28 +197,48 @@ def test_cli_reports_bad_config_with_exit_code_2(tmp_path):
     assert result.returncode == 2 and "missing.yaml" in result.stderr
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process(tiny_model, tmp_path):
-    """torchrun --nproc_per_node 2 with gloo on CPU: same advantages and same updated weights as one process."""
-    args = overrides(tiny_model, tmp_path / "one", **{"train.iterations": 2, "optim.minibatches": 3})
-    one = run_cli(args, timeout=300)
+def _one_vs_two_processes(tiny_model, tmp_path, **extra):
+    """Train 2 iterations with 1 process and with ``torchrun --nproc_per_node 2`` (gloo on CPU); return the two final
+    checkpoints."""
+    settings = {"train.iterations": 2, "optim.minibatches": 3, **extra}
+    one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
-    args2 = overrides(tiny_model, tmp_path / "two", **{"train.iterations": 2, "optim.minibatches": 3})
     two = subprocess.run(
-        [str(BIN / "torchrun"), "--nproc_per_node", "2", "-m", "flowalign.cli", "train", *args2],
+        [str(BIN / "torchrun"), "--nproc_per_node", "2", "-m", "flowalign.cli", "train",
+         *overrides(tiny_model, tmp_path / "two", **settings)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert two.returncode == 0, two.stderr[-2000:]
-    a, b = final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
-    assert (b / "rng-1.pt").is_file()  # both processes wrote their RNG state
+    return final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
     state_a, state_b = json.loads((a / "state.json").read_text()), json.loads((b / "state.json").read_text())
     torch.testing.assert_close(torch.tensor(state_a["last_advantages"]), torch.tensor(state_b["last_advantages"]),
                                rtol=0, atol=1e-4)
     assert [m["reward"] for m in state_a["history"]] == pytest.approx([m["reward"] for m in state_b["history"]], abs=1e-6)
+    assert [m["nfe"] for m in state_a["history"]] == [m["nfe"] for m in state_b["history"]]
     wa, wb = load_file(str(a / "trainable.safetensors")), load_file(str(b / "trainable.safetensors"))
     moved = max((wa[k] - torch.zeros_like(wa[k])).abs().max().item() for k in wa if "lora_B" in k)
     assert moved > 1e-3  # the update is real...
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5 * max(1.0, moved * 100)  # ...and the same
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process(tiny_model, tmp_path):
+    """torchrun --nproc_per_node 2 with gloo on CPU: same advantages and same updated weights as one process."""
+    a, b = _one_vs_two_processes(tiny_model, tmp_path)
+    assert (b / "rng-1.pt").is_file()  # both processes wrote their RNG state
+    _assert_same_run(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["tree", "dense"])
+def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
+    """Each process grows whole trees / scores whole groups' intermediate states: the run does not depend on it."""
+    extra = TREE if shape == "tree" else {"step_reward.estimator": "dense"}
+    a, b = _one_vs_two_processes(tiny_model, tmp_path, **extra)
+    _assert_same_run(a, b)
 
 
 @pytest.mark.slow
