@@ -35,15 +35,12 @@ COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0
 def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt: int, extra: list[str],
             out: Path) -> dict:
     """Train ``preset`` until ``budget`` NFEs, evaluating at ``points`` fractions of it (runs in a child process)."""
-    import torch
-
     from flowalign.config import load_config
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import evaluate, paired_difference
     from flowalign.train_config import TrainConfig
     from flowalign.trainer import GRPOTrainer
 
-    torch.set_num_threads(int(__import__("os").environ.get("OMP_NUM_THREADS", "2")))
     overrides = [*COMMON, f"train.seed={seed}", f"train.out_dir={out / f'{preset}-seed{seed}.run'}", *extra]
     config = load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides)
     trainer = GRPOTrainer(config)

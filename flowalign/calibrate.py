@@ -43,7 +43,7 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
                          f"{config.rollout.shape!r}")
     trainer = GRPOTrainer(config)
     num_steps = config.sampling.num_steps
-    levels = torch.tensor(config.sampling._levels(), dtype=torch.float64)
+    levels = torch.tensor(config.sampling.base_levels(), dtype=torch.float64)
     stochastic = [t for t in range(num_steps) if levels[t] > 0]
     high = 1.0 if config.sampling.kind == "cps" else None
     history = []

@@ -137,7 +137,7 @@ def leaf_mean(tree: Tree, leaf_values: Tensor | Sequence[float]) -> Tensor:
 
 
 def tree_advantages(
-    parents: Sequence[int | None],
+    parents: Sequence[int | None] | Tree,
     leaf_rewards: Tensor | Sequence[float],
     *,
     fusion: str = "mean",
@@ -150,7 +150,7 @@ def tree_advantages(
     """
     if fusion not in FUSIONS:
         raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
-    tree = Tree(parents)
+    tree = parents if isinstance(parents, Tree) else Tree(parents)
     leaf_rewards = torch.as_tensor(leaf_rewards, dtype=torch.float64).flatten()
     if leaf_rewards.numel() != len(tree.leaves):
         raise ValueError(f"the tree has {len(tree.leaves)} leaves but {leaf_rewards.numel()} leaf rewards were given")

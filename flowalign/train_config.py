@@ -163,7 +163,7 @@ class SamplingConfig:
     )
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
 
-    def _levels(self) -> list[float]:
+    def base_levels(self) -> list[float]:
         """Levels before any window: the table, or the constant level with the last step an ODE step."""
         if self.noise_table is not None:
             return list(self.noise_table)
@@ -176,7 +176,7 @@ class SamplingConfig:
         return range(self.window_first, (latest if self.window_last is None else self.window_last) + 1)
 
     def _stochastic_counts(self) -> set[int]:
-        levels = self._levels()
+        levels = self.base_levels()
         if self.window_size is None:
             return {sum(level > 0 for level in levels)}
         return {sum(level > 0 for level in levels[s : s + self.window_size]) for s in self._window_starts()}
@@ -236,7 +236,7 @@ class SamplingConfig:
 
     def always_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
-        levels = self._levels()
+        levels = self.base_levels()
         stochastic = {i for i, level in enumerate(levels) if level > 0}
         if self.window_size is None:
             return stochastic

@@ -391,7 +391,7 @@ class GRPOTrainer:
             rewards[members & ~valid] = rewards[good].mean() if good.any() else 0.0
         edge_log_probs = torch.zeros(len(tree), dtype=torch.float64)
         edge_log_probs[result.transitions.dst] = result.transitions.log_prob.double()
-        _, advantages = tree_advantages(tree.parents, rewards, fusion=cfg.rollout.fusion, edge_log_probs=edge_log_probs)
+        _, advantages = tree_advantages(tree, rewards, fusion=cfg.rollout.fusion, edge_log_probs=edge_log_probs)
         advantages = advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip)
         keep = torch.tensor([p is not None for p in tree.parents])
         keep &= leaf_mean(tree, valid.double()) > 0

@@ -26,6 +26,8 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
+from flowalign.samplers import ode_step, predict_x0
+
 __all__ = ["CLEAN_ESTIMATES", "IntermediateScorer", "completion_sigmas"]
 
 CLEAN_ESTIMATES = ("x0", "ode")
@@ -83,12 +85,12 @@ class IntermediateScorer:
         if self.estimate == "x0":
             v = self.velocity(x, sigma.expand(x.shape[0]), rows)
             self.nfe += x.shape[0]
-            return (x.float() - sigma * v.float()).to(x.dtype)
+            return predict_x0(x, v, sigma).to(x.dtype)
         path = completion_sigmas(self.sigmas, k, self.ode_steps)
         for s, s_next in zip(path[:-1], path[1:]):
             v = self.velocity(x, s.expand(x.shape[0]), rows)
             self.nfe += x.shape[0]
-            x = (x.float() + (s_next - s) * v.float()).to(x.dtype)
+            x = ode_step(x, v, s, s_next)
         return x
 
     @torch.no_grad()

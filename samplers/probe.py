@@ -115,7 +115,7 @@ def probe_rollout(
             mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=float(noise_levels[i]))
             mean, std = mean.repeat_interleave(children, 0), std.repeat_interleave(children, 0)
             owner = rows.repeat_interleave(children)
-            child = (mean + std * _noise(mean.shape, owner, generator, device)).to(x.dtype)
+            child = (mean + std * standard_normal(mean.shape, generator, device, owner=owner)).to(x.dtype)
             trunk_states.append(x)
             child_states.append(child)
             step_of.append(torch.full((child.shape[0],), i, device=device))
@@ -152,9 +152,3 @@ def probe_rollout(
     )
     final = torch.cat([a for a, _ in alive])[order]
     return ProbeRollout(transitions=transitions, final=final, nfe=nfe, probe_steps=steps, children=children)
-
-
-def _noise(shape, owner: Tensor, generator, device) -> Tensor:
-    if isinstance(generator, (list, tuple)):
-        return standard_normal(shape, [generator[int(p)] for p in owner], device)
-    return standard_normal(shape, generator, device)

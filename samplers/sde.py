@@ -194,10 +194,17 @@ def sde_step(
 
 
 def standard_normal(
-    shape: tuple[int, ...], generator: torch.Generator | list[torch.Generator] | None, device: torch.device
+    shape: tuple[int, ...],
+    generator: torch.Generator | list[torch.Generator] | None,
+    device: torch.device,
+    owner: Tensor | None = None,
 ) -> Tensor:
-    """fp32 N(0, 1) noise of ``shape``; with a list of generators, row ``i`` comes from ``generator[i]``."""
+    """fp32 N(0, 1) noise of ``shape``. With a list of generators, row ``i`` comes from ``generator[i]``, or from
+    ``generator[owner[i]]`` when ``owner`` is given (rows sharing an owner draw from it in row order: a tree's nodes
+    from their tree's generator)."""
     if isinstance(generator, (list, tuple)):
+        if owner is not None:
+            generator = [generator[int(k)] for k in owner]
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]}: give one per row")
         rows = [torch.randn(shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generator]

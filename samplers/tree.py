@@ -156,13 +156,11 @@ def tree_rollout(
             scale = schedule.split_noise_scale if b > 1 else 1.0
             mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=level)
             mean, std = mean.repeat_interleave(b, 0), std.repeat_interleave(b, 0) * scale
-            noise = _tree_noise(mean.shape, child_tree, generator, device)
+            noise = standard_normal(mean.shape, generator, device, owner=child_tree)
             x_next = (mean + std * noise).to(x.dtype)
             log_prob = gaussian_log_prob(x_next, mean, std, reduce)
             std = std.reshape(-1)
         else:
-            if b > 1:
-                raise AssertionError("unreachable: schedule.check rejects ODE split steps")
             x_next = ode_step(x, v, sigma, sigma_next)
             std = log_prob = torch.zeros(x.shape[0], device=device)
             scale = 1.0
@@ -214,13 +212,6 @@ def tree_rollout(
         node_step=torch.tensor(node_step, device=device),
         leaf_nodes=first_id + torch.arange(levels[-1].shape[0], device=device),
     )
-
-
-def _tree_noise(shape, child_tree: Tensor, generator, device) -> Tensor:
-    """Standard normal noise for the children; with one generator per tree, tree ``r`` draws from ``generator[r]``."""
-    if isinstance(generator, (list, tuple)):
-        return standard_normal(shape, [generator[int(r)] for r in child_tree], device)
-    return standard_normal(shape, generator, device)
 
 
 def _first_leaf_below(parents: list[int | None], first_leaf_id: int, num_leaves: int, device) -> Tensor:
