@@ -92,6 +92,9 @@ def _add_eval_toy(group) -> None:
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="ODE steps")
     parser.add_argument("--images-per-prompt", type=positive_int, default=defaults.images_per_prompt)
+    parser.add_argument("--images-per-tag", type=positive_int, default=None,
+                        help="tag-balanced: this many images per tag, split evenly over its prompts (replaces "
+                        "--images-per-prompt; equal tag sizes minimise the standard error of GenEval's overall)")
     parser.add_argument("--guidance", type=non_negative_float, default=defaults.guidance_scale,
                         help="guidance scale (CFG with negative prompt '' when > 1)")
     parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
@@ -110,6 +113,7 @@ def _run_eval_toy(args: argparse.Namespace) -> None:
         prompts=args.prompts,
         steps=args.steps,
         images_per_prompt=args.images_per_prompt,
+        images_per_tag=args.images_per_tag,
         guidance_scale=args.guidance,
         seed=args.seed,
         batch_size=args.batch_size,

@@ -472,7 +472,14 @@ class RunConfig:
     checkpoint_every: int = option(10, "save a checkpoint every this many iterations; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
     eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
-    eval_images_per_prompt: int = option(48, "images per prompt in the final evaluation")
+    eval_images_per_tag: int = option(
+        528,
+        "images per tag in the final evaluation, split evenly over the tag's prompts (GenEval's overall is the "
+        "unweighted mean of tags, so equal tag sizes minimise its standard error)",
+    )
+    eval_images_per_prompt: int | None = option(
+        None, "images per prompt in the final evaluation instead of train.eval_images_per_tag; null = per tag"
+    )
     eval_steps: int = option(10, "ODE steps per image in the final evaluation")
     tracker: Literal["tensorboard", "wandb", "none"] = option("tensorboard", "where metrics are logged")
     resume: str | None = option(None, "checkpoint directory to resume from; its config must match this one")
@@ -485,6 +492,7 @@ class RunConfig:
             ("sample_every", 0),
             ("checkpoint_every", 0),
             ("keep_checkpoints", 1),
+            ("eval_images_per_tag", 1),
             ("eval_images_per_prompt", 1),
             ("eval_steps", 1),
         ):

@@ -61,8 +61,8 @@ from .train_config import TrainConfig
 _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
 # Keys that may change between a checkpoint and its resumption.
 RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
-                  "train.tracker", "train.eval_images_per_prompt", "train.eval_steps", "train.keep_checkpoints",
-                  "train.checkpoint_every", "train.out_dir")
+                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
+                  "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir")
 
 
 @dataclass
@@ -642,14 +642,15 @@ class GRPOTrainer:
     @torch.no_grad()
     def evaluate_before_after(self) -> dict | None:
         """Held-out toy GenEval of the reference (LoRA off) and the trained policy on identical seeds."""
-        from .evaluation.toy_eval import evaluate, paired_difference
+        from .evaluation.toy_eval import evaluate, images_per_tag, paired_difference
 
         if not self.is_main:
             self.accelerator.wait_for_everyone()
             return None
         cfg = self.config
         metadata = load_metadata(cfg.data.eval_prompts)
-        kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=cfg.train.eval_images_per_prompt,
+        counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, cfg.train.eval_images_per_tag)
+        kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts,
                       seed=cfg.train.seed + 10_000, image_size=cfg.sampling.image_size)
         self.model.transformer.eval()
         with self.model.reference():

@@ -16,6 +16,7 @@ from flowalign.evaluation.images import cell_size, save_grid, to_uint8, wrap_cap
 from flowalign.evaluation.toy_eval import (
     EvalConfig,
     generate,
+    images_per_tag,
     initial_noise,
     paired_difference,
     run_eval,
@@ -94,6 +95,31 @@ def test_noise_and_images_do_not_depend_on_batch_size(model_dir):
     assert one.shape == (4, 3, 32, 32)
     # Same noise per sample; only floating-point reassociation across batch shapes may differ.
     assert torch.allclose(one, three, atol=1e-5)
+
+
+def test_images_per_tag_balances_tags_and_generate_takes_per_prompt_counts(model_dir):
+    metadata = load_metadata(PROMPT_ASSET_DIR / "test.jsonl")
+    counts = images_per_tag(metadata, 528)
+    per_tag = {}
+    for entry, count in zip(metadata, counts):
+        per_tag[entry["tag"]] = per_tag.get(entry["tag"], 0) + count
+    # 44 color_attr prompts get 12 images each, the 2 two_object prompts 264 each
+    assert per_tag == {tag: 528 for tag in per_tag} and len(per_tag) == 6
+    tagged = [{"tag": "a"}, {"tag": "a"}, {"tag": "a"}, {"tag": "b"}, {}]
+    assert images_per_tag(tagged, 4) == [2, 2, 2, 4, 4]  # rounded up; an untagged entry is its own group
+    with pytest.raises(ValueError, match="per_tag"):
+        images_per_tag(tagged, 0)
+
+    model = load_flow_model(model_dir)
+    two = metadata[:2]
+    ragged = generate(model, two, steps=2, images_per_prompt=[1, 3], seed=7)
+    full = generate(model, two, steps=2, images_per_prompt=3, seed=7)
+    assert ragged.shape[0] == 4
+    assert torch.allclose(ragged[0], full[0], atol=1e-5) and torch.allclose(ragged[1:], full[3:], atol=1e-5)
+    with pytest.raises(ValueError, match="2 counts for 1 prompts"):
+        generate(model, two[:1], steps=2, images_per_prompt=[1, 3])
+    with pytest.raises(ValueError, match="images_per_prompt"):
+        generate(model, two, steps=2, images_per_prompt=[1, 0])
 
 
 def test_paired_difference_hand_computed():

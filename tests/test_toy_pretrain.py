@@ -42,6 +42,22 @@ def test_scene_stream_uses_training_prompts_only_and_is_seeded():
     assert len({tags[c] for c in captions}) == 5  # every training tag is sampled
 
 
+def test_scene_stream_tag_weights():
+    train, _ = split_prompts()
+    tags = {entry["prompt"]: entry["tag"] for entry in train}
+    stream = SceneStream(train, seed=0, tag_weights={"color_attr": 2.0, "counting": 0.0})
+    assert dict(zip(stream.tags, stream.tag_probs.round(6))) == {
+        "color_attr": 0.4, "colors": 0.2, "counting": 0.0, "position": 0.2, "two_object": 0.2
+    }
+    captions, _ = stream.batch(200)
+    drawn = [tags[c] for c in captions]
+    assert "counting" not in drawn and 0.3 < drawn.count("color_attr") / 200 < 0.5
+    with pytest.raises(ValueError, match=r"no training prompt: \['single_object'\]"):
+        SceneStream(train, seed=0, tag_weights={"single_object": 1.0})
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        SceneStream(train, seed=0, tag_weights={"colors": -1.0})
+
+
 def test_learning_rate_schedule():
     assert cosine_with_warmup(0, 100, 10) == 0.1
     assert cosine_with_warmup(10, 100, 10) == 1.0

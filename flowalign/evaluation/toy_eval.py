@@ -2,13 +2,18 @@
 
 ``run_eval(EvalConfig(...))`` is what ``flowalign eval toy`` runs. The pieces are usable on their own:
 
-* ``generate``: ODE samples, prompt-major (image ``k`` of prompt ``p`` is row ``p * K + k``). The initial noise of
+* ``generate``: ODE samples, prompt-major (all images of prompt 0, then of prompt 1, ...). The initial noise of
   sample ``(p, k)`` comes from its own CPU ``torch.Generator`` seeded with ``sample_seed(seed, p, k)``, so it does not
   depend on the batch size or on the other prompts in the batch, and two models (say before and after training) are
   compared on identical noise.
 * ``evaluate``: ``generate`` + the toy detector + GenEval's rules -> per-image results and the GenEval summary.
 * ``paired_difference``: the per-tag and overall difference between two evaluations on the same samples, with
   standard errors from the paired per-sample differences.
+* ``images_per_tag``: a tag-balanced sample allocation. GenEval's overall is the unweighted mean of its tag means,
+  so its variance is ``sum_t var_t / (36 n_t)``; with a fixed number of images per prompt a tag with 2 prompts (the toy
+  test set has 44 color_attr prompts and 2 two_object ones) gets 22x fewer samples than another and dominates the
+  standard error. Equal samples per tag, split evenly over each tag's prompts, roughly halves the overall standard
+  error on the toy test set at the same total.
 
 Images are kept in memory as one float tensor: this is meant for the toy world's small images, not for thousands of
 1024 px samples.
@@ -37,6 +42,7 @@ __all__ = [
     "default_prompts_path",
     "evaluate",
     "generate",
+    "images_per_tag",
     "paired_difference",
     "run_eval",
     "sample_seed",
@@ -58,6 +64,7 @@ class EvalConfig:
     """Settings of one toy evaluation (``flowalign eval toy``).
 
     ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``; ``max_prompts`` keeps its first prompts.
+    ``images_per_tag``, when set, replaces ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``).
     ``device`` defaults to CUDA when available.
     """
 
@@ -65,6 +72,7 @@ class EvalConfig:
     prompts: str | None = None
     steps: int = 10
     images_per_prompt: int = 4
+    images_per_tag: int | None = None
     guidance_scale: float = 1.0
     seed: int = 0
     batch_size: int = 64
@@ -82,6 +90,8 @@ class EvalConfig:
             seed=self.seed,
             batch_size=self.batch_size,
         )
+        if self.images_per_tag is not None and (not _is_int(self.images_per_tag) or self.images_per_tag < 1):
+            raise ValueError(f"images_per_tag must be an integer >= 1 (or None), got {self.images_per_tag!r}")
         if self.max_prompts is not None and (not _is_int(self.max_prompts) or self.max_prompts < 1):
             raise ValueError(f"max_prompts must be an integer >= 1 (or None for all), got {self.max_prompts!r}")
 
@@ -91,10 +101,16 @@ def _is_int(value: Any) -> bool:
 
 
 def check_sampling_args(*, steps, images_per_prompt, guidance_scale, seed, batch_size) -> None:
-    """Validate the sampling settings shared by ``generate``, ``evaluate`` and ``EvalConfig``."""
-    for name, value in (("steps", steps), ("images_per_prompt", images_per_prompt), ("batch_size", batch_size)):
+    """Validate the sampling settings shared by ``generate``, ``evaluate`` and ``EvalConfig``.
+
+    ``images_per_prompt`` is one count for every prompt or a sequence with one count per prompt.
+    """
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not _is_int(value) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    counts = images_per_prompt if isinstance(images_per_prompt, Sequence) else [images_per_prompt]
+    if not counts or not all(_is_int(value) and value >= 1 for value in counts):
+        raise ValueError(f"images_per_prompt must be an integer >= 1 or a list of them, got {images_per_prompt!r}")
     if not _is_int(seed) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not (
@@ -119,8 +135,28 @@ def _prompt_text(entry: Any) -> str:
     return entry["prompt"] if isinstance(entry, Mapping) else str(entry)
 
 
-def _rows(num_prompts: int, images_per_prompt: int) -> list[tuple[int, int]]:
-    return [(p, k) for p in range(num_prompts) for k in range(images_per_prompt)]
+def images_per_tag(metadata_list: Sequence[Mapping[str, Any]], per_tag: int) -> list[int]:
+    """Images for each prompt so that every tag gets ``per_tag`` of them (rounded up), evenly over its prompts.
+
+    A tag with ``m`` prompts gives each ``ceil(per_tag / m)`` images. Entries without a tag count as one tag ``""``.
+    """
+    if not _is_int(per_tag) or per_tag < 1:
+        raise ValueError(f"per_tag must be an integer >= 1, got {per_tag!r}")
+    tags = [str(entry.get("tag", "")) if isinstance(entry, Mapping) else "" for entry in metadata_list]
+    prompts_in = {tag: tags.count(tag) for tag in set(tags)}
+    return [math.ceil(per_tag / prompts_in[tag]) for tag in tags]
+
+
+def _rows(num_prompts: int, images_per_prompt: int | Sequence[int]) -> list[tuple[int, int]]:
+    if isinstance(images_per_prompt, Sequence):
+        if len(images_per_prompt) != num_prompts:
+            raise ValueError(
+                f"images_per_prompt has {len(images_per_prompt)} counts for {num_prompts} prompts: give one per prompt"
+            )
+        counts = list(images_per_prompt)
+    else:
+        counts = [images_per_prompt] * num_prompts
+    return [(p, k) for p in range(num_prompts) for k in range(counts[p])]
 
 
 def initial_noise(model, rows: Sequence[tuple[int, int]], seed: int, image_size=None) -> Tensor:
@@ -147,13 +183,14 @@ def generate(
     metadata_list: Sequence[Mapping[str, Any]],
     *,
     steps: int = 10,
-    images_per_prompt: int = 4,
+    images_per_prompt: int | Sequence[int] = 4,
     guidance_scale: float = 1.0,
     seed: int = 0,
     batch_size: int = 64,
     image_size: int | Sequence[int] | None = None,
 ) -> Tensor:
-    """ODE samples ``[P * K, 3, H, W]`` in [0, 1] (CPU, fp32), image ``k`` of prompt ``p`` at row ``p * K + k``.
+    """ODE samples ``[N, 3, H, W]`` in [0, 1] (CPU, fp32), prompt-major: with ``K`` images for every prompt, image
+    ``k`` of prompt ``p`` is row ``p * K + k``. ``images_per_prompt`` may instead give one count per prompt.
 
     CFG-free unless the model uses CFG at ``guidance_scale`` (then the negative prompt is ""). The noise of each
     sample depends only on ``(seed, p, k)``; rows are processed ``batch_size`` at a time under ``torch.no_grad()``.
@@ -183,7 +220,7 @@ def evaluate(
     metadata_list: Sequence[Mapping[str, Any]],
     *,
     steps: int = 10,
-    images_per_prompt: int = 4,
+    images_per_prompt: int | Sequence[int] = 4,
     guidance_scale: float = 1.0,
     seed: int = 0,
     batch_size: int = 64,
@@ -191,8 +228,8 @@ def evaluate(
 ) -> tuple[list[dict], dict, Tensor]:
     """Generate, detect and judge: ``(results, summary, images)``.
 
-    ``results[p * K + k]`` is ``{prompt_id: p, prompt, tag, image_index: k, seed: sample_seed(seed, p, k), correct,
-    reason}``; ``summary`` is ``geneval.summarize(results)``.
+    One result per image, in ``generate``'s row order: ``{prompt_id: p, prompt, tag, image_index: k,
+    seed: sample_seed(seed, p, k), correct, reason}``; ``summary`` is ``geneval.summarize(results)``.
     """
     from flowalign.toy.detector import detect_batch
 
@@ -343,12 +380,15 @@ def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
     n_images, n_prompts = summary["n_images"], summary["n_prompts"]
     images_ok = round(summary["images_correct"] * n_images)
     prompts_ok = round(summary["prompts_correct"] * n_prompts)
+    if config.images_per_tag:
+        allocation = f"{config.images_per_tag} images per tag"
+    else:
+        allocation = f"{config.images_per_prompt} images per prompt"
     return "\n".join(
         [
             f"# Toy GenEval: {config.model}",
             "",
-            f"{config.steps} ODE steps, {config.images_per_prompt} images per prompt, "
-            f"guidance {config.guidance_scale:g}, seed {config.seed}",
+            f"{config.steps} ODE steps, {allocation}, guidance {config.guidance_scale:g}, seed {config.seed}",
             "",
             format_table(summary),
             "",
@@ -379,11 +419,12 @@ def run_eval(config: EvalConfig) -> dict:
     model_path = resolve_model_path(config.model)
     model = load_flow_model(model_path, dtype=config.dtype, device=config.device or _default_device())
 
+    counts = images_per_tag(metadata, config.images_per_tag) if config.images_per_tag else config.images_per_prompt
     results, summary, images = evaluate(
         model,
         metadata,
         steps=config.steps,
-        images_per_prompt=config.images_per_prompt,
+        images_per_prompt=counts,
         guidance_scale=config.guidance_scale,
         seed=config.seed,
         batch_size=config.batch_size,

@@ -12,7 +12,9 @@ only (held-out captions are never seen):
    (Esser et al. 2024, "Scaling Rectified Flow Transformers", §3.1). 10% of captions are replaced by the empty
    string so classifier-free guidance works. AdamW with warmup and cosine decay; an EMA of the weights is saved.
 
-Tags are sampled uniformly (then a prompt within the tag), so the 136 color_attr captions do not drown the rest.
+Tags are sampled by ``tag_weights`` (then a prompt within the tag uniformly), so the 136 color_attr captions do not
+drown the rest. color_attr gets twice the weight of the other tags: it is the hardest tag (two objects, each with its
+own shape and colour), and at equal weight it stayed the weakest held-out tag (0.028 at 5,500 steps).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +46,7 @@ class PretrainConfig:
     vae_batch_size: int = 64
     vae_lr: float = 2e-3
     kl_weight: float = 1e-6
-    steps: int = 5500
+    steps: int = 6200
     batch_size: int = 64
     lr: float = 1e-3
     warmup_steps: int = 200
@@ -53,6 +55,7 @@ class PretrainConfig:
     empty_caption_prob: float = 0.1
     shift: float = 1.0
     threads: int = 2
+    tag_weights: dict = field(default_factory=lambda: {"color_attr": 2.0})  # tags not listed weigh 1
 
 
 ARCHITECTURE = dict(
@@ -79,19 +82,30 @@ ARCHITECTURE = dict(
 
 
 class SceneStream:
-    """Random (caption, image) batches from the training prompts: tag uniform, then prompt uniform."""
+    """Random (caption, image) batches from the training prompts: a tag by ``tag_weights`` (default 1), then a prompt
+    of that tag uniformly."""
 
-    def __init__(self, prompts: list[dict], seed: int):
+    def __init__(self, prompts: list[dict], seed: int, tag_weights: dict[str, float] | None = None):
         self.by_tag: dict[str, list[dict]] = {}
         for entry in prompts:
             self.by_tag.setdefault(entry["tag"], []).append(entry)
         self.tags = sorted(self.by_tag)
+        weights = dict(tag_weights or {})
+        unknown = sorted(set(weights) - set(self.tags))
+        if unknown:
+            raise ValueError(f"tag_weights names tags with no training prompt: {unknown}; the tags are {self.tags}")
+        if any(not (math.isfinite(w) and w >= 0) for w in weights.values()) or not any(
+            weights.get(t, 1.0) > 0 for t in self.tags
+        ):
+            raise ValueError(f"tag_weights must be finite and >= 0 with some tag above 0, got {weights}")
+        p = np.array([weights.get(t, 1.0) for t in self.tags], dtype=np.float64)
+        self.tag_probs = p / p.sum()
         self.rng = np.random.default_rng(seed)
 
     def batch(self, size: int) -> tuple[list[str], torch.Tensor]:
         captions, images = [], []
         for _ in range(size):
-            group = self.by_tag[self.tags[self.rng.integers(len(self.tags))]]
+            group = self.by_tag[self.tags[self.rng.choice(len(self.tags), p=self.tag_probs)]]
             entry = group[self.rng.integers(len(group))]
             captions.append(entry["prompt"])
             images.append(render(scene_for(entry, self.rng)))
@@ -220,7 +234,7 @@ def pretrain(config: PretrainConfig) -> Path:
     train, test = split_prompts()
     words = sorted({w for entry in train + test for w in entry["prompt"].split()})
     pipe = tiny_sd3_pipeline(words, shift=config.shift, seed=config.seed, **ARCHITECTURE)
-    stream = SceneStream(train, config.seed)
+    stream = SceneStream(train, config.seed, config.tag_weights)
     log = {"config": asdict(config), "vae_mse": [], "flow_loss": []}
     start = time.time()
     train_vae(pipe.vae, stream, config, log)
