@@ -18,7 +18,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "velocity_mse_kl"]
+from .kernels import clipped_policy_loss, grpo_transition_loss
+from .kernels.loss_reference import latent_mean_kl, velocity_mse_kl
+
+__all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "transition_grpo_loss", "velocity_mse_kl"]
 
 
 def grpo_loss(
@@ -53,13 +56,8 @@ def grpo_loss(
     _check_shape("old_log_prob", old_log_prob, n)
     _check_shape("advantages", advantages, n)
 
-    log_prob = log_prob.float()
-    log_ratio = log_prob - old_log_prob.detach().float()
-    ratio = torch.exp(log_ratio)
-    advantages = advantages.detach().float()
-    unclipped = advantages * ratio
-    clipped = advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    per_transition = -torch.minimum(unclipped, clipped)
+    log_ratio = log_prob.float() - old_log_prob.detach().float()
+    per_transition = clipped_policy_loss(log_ratio, advantages.detach().float(), clip_range)
     if weights is not None:
         _check_shape("weights", weights, n)
         per_transition = weights.detach().float() * per_transition
@@ -71,45 +69,56 @@ def grpo_loss(
         kl_mean = kl.float().mean()
     loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
 
+    return loss, loss_stats(loss, policy_loss, kl_mean, log_ratio, clip_range)
+
+
+def transition_grpo_loss(
+    v: Tensor,
+    x_t: Tensor,
+    x_next: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    *,
+    kind: str,
+    noise_level: Tensor,
+    noise_scale: float | Tensor = 1.0,
+    reduce: str = "mean",
+    clip_range: float,
+    weights: Tensor | None = None,
+    v_ref: Tensor | None = None,
+    beta: float = 0.0,
+    kl: str = "latent_mean",
+    backend: str | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``grpo_loss`` straight from the policy velocity: the log-prob of ``x_t -> x_next``, the KL to ``v_ref`` and the
+    clipped loss in one op (``flowalign.kernels.grpo_transition_loss``: fused Triton forward and backward on CUDA,
+    the torch reference elsewhere). Same loss (``mean_n (w_n L_n + beta KL_n)``) and stats as ``grpo_loss``."""
+    rows = grpo_transition_loss(
+        v, x_t, x_next, sigma, sigma_next, old_log_prob, advantages, kind=kind, noise_level=noise_level,
+        noise_scale=noise_scale, reduce=reduce, clip_range=clip_range, weights=weights, v_ref=v_ref, beta=beta, kl=kl,
+        backend=backend,
+    )
+    loss = rows.loss.mean()
+    log_ratio = rows.log_prob.detach() - old_log_prob.detach().float()
+    return loss, loss_stats(loss, rows.policy.mean(), rows.kl.mean(), log_ratio, clip_range)
+
+
+def loss_stats(loss: Tensor, policy_loss: Tensor, kl: Tensor, log_ratio: Tensor, clip_range: float) -> dict[str, float]:
+    """Detached scalars to log: the loss and its parts, ``approx_kl`` = mean ``0.5 log_ratio^2``, ``clip_frac``, and
+    the mean and max ratio."""
     with torch.no_grad():
-        stats = {
+        ratio = torch.exp(log_ratio)
+        return {
             "loss": float(loss),
             "policy_loss": float(policy_loss),
-            "kl": float(kl_mean),
+            "kl": float(kl),
             "approx_kl": float((0.5 * log_ratio**2).mean()),
             "clip_frac": float(((ratio - 1.0).abs() > clip_range).float().mean()),
             "ratio_mean": float(ratio.mean()),
             "ratio_max": float(ratio.max()),
         }
-    return loss, stats
-
-
-def latent_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
-    """KL between the policy's and the reference's Gaussian transitions with a shared std (Flow-GRPO's KL).
-
-    ``KL(N(mu_theta, std^2) || N(mu_ref, std^2)) = (mu_theta - mu_ref)^2 / (2 std^2)`` per dimension, reduced over all
-    non-batch dimensions by ``mean`` (the Flow-GRPO convention, matching the ``mean`` log-prob) or ``sum``. ``std`` is
-    the transition std (``Transitions.std``), ``[N]`` or broadcastable ``[N, 1, ...]``. Rows with ``std == 0`` are
-    deterministic (ODE) transitions and get 0, as in ``gaussian_log_prob``. Returns ``[N]`` fp32.
-    """
-    if reduce not in ("mean", "sum"):
-        raise ValueError(f"unknown reduction {reduce!r}: expected 'mean' or 'sum'")
-    if mean.shape != ref_mean.shape:
-        raise ValueError(f"mean {tuple(mean.shape)} and ref_mean {tuple(ref_mean.shape)} must have the same shape")
-    std = _per_row(std, mean).float()
-    stochastic = std > 0
-    safe_std = torch.where(stochastic, std, torch.ones_like(std))
-    kl = (mean.float() - ref_mean.float()) ** 2 / (2 * safe_std**2)
-    kl = torch.where(stochastic, kl, torch.zeros_like(kl))
-    dims = tuple(range(1, mean.ndim))
-    return kl.mean(dim=dims) if reduce == "mean" else kl.sum(dim=dims)
-
-
-def velocity_mse_kl(v: Tensor, v_ref: Tensor) -> Tensor:
-    """UniGRPO's KL surrogate: ``mean over non-batch dims of (v_theta - v_ref)^2``, ``[N]`` fp32."""
-    if v.shape != v_ref.shape:
-        raise ValueError(f"v {tuple(v.shape)} and v_ref {tuple(v_ref.shape)} must have the same shape")
-    return ((v.float() - v_ref.float()) ** 2).mean(dim=tuple(range(1, v.ndim)))
 
 
 def noise_aware_weights(std: Tensor, stochastic_mask: Tensor | None = None) -> Tensor:
@@ -143,15 +152,3 @@ def _check_shape(name: str, tensor: Tensor, shape: torch.Size) -> None:
         raise ValueError(f"{name} must have shape {tuple(shape)} like log_prob, got {tuple(tensor.shape)}")
 
 
-def _per_row(std: Tensor, like: Tensor) -> Tensor:
-    """``std`` as ``[N, 1, ..., 1]`` (from ``[N]``) or as given when it already broadcasts against ``like``."""
-    std = torch.as_tensor(std, device=like.device)
-    if std.ndim == 1:
-        if std.shape[0] != like.shape[0]:
-            raise ValueError(f"std has {std.shape[0]} rows but mean has {like.shape[0]}")
-        return std.reshape(-1, *([1] * (like.ndim - 1)))
-    try:
-        torch.broadcast_shapes(std.shape, like.shape)
-    except RuntimeError:
-        raise ValueError(f"std of shape {tuple(std.shape)} does not broadcast to {tuple(like.shape)}") from None
-    return std

@@ -94,6 +94,10 @@ class ModelConfig:
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
+    kernels: Literal["auto", "triton", "torch"] = option(
+        "auto", "SDE step and GRPO loss: fused Triton kernels (CUDA), the torch reference, or auto = Triton on CUDA "
+        "when triton is installed, torch otherwise; auto defers to the FLOWALIGN_KERNELS environment variable"
+    )
     max_sequence_length: int | None = option(None, "text tokens kept per prompt; null = the model's default")
 
     def validate(self) -> None:

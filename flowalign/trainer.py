@@ -40,7 +40,8 @@ from .credit import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_process_rng
 from .config import diff_configs, to_dict
 from .evaluation.geneval import load_metadata
-from .loss import grpo_loss, latent_mean_kl, noise_aware_weights, velocity_mse_kl
+from .kernels import use_backend
+from .loss import noise_aware_weights, transition_grpo_loss
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
 from .rewards import build_reward, combine_rewards, score_all
@@ -50,8 +51,6 @@ from .samplers import (
     noise_schedule,
     probe_rollout,
     rollout,
-    sde_mean_std,
-    sde_step,
     tree_rollout,
 )
 from .seeding import generator, numpy_rng
@@ -62,7 +61,7 @@ _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
 # Keys that may change between a checkpoint and its resumption.
 RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
                   "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
-                  "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir")
+                  "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir", "model.kernels")
 
 
 @dataclass
@@ -173,7 +172,7 @@ class GRPOTrainer:
         negatives = [""] * len(texts) if self.model.uses_cfg(cfg.sampling.guidance_scale) else None
         cond = self.model.encode(texts, negative_prompts=negatives)
         grow = {"group": self._sample_chains, "tree": self._grow_trees, "probe": self._probe_trunks}[cfg.rollout.shape]
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), use_backend(cfg.model.kernels):
             return [grow(iteration, ids, cond, sigmas, levels)
                     for ids in self.local_sample_ids().split(self.layout.rollout_batch_size)]
 
@@ -422,19 +421,16 @@ class GRPOTrainer:
         x, sigma = t.states[sources], st.sigma[:1].expand(len(sources))
         with self.accelerator.autocast():
             v = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
-        out = sde_step(st.x_t, v, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level,
-                       prev_sample=st.x_next, reduce=t.reduce, noise_scale=st.noise_scale)
-        kl = None
+        v_ref = None
         if cfg.loss.beta > 0 or cfg.loss.kl == "velocity_mse":
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
                 v_ref = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
-            if cfg.loss.kl == "latent_mean":
-                ref_mean, _ = sde_mean_std(st.x_t, v_ref, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level)
-                kl = latent_mean_kl(out.mean, ref_mean, out.std)
-            else:
-                kl = velocity_mse_kl(v.float(), v_ref.float())
-        return grpo_loss(out.log_prob, st.log_prob, chunk.advantages[sel], clip_range=cfg.loss.clip_range,
-                         weights=chunk.weights[sel], kl=kl, beta=cfg.loss.beta)
+        # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
+        return transition_grpo_loss(
+            v, st.x_t, st.x_next, st.sigma, st.sigma_next, st.log_prob, chunk.advantages[sel], kind=t.kind,
+            noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=t.reduce, clip_range=cfg.loss.clip_range,
+            weights=chunk.weights[sel], v_ref=v_ref, beta=cfg.loss.beta, kl=cfg.loss.kl, backend=cfg.model.kernels,
+        )
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .rollout import Rollout, Transitions, check_rollout_inputs, count_nfe
-from .sde import gaussian_log_prob, ode_step, sde_mean_std, standard_normal
+from .sde import ode_step, sde_step, standard_normal
 
 __all__ = ["ProbeRollout", "probe_nfe", "probe_rollout"]
 
@@ -112,15 +112,16 @@ def probe_rollout(
         v = velocity(x, sigma, rows)
         nfe += count_nfe(velocity, prompts)
         if i in steps:
-            mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=float(noise_levels[i]))
-            mean, std = mean.repeat_interleave(children, 0), std.repeat_interleave(children, 0)
             owner = rows.repeat_interleave(children)
-            child = (mean + std * standard_normal(mean.shape, generator, device, owner=owner)).to(x.dtype)
+            noise = standard_normal((x.shape[0] * children, *x.shape[1:]), generator, device, owner=owner)
+            out = sde_step(x.repeat_interleave(children, 0), v.repeat_interleave(children, 0), sigma, sigma_next,
+                           kind=kind, noise_level=float(noise_levels[i]), noise=noise, reduce=reduce)
+            child = out.prev_sample
             trunk_states.append(x)
             child_states.append(child)
             step_of.append(torch.full((child.shape[0],), i, device=device))
-            std_of.append(std.reshape(-1).float())
-            logp_of.append(gaussian_log_prob(child, mean, std, reduce))
+            std_of.append(out.std.float())
+            logp_of.append(out.log_prob)
             alive.append((child, owner))
         x = ode_step(x, v, sigma, sigma_next)
 

@@ -25,45 +25,23 @@ Kinds:
 
 from __future__ import annotations
 
-import math
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("flow_grpo", "dance", "cps")
-REDUCTIONS = ("mean", "sum")
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-
-
-class StepOutput(NamedTuple):
-    """The result of one stochastic step. ``std`` and ``log_prob`` have shape ``[batch]``."""
-
-    prev_sample: Tensor
-    mean: Tensor
-    std: Tensor
-    log_prob: Tensor
-
-
-def check_kind(kind: str) -> str:
-    if kind not in SDE_KINDS:
-        raise ValueError(f"unknown SDE kind {kind!r}: expected one of {', '.join(SDE_KINDS)}")
-    return kind
-
-
-def check_reduce(reduce: str) -> str:
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"unknown log-prob reduction {reduce!r}: expected one of {', '.join(REDUCTIONS)}")
-    return reduce
-
-
-def check_noise_level(noise_level: float | Tensor, kind: str | None = None) -> None:
-    """Noise levels are >= 0 for every kind, and at most 1 for ``cps`` (``sin(a pi / 2)`` must not exceed 1)."""
-    level = torch.as_tensor(noise_level, dtype=torch.float32)
-    if torch.isnan(level).any() or (level < 0).any():
-        raise ValueError(f"noise_level must be >= 0 (0 means a deterministic ODE step), got {_show(noise_level)}")
-    if kind == "cps" and (level > 1).any():
-        raise ValueError(f"noise_level for kind 'cps' must lie in [0, 1], got {_show(noise_level)}")
+from ..kernels import sde_transition
+from ..kernels.sde_reference import (  # the step math is pure tensor math: it lives one layer down
+    REDUCTIONS,
+    SDE_KINDS,
+    StepOutput,
+    check_kind,
+    check_noise_level,
+    check_reduce,
+    gaussian_log_prob,
+    sde_mean_std,
+)
+from ..kernels.sde_reference import check_step as _check_decreasing
+from ..kernels.sde_reference import per_sample as _per_sample
+from ..kernels.sde_reference import show_values as _show
 
 
 def check_sigmas(sigmas: Tensor | list[float]) -> Tensor:
@@ -97,49 +75,6 @@ def ode_step(x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Te
     """
     s, s_next = _per_sample(sigma, x), _per_sample(sigma_next, x)
     return (x.float() + (s_next - s) * v.float()).to(x.dtype)
-
-
-def sde_mean_std(
-    x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, *, kind: str, noise_level: float | Tensor
-) -> tuple[Tensor, Tensor]:
-    """Mean ``mu`` (fp32, shape of ``x``) and transition std (fp32, broadcastable ``[batch, 1, ...]``)."""
-    x, v = x.float(), v.float()
-    s, s_next, a = _per_sample(sigma, x), _per_sample(sigma_next, x), _per_sample(noise_level, x)
-    dt = s_next - s
-    if kind == "flow_grpo":
-        # At s = 1 the ratio s / (1 - s) is infinite; Flow-GRPO uses the next sigma in the denominator there.
-        denominator = torch.where(s >= 1, 1 - s_next, 1 - s)
-        std_t = a * torch.sqrt(s / denominator)
-        mean = x * (1 + std_t**2 * dt / (2 * s)) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif kind == "dance":
-        x0_hat = x - s * v
-        score = -(x - x0_hat * (1 - s)) / s**2
-        mean = x + dt * v - 0.5 * a**2 * score * dt
-        std = a * torch.sqrt(-dt)
-    elif kind == "cps":
-        x0_hat = x - s * v
-        x1_hat = x + (1 - s) * v
-        std = s_next * torch.sin(a * math.pi / 2)
-        mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt((s_next**2 - std**2).clamp_min(0))
-    else:
-        check_kind(kind)
-    return mean, std.expand(x.shape[0], *([1] * (x.ndim - 1)))
-
-
-def gaussian_log_prob(sample: Tensor, mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
-    """``log N(sample; mean, std^2)`` in fp32, reduced over all non-batch dims. Rows with ``std == 0`` get 0.
-
-    A zero std is a deterministic (ODE) transition: it carries no density and no policy gradient.
-    """
-    check_reduce(reduce)
-    sample, mean, std = sample.float(), mean.float(), std.float()
-    stochastic = std > 0
-    safe_std = torch.where(stochastic, std, torch.ones_like(std))
-    log_prob = -((sample - mean) ** 2) / (2 * safe_std**2) - torch.log(safe_std) - _LOG_SQRT_2PI
-    log_prob = torch.where(stochastic, log_prob, torch.zeros_like(log_prob))
-    dims = tuple(range(1, sample.ndim))
-    return log_prob.mean(dim=dims) if reduce == "mean" else log_prob.sum(dim=dims)
 
 
 def sde_step(
@@ -176,21 +111,20 @@ def sde_step(
     check_reduce(reduce)
     check_noise_level(noise_level, kind)
     _check_decreasing(sigma, sigma_next)
-    mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level)
-    scale = _per_sample(noise_scale, x)
-    if not (scale > 0).all():
+    if not (_per_sample(noise_scale, x) > 0).all():
         raise ValueError(f"noise_scale must be > 0, got {_show(noise_scale)}")
-    std = std * scale
     if prev_sample is None:
         if noise is None:
             noise = standard_normal(x.shape, generator, x.device)
         elif noise.shape != x.shape:
             raise ValueError(f"noise has shape {tuple(noise.shape)} but x has shape {tuple(x.shape)}")
-        prev_sample = (mean + std * noise.float()).to(x.dtype)
     elif prev_sample.shape != x.shape:
         raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)} but x has shape {tuple(x.shape)}")
-    log_prob = gaussian_log_prob(prev_sample, mean, std, reduce)
-    return StepOutput(prev_sample, mean, std.reshape(std.shape[0]), log_prob)
+    else:
+        noise = None
+    # The fused Triton step on CUDA, the torch reference elsewhere (flowalign.kernels: FLOWALIGN_KERNELS switch).
+    return sde_transition(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level, noise_scale=noise_scale,
+                          noise=noise, prev_sample=prev_sample, reduce=reduce)
 
 
 def standard_normal(
@@ -212,27 +146,3 @@ def standard_normal(
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
 
 
-def _per_sample(value: float | Tensor, like: Tensor) -> Tensor:
-    """A scalar or ``[batch]`` value as an fp32 tensor of shape ``[batch or 1, 1, ..., 1]`` on ``like``'s device."""
-    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
-    if value.ndim == 0:
-        value = value.reshape(1)
-    if value.ndim != 1 or value.shape[0] not in (1, like.shape[0]):
-        raise ValueError(f"expected a scalar or a [batch={like.shape[0]}] tensor, got shape {tuple(value.shape)}")
-    return value.reshape(-1, *([1] * (like.ndim - 1)))
-
-
-def _check_decreasing(sigma: float | Tensor, sigma_next: float | Tensor) -> None:
-    s = torch.as_tensor(sigma, dtype=torch.float32)
-    s_next = torch.as_tensor(sigma_next, dtype=torch.float32)
-    if (s_next >= s).any() or (s > 1).any() or (s_next < 0).any():
-        raise ValueError(
-            f"a step needs 1 >= sigma > sigma_next >= 0 (sigmas decrease from noise to data), got sigma={_show(sigma)} "
-            f"and sigma_next={_show(sigma_next)}"
-        )
-
-
-def _show(value: float | Tensor) -> str:
-    if isinstance(value, Tensor):
-        return str([round(x, 6) for x in value.detach().float().flatten()[:8].tolist()]) if value.ndim else f"{value.item():.6g}"
-    return repr(value)

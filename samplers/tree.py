@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .rollout import Rollout, Transitions, check_rollout_inputs, count_nfe
-from .sde import gaussian_log_prob, ode_step, sde_mean_std, standard_normal
+from .sde import ode_step, sde_step, standard_normal
 
 __all__ = ["TreeSchedule", "TreeRollout", "tree_rollout"]
 
@@ -154,12 +154,10 @@ def tree_rollout(
         child_tree = tree.repeat_interleave(b)
         if level > 0:
             scale = schedule.split_noise_scale if b > 1 else 1.0
-            mean, std = sde_mean_std(x, v, sigma, sigma_next, kind=kind, noise_level=level)
-            mean, std = mean.repeat_interleave(b, 0), std.repeat_interleave(b, 0) * scale
-            noise = standard_normal(mean.shape, generator, device, owner=child_tree)
-            x_next = (mean + std * noise).to(x.dtype)
-            log_prob = gaussian_log_prob(x_next, mean, std, reduce)
-            std = std.reshape(-1)
+            noise = standard_normal((x.shape[0] * b, *x.shape[1:]), generator, device, owner=child_tree)
+            out = sde_step(x.repeat_interleave(b, 0), v.repeat_interleave(b, 0), sigma, sigma_next, kind=kind,
+                           noise_level=level, noise=noise, reduce=reduce, noise_scale=scale)
+            x_next, std, log_prob = out.prev_sample, out.std, out.log_prob
         else:
             x_next = ode_step(x, v, sigma, sigma_next)
             std = log_prob = torch.zeros(x.shape[0], device=device)
