@@ -17,6 +17,9 @@ the imports it needs from timm still exist (deprecated) in timm 1.x, and ``insta
 * the package's ``__init__`` imports its ReFL trainer (``datasets``, old diffusers APIs) and ``ImageReward.models``'
   imports OpenAI's ``clip`` package; the shim registers both packages without running their ``__init__``, so only
   the BLIP model modules load;
+* BLIP's BERT calls ``init_weights()`` in its constructors, where transformers 5 needs ``post_init()``, and uses
+  ``invert_attention_mask`` and ``get_head_mask``, which transformers 5 dropped from ``PreTrainedModel``; the shim
+  routes the call through ``post_init`` and adds the two helpers back (small local versions);
 * the BERT tokenizer is read from ``tokenizer`` (a local directory) instead of the hub.
 
 Preprocessing: resize the shorter side to 224 (bicubic), centre crop 224, OpenAI CLIP mean/std; prompts are
@@ -26,6 +29,7 @@ with the package's constants, ``(r - 0.16717) / 1.03334`` (about -2 to 2).
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -70,12 +74,11 @@ def install_shim() -> None:
     if not hasattr(modeling_utils, "find_pruneable_heads_and_indices"):
         modeling_utils.find_pruneable_heads_and_indices = find_pruneable_heads_and_indices
 
-    if importlib.util.find_spec("fairscale") is None and "fairscale" not in sys.modules:
-        leaf = types.ModuleType("fairscale.nn.checkpoint.checkpoint_activations")
+    if "fairscale" not in sys.modules and importlib.util.find_spec("fairscale") is None:
+        for name in ("fairscale", "fairscale.nn", "fairscale.nn.checkpoint"):
+            sys.modules[name] = _stub_module(name, path=None)
+        leaf = _stub_module("fairscale.nn.checkpoint.checkpoint_activations", path=None)
         leaf.checkpoint_wrapper = lambda module, *args, **kwargs: module  # only used with grad checkpointing
-        names = ["fairscale", "fairscale.nn", "fairscale.nn.checkpoint"]
-        for name in names:
-            sys.modules.setdefault(name, types.ModuleType(name))
         sys.modules[leaf.__name__] = leaf
 
     if "ImageReward" not in sys.modules:
@@ -85,9 +88,58 @@ def install_shim() -> None:
         root = spec.submodule_search_locations[0]
         # packages whose __init__ is not run: ImageReward's imports ReFL, ImageReward.models' imports OpenAI `clip`
         for name, path in (("ImageReward", root), ("ImageReward.models", f"{root}/models")):
-            package = types.ModuleType(name)
-            package.__path__ = [path]
-            sys.modules[name] = package
+            sys.modules[name] = _stub_module(name, path)
+    _patch_bert_init()
+
+
+def _stub_module(name: str, path: str | None) -> types.ModuleType:
+    """An empty module (a package searching ``path`` for submodules when given) with a spec, as importlib expects."""
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=path is not None)
+    if path is not None:
+        module.__path__ = [path]
+        module.__spec__.submodule_search_locations = [path]
+    return module
+
+
+def _patch_bert_init() -> None:
+    """BLIP's BERT calls ``init_weights()`` where transformers 5 expects ``post_init()`` (which registers the tied
+    weight keys ``init_weights`` then reads); route the first call through ``post_init``."""
+    from ImageReward.models.BLIP import med
+
+    original = med.BertPreTrainedModel.init_weights
+    if getattr(original, "_flowalign_shim", False):
+        return
+
+    def init_weights(self):
+        if hasattr(type(self), "post_init") and "all_tied_weights_keys" not in self.__dict__:
+            self.post_init()  # transformers 5: registers the keys, then calls init_weights again (the branch below)
+        else:
+            original(self)
+
+    init_weights._flowalign_shim = True
+    med.BertPreTrainedModel.init_weights = init_weights
+    for name, method in (("invert_attention_mask", _invert_attention_mask), ("get_head_mask", _get_head_mask)):
+        if not hasattr(med.BertPreTrainedModel, name):
+            setattr(med.BertPreTrainedModel, name, method)
+
+
+def _invert_attention_mask(self, mask: Tensor) -> Tensor:
+    """A 0/1 key mask ``[B, S]`` (or ``[B, S, S]``) as an additive mask: 0 where attended, dtype-min elsewhere."""
+    extended = mask[:, None, None, :] if mask.dim() == 2 else mask[:, None, :, :]
+    extended = extended.to(dtype=self.dtype)
+    return (1.0 - extended) * torch.finfo(self.dtype).min
+
+
+def _get_head_mask(self, head_mask, num_hidden_layers: int):
+    """``[None] * layers`` without a head mask; else a per-layer ``[layers, B?, heads, 1, 1]`` multiplicative mask."""
+    if head_mask is None:
+        return [None] * num_hidden_layers
+    if head_mask.dim() == 1:
+        head_mask = head_mask[None, None, :, None, None].expand(num_hidden_layers, -1, -1, -1, -1)
+    elif head_mask.dim() == 2:
+        head_mask = head_mask[:, None, :, None, None]
+    return head_mask.to(dtype=self.dtype)
 
 
 def _local_tokenizer_factory(tokenizer_dir: str):
@@ -97,8 +149,8 @@ def _local_tokenizer_factory(tokenizer_dir: str):
         tokenizer = BertTokenizer.from_pretrained(tokenizer_dir)
         # ImageReward's BLIP adds these two tokens; its embeddings (vocab 30524 in med_config.json) include them.
         tokenizer.add_special_tokens({"bos_token": "[DEC]"})
-        tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
-        tokenizer.enc_token_id = tokenizer.additional_special_tokens_ids[0]
+        tokenizer.add_tokens(["[ENC]"], special_tokens=True)  # ids: [DEC] = len(vocab), [ENC] = len(vocab) + 1
+        tokenizer.enc_token_id = tokenizer.convert_tokens_to_ids("[ENC]")
         return tokenizer
 
     return init_tokenizer

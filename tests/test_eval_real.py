@@ -281,3 +281,18 @@ def test_run_hpd_on_the_toy_model(tiny_dir, tmp_path):
         assert summary["styles"][style]["mean"] == pytest.approx(chunk_stats(scores)[0])
         assert all(-100 <= s <= 100 for s in scores)  # 100 x cos
     assert summary["average"] == pytest.approx(np.mean([summary["styles"][s]["mean"] for s in HPD_STYLES]))
+
+
+def test_eval_cli_bad_input_exits_2(tmp_path, capsys):
+    from flowalign.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "geneval", "--metadata", str(TOY_PROMPTS)])
+    assert exit_info.value.code == 2 and "--images DIR" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "geneval", "--metadata", str(TOY_PROMPTS), "--images", str(tmp_path / "none"), "--detector", "toy"])
+    assert exit_info.value.code == 2 and "none" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "hpd", "--model", str(TOY_MODEL), "--prompts", str(tmp_path / "hpd"), "--hps-checkpoint",
+              str(tmp_path / "HPS_v2.1_compressed.pt")])
+    assert exit_info.value.code == 2 and "anime.json" in capsys.readouterr().err

@@ -272,8 +272,15 @@ def test_imagereward_missing_files_named(tmp_path):
                      med_config=str(tmp_path / "med_config.json"), tokenizer=str(tmp_path))
 
 
+def _require_image_reward():
+    import importlib.util
+
+    if importlib.util.find_spec("ImageReward") is None:
+        pytest.skip("optional extra missing: pip install --no-deps image-reward==1.5")
+
+
 def test_imagereward_shim_loads_the_package_modules():
-    pytest.importorskip("ImageReward", reason="optional: pip install --no-deps image-reward==1.5")
+    _require_image_reward()
     from flowalign.reward_models.imagereward import install_shim
 
     install_shim()
@@ -288,6 +295,53 @@ def test_imagereward_shim_loads_the_package_modules():
     out = model(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]), encoder_hidden_states=torch.randn(1, 5, 16),
                 encoder_attention_mask=torch.ones(1, 5, dtype=torch.long), return_dict=True)
     assert out.last_hidden_state.shape == (1, 4, 32)
+
+
+def test_imagereward_end_to_end_on_a_small_blip(tmp_path, monkeypatch):
+    """The package's own model class with a 1-layer BERT and a 1-layer ViT (its ViT-L is too big for CI): saved,
+    loaded through ImageRewardModel, and scored against the package's own ``score_gard`` and ``score``."""
+    _require_image_reward()
+    from flowalign.reward_models.imagereward import ImageRewardModel, _local_tokenizer_factory, install_shim
+
+    install_shim()
+    from ImageReward.ImageReward import ImageReward
+    from ImageReward.models.BLIP import blip_pretrain
+    from ImageReward.models.BLIP.vit import VisionTransformer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"a photo of red blue green circle square cat".split()]
+    tokenizer_dir = tmp_path / "bert"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    med_config = tmp_path / "med_config.json"
+    med_config.write_text(json.dumps({
+        "architectures": ["BertModel"], "hidden_size": 768, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "intermediate_size": 64, "vocab_size": len(vocab) + 2, "max_position_embeddings": 64,
+        "add_cross_attention": True, "hidden_act": "gelu", "type_vocab_size": 2, "pad_token_id": 0,
+    }))
+    small_vit = lambda vit, image_size, *args, **kwargs: (  # noqa: E731
+        VisionTransformer(img_size=image_size, patch_size=32, embed_dim=32, depth=1, num_heads=2), 32)
+    monkeypatch.setattr(blip_pretrain, "create_vit", small_vit)
+    monkeypatch.setattr(blip_pretrain, "init_tokenizer", _local_tokenizer_factory(str(tokenizer_dir)))
+    torch.manual_seed(0)
+    reference = ImageReward(med_config=str(med_config), device="cpu").eval()
+    with torch.no_grad():
+        reference.mlp.layers[-1].bias.fill_(0.3)  # so the standardisation is visible
+    checkpoint = tmp_path / "ImageReward.pt"
+    torch.save(reference.state_dict(), checkpoint)
+
+    scorer = build_reward("imagereward", checkpoint=str(checkpoint), med_config=str(med_config),
+                          tokenizer=str(tokenizer_dir), device="cpu", batch_size=2)
+    images = _images(3, 240, 260)
+    scores = scorer(images, PROMPTS)
+    tokens = reference.blip.tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35,
+                                      return_tensors="pt")
+    with torch.no_grad():
+        expected = reference.score_gard(tokens.input_ids, tokens.attention_mask, scorer.preprocess(images))
+    assert scores.shape == (3,) and torch.allclose(scores, expected.squeeze(-1), atol=1e-5)
+    assert torch.allclose(scores, torch.cat([scorer(images[i : i + 1], PROMPTS[i : i + 1]) for i in range(3)]),
+                          atol=1e-5)
+    pil = Image.fromarray((images[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
+    assert reference.score(PROMPTS[0], pil) == pytest.approx(float(scores[0]), abs=0.05)  # PIL vs torch resize
 
 
 # ----------------------------------------------------------------------------------------------- registry
