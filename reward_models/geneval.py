@@ -3,7 +3,8 @@
 Detectors (``detector=``):
 
 * ``"mask2former"``: ``Mask2FormerDetector`` (COCO instances) plus ``ColorClassifier`` for the objects of every class
-  that the prompt's metadata asks a colour of (GenEval's real pipeline; see those modules).
+  that the prompt's metadata asks a colour of (GenEval's real pipeline; see those modules). Only the objects the
+  rules can read get a colour: those above the tag's score threshold, at most 16 per class.
 * ``"toy"``: the toy world's classical detector (shapes and colours of flat scenes).
 
 ``GenEvalDetections(...)(images, metadata)`` returns GenEval-format detections, one dict ``{class: [{"box", "score",
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from flowalign.evaluation.geneval import COUNTING_SCORE_THRESHOLD, MAX_OBJECTS_PER_CLASS, SCORE_THRESHOLD
 
 from .images import as_image_batch
 
@@ -85,12 +88,15 @@ class GenEvalDetections:
             detections.setdefault(instance["class"], []).append(
                 {"box": instance["box"], "score": instance["score"], "mask": instance["mask"]}
             )
-        for class_name in colour_classes(metadata):
-            objects = detections.get(class_name, [])
-            for obj, colour in zip(objects, self.color_classifier.classify(image, objects, class_name)):
-                obj["color"] = colour
         for objects in detections.values():
             objects.sort(key=lambda obj: obj["score"], reverse=True)
+        threshold = COUNTING_SCORE_THRESHOLD if metadata["tag"] == "counting" else SCORE_THRESHOLD
+        for class_name in colour_classes(metadata):
+            # only the objects the rules can look at: above the tag's threshold, the top 16 of the class
+            kept = [obj for obj in detections.get(class_name, []) if obj["score"] > threshold][:MAX_OBJECTS_PER_CLASS]
+            for obj, colour in zip(kept, self.color_classifier.classify(image, kept, class_name)):
+                obj["color"] = colour
+        for objects in detections.values():
             for obj in objects:
                 del obj["mask"]  # judged on boxes; masks are large and not JSON
         return detections

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .weights import MissingWeightsError, load_state_dict, looks_local, require_file
+from .weights import MissingWeightsError, load_state_dict, require_file
 
 __all__ = ["encode_image", "encode_text", "load_open_clip"]
 
@@ -31,7 +31,7 @@ def load_open_clip(model_name: str, weights: str, *, reward: str, key: str, sour
     """``(model, tokenizer)`` for the open_clip architecture ``model_name`` with ``weights`` (see module docstring)."""
     import open_clip
 
-    if looks_local(weights):
+    if _is_weights_path(weights):
         path = require_file(weights, reward=reward, key=key, source=source)
         model = _from_file(model_name, path, quick_gelu)
     else:
@@ -45,6 +45,15 @@ def load_open_clip(model_name: str, weights: str, *, reward: str, key: str, sour
             ) from error
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return model, open_clip.get_tokenizer(model_name)
+
+
+WEIGHT_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".ckpt")
+
+
+def _is_weights_path(weights: str) -> bool:
+    """A file path (existing, with a directory part, or a weights suffix) rather than an open_clip pretrained tag."""
+    path = Path(str(weights)).expanduser()
+    return path.exists() or len(path.parts) > 1 or str(weights).startswith((".", "~")) or path.suffix in WEIGHT_SUFFIXES
 
 
 def _from_file(model_name: str, path: Path, quick_gelu: bool):

@@ -147,9 +147,11 @@ def test_mask2former_detections_reach_the_rule_engine(detector, color_classifier
         for name, objects in found.items():
             scores = [obj["score"] for obj in objects]
             assert scores == sorted(scores, reverse=True)
-            for obj in objects:
+            for rank, obj in enumerate(objects):
                 assert "mask" not in obj and len(obj["box"]) == 4
-                assert ("color" in obj) == (name == wanted)  # colour only where the prompt asks for one
+                # colour only where the prompt asks for one, and only for objects the rules can read
+                assert ("color" in obj) == (name == wanted and obj["score"] > 0.3 and rank < 16)
+        assert any("color" in obj for objects in found.values() for obj in objects)
         correct, reason = judge(metadata[0], detections[0], (64, 48))
         assert isinstance(correct, bool)
     reward = GenEvalReward("mask2former", detector_instance=detector, color_classifier=color_classifier)
