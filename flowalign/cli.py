@@ -13,6 +13,8 @@ Commands:
 
 * ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.trainer``).
 * ``flowalign eval toy``: GenEval-style evaluation on the toy world (``flowalign.evaluation.toy_eval``).
+* ``flowalign eval geneval``: GenEval on any model or image folder (``flowalign.evaluation.geneval_eval``).
+* ``flowalign eval hpd``: the HPD v2 benchmark with HPS v2.1 (``flowalign.evaluation.hpd_eval``).
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
 * ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
   (``flowalign.calibrate``), written as a config for ``flowalign train``.
@@ -122,6 +124,88 @@ def _run_eval_toy(args: argparse.Namespace) -> None:
         device=args.device,
     )
     run_eval(config)
+
+
+def _add_eval_geneval(group) -> None:
+    parser = group.add_parser(
+        "geneval",
+        help="GenEval: generate into GenEval's folder layout (or score an existing folder) and judge",
+        description="With --model, sample every prompt of --metadata into <out>/images (or --images) in GenEval's "
+        "layout (<dir>/00000/metadata.jsonl, samples/00000.png); without --model, score the existing folder "
+        "--images. Writes results.json and summary.md to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (omit to only score)")
+    parser.add_argument("--metadata", required=True, help="GenEval evaluation_metadata.jsonl")
+    parser.add_argument("--images", default=None, help="image folder to write or to score (default: <out>/images)")
+    parser.add_argument("--detector", choices=("mask2former", "toy"), default="mask2former")
+    parser.add_argument("--detector-model", default=None,
+                        help="Mask2Former directory or hub id (default: facebook/mask2former-swin-small-coco-instance)")
+    parser.add_argument("--clip-weights", default="openai",
+                        help="colour classifier's CLIP ViT-L-14 weights: a local file or the open_clip tag 'openai'")
+    parser.add_argument("--class-names", default=None, help="GenEval's object_names.txt (label id order)")
+    parser.add_argument("--images-per-prompt", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=28, help="ODE steps")
+    parser.add_argument("--guidance", type=non_negative_float, default=1.0, help="guidance scale (CFG when > 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--resolution", type=positive_int, default=None, help="image size (default: the model's)")
+    parser.add_argument("--max-prompts", type=positive_int, default=None)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    parser.add_argument("--out", default="outputs/eval-geneval", help="output directory")
+    parser.set_defaults(handler=_run_eval_geneval)
+
+
+def _run_eval_geneval(args: argparse.Namespace) -> None:
+    from flowalign.evaluation.geneval_eval import GenEvalRunConfig, run_geneval
+
+    if args.model is None and args.images is None:
+        raise CommandError("give --model to generate images, or --images DIR to score an existing GenEval folder")
+    run_geneval(GenEvalRunConfig(
+        metadata=args.metadata, model=args.model, images=args.images, detector=args.detector,
+        detector_model=args.detector_model, clip_weights=args.clip_weights, class_names=args.class_names,
+        images_per_prompt=args.images_per_prompt, steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
+        batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts, out_dir=args.out,
+        device=args.device, dtype=args.dtype,
+    ))
+
+
+def _add_eval_hpd(group) -> None:
+    parser = group.add_parser(
+        "hpd",
+        help="HPD v2: HPS v2.1 of generated images, per style (mean of 10 chunk means, std) and Average",
+        description="Sample the HPD v2 prompts (--prompts DIR with anime.json, concept-art.json, paintings.json, "
+        "photo.json) and score them with HPS v2.1; writes results.json and summary.md to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", required=True, help="diffusers pipeline directory or hub id")
+    parser.add_argument("--prompts", required=True, help="directory with the four style JSON files")
+    parser.add_argument("--hps-checkpoint", default=None,
+                        help="HPS_v2.1_compressed.pt (default: download from the hub repository xswu/HPSv2)")
+    parser.add_argument("--images-per-prompt", type=positive_int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=28, help="ODE steps")
+    parser.add_argument("--guidance", type=non_negative_float, default=1.0, help="guidance scale (CFG when > 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--resolution", type=positive_int, default=None, help="image size (default: the model's)")
+    parser.add_argument("--max-prompts", type=positive_int, default=None, help="first M prompts of each style")
+    parser.add_argument("--save-images", action="store_true", help="also save the images under <out>/images")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    parser.add_argument("--out", default="outputs/eval-hpd", help="output directory")
+    parser.set_defaults(handler=_run_eval_hpd)
+
+
+def _run_eval_hpd(args: argparse.Namespace) -> None:
+    from flowalign.evaluation.hpd_eval import HPDRunConfig, run_hpd
+
+    run_hpd(HPDRunConfig(
+        model=args.model, prompts=args.prompts, hps_checkpoint=args.hps_checkpoint,
+        images_per_prompt=args.images_per_prompt, steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
+        batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts,
+        save_images=args.save_images, out_dir=args.out, device=args.device, dtype=args.dtype,
+    ))
 
 
 def _add_train(commands) -> None:
@@ -234,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     eval_group = _group(commands, "eval", "evaluate a model")
     _add_eval_toy(eval_group)
+    _add_eval_geneval(eval_group)
+    _add_eval_hpd(eval_group)
 
     toy_group = _group(commands, "toy", "toy-world tools")
     _add_toy_pretrain(toy_group)

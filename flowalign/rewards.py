@@ -80,7 +80,36 @@ class BrightnessReward:
         return pixels.flatten(1).mean(dim=1)
 
 
-REWARDS: dict[str, Callable[..., Reward]] = {"toy_geneval": _toy_geneval, "brightness": BrightnessReward}
+def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
+    """A factory importing ``flowalign.reward_models.<module>.<attribute>`` only when the reward is built.
+
+    Real reward models pull in transformers/open_clip and load weights, so nothing is imported at registry time.
+    """
+
+    def factory(**kwargs: Any) -> Reward:
+        import importlib
+
+        cls = getattr(importlib.import_module(f"flowalign.reward_models.{module}"), attribute)
+        return cls(**fixed, **kwargs)
+
+    factory.__name__ = f"build_{attribute}"
+    factory.__doc__ = f"Build flowalign.reward_models.{module}.{attribute} (kwargs: its constructor's)."
+    return factory
+
+
+REWARDS: dict[str, Callable[..., Reward]] = {
+    "toy_geneval": _toy_geneval,
+    "brightness": BrightnessReward,
+    # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
+    "pickscore": _lazy("pickscore", "PickScore"),
+    "hps": _lazy("hps", "HPSv2"),
+    "imagereward": _lazy("imagereward", "ImageRewardModel"),
+    "clipscore": _lazy("clipscore", "CLIPScore"),
+    "aesthetic": _lazy("aesthetic", "LaionAesthetic"),
+    "jpeg_compressibility": _lazy("jpeg", "JpegCompressibility"),
+    "jpeg_incompressibility": _lazy("jpeg", "JpegCompressibility", incompressible=True),
+    "geneval": _lazy("geneval", "GenEvalReward"),
+}
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:

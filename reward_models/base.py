@@ -1,0 +1,68 @@
+"""The shared shape of a reward model: a differentiable ``forward`` and batched, gradient-free scoring.
+
+``model.forward(images, prompts) -> [B]`` takes ``images [B, 3, H, W]`` in [0, 1] on the model's device and keeps the
+autograd graph (guided sampling and direct reward backprop use it). ``model(images, prompts, metadata)`` is the reward
+protocol of ``flowalign.rewards``: it converts any image input (``reward_models.images.as_image_batch``), scores
+``batch_size`` images at a time under ``torch.no_grad()`` and returns float32 scores on the CPU. Preprocessing (resize,
+crop, normalise) happens inside ``forward``, in fp32, before the backbone's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from .images import as_image_batch
+
+__all__ = ["DTYPES", "RewardModel", "resolve_device", "resolve_dtype"]
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+class RewardModel:
+    """Base class: subclasses set ``name`` and implement ``forward``; ``differentiable`` says if gradients flow."""
+
+    name = "reward_model"
+    differentiable = True
+
+    def __init__(self, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "fp32",
+                 batch_size: int = 16):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"{self.name}: batch_size must be an integer >= 1, got {batch_size!r}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.batch_size = batch_size
+
+    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+        raise NotImplementedError
+
+    def __call__(self, images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
+        """Scores ``[B]`` float32 on the CPU, computed ``batch_size`` images at a time without gradients."""
+        batch = as_image_batch(images)
+        prompts = list(prompts)
+        if len(prompts) != batch.shape[0]:
+            raise ValueError(f"{self.name}: got {batch.shape[0]} images but {len(prompts)} prompts")
+        scores = []
+        with torch.no_grad():
+            for start in range(0, batch.shape[0], self.batch_size):
+                chunk = batch[start : start + self.batch_size].to(self.device)
+                scores.append(self.forward(chunk, prompts[start : start + self.batch_size]).float().cpu())
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={str(self.device)!r}, dtype={self.dtype})"
