@@ -89,8 +89,8 @@ class ModelConfig:
     family: Literal["sd3", "flux"] | None = option(None, "model family; null = detect from the model's files")
     dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "dtype of the frozen base weights")
     mixed_precision: Literal["no", "bf16", "fp16"] = option("no", "autocast dtype for forward passes; no = off")
-    lora_rank: int = option(32, "LoRA rank")
-    lora_alpha: float = option(64.0, "LoRA alpha (the update is scaled by alpha / rank)")
+    lora_rank: int = option(8, "LoRA rank")
+    lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
@@ -148,15 +148,15 @@ class SamplingConfig:
     noise_table: list[float] | None = option(
         None, "one noise level per step (0 = ODE step), used as given; overrides noise_level"
     )
-    window_size: int | None = option(None, "number of consecutive SDE steps; null = every step but the last")
+    window_size: int | None = option(2, "number of consecutive SDE steps; null = every step but the last")
     window_start: Literal["fixed", "random", "sliding"] = option(
-        "fixed",
+        "random",
         "where the SDE window starts: window_first (fixed), uniform in window_first..window_last for each rollout "
         "(random, Flow-GRPO-Fast), or moving from window_first to window_last over training (sliding, MixGRPO)",
     )
     window_first: int = option(0, "first (or only) step the SDE window may start at")
     window_last: int | None = option(
-        None, "last step the window may start at (random/sliding); null = the latest that fits"
+        4, "last step the window may start at (random/sliding); null = the latest that fits"
     )
     guidance_scale: float = option(1.0, "classifier-free guidance scale; 1 = no guidance")
     shared_noise: bool = option(False, "give the images of a group the same initial noise")
@@ -440,14 +440,14 @@ class LossConfig:
 class OptimConfig:
     """AdamW on the LoRA weights, and how each rollout's transitions are cut into optimizer steps."""
 
-    lr: float = option(1e-3, "learning rate")
+    lr: float = option(5e-4, "learning rate")
     weight_decay: float = option(1e-4, "AdamW weight decay")
     betas: list[float] = option([0.9, 0.999], "AdamW betas")
     eps: float = option(1e-8, "AdamW epsilon")
     max_grad_norm: float = option(1.0, "clip the gradient norm to this")
     inner_epochs: int = option(1, "passes over each rollout's transitions")
     minibatches: int = option(1, "optimizer steps per inner epoch: the transitions are split into this many parts")
-    ema_decay: float = option(0.0, "EMA of the LoRA weights (used for sampling grids and eval); 0 = no EMA")
+    ema_decay: float = option(0.9, "EMA of the LoRA weights (used for sampling grids and eval); 0 = no EMA")
     warmup_iterations: int = option(0, "linear learning-rate warmup, in iterations")
 
     def validate(self) -> None:
@@ -468,12 +468,12 @@ class OptimConfig:
 class RunConfig:
     """Length of the run, logging, checkpoints and the final evaluation."""
 
-    iterations: int = option(40, "training iterations (one rollout and its optimizer steps each)")
+    iterations: int = option(300, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
     out_dir: str = option("outputs/train", "where logs, sample grids, checkpoints and the resolved config go")
     log_every: int = option(1, "log metrics every this many iterations")
     sample_every: int = option(10, "save a sample grid every this many iterations; 0 = never")
-    checkpoint_every: int = option(10, "save a checkpoint every this many iterations; 0 = only at the end")
+    checkpoint_every: int = option(50, "save a checkpoint every this many iterations; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
     eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
     eval_images_per_tag: int = option(

@@ -10,6 +10,11 @@ import yaml
 
 from flowalign.config import ConfigError, diff_configs, format_help, load_config, save_config, to_dict, validate_config
 from flowalign.train_config import RewardSpec, TrainConfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Most schema tests vary the Flow-GRPO layout (SDE on every step but the last); the default run uses a 2-step window.
+EVERY_STEP = REPO / "configs/methods/flow_grpo.yaml"
 
 
 def write(path, text):
@@ -38,8 +43,13 @@ def test_defaults_are_the_toy_run_and_valid():
     assert config.reward.rewards == [RewardSpec("toy_geneval", 1.0, {"partial_credit": True})]
     assert config.optim.betas == [0.9, 0.999]
     assert TrainConfig().optim.betas is not TrainConfig().optim.betas  # mutable defaults are not shared
-    assert config.sampling.stochastic_steps() == 9  # every step but the last
+    # Flow-GRPO-Fast's random 2-step window in the high-noise half, LoRA r8 (the measured toy default)
+    assert config.sampling.stochastic_steps() == 2 and config.sampling.window_start == "random"
+    assert (config.model.lora_rank, config.optim.lr, config.optim.ema_decay) == (8, 5e-4, 0.9)
     assert config.data.prompt_sampling == "uniform"
+    fast = load(path=REPO / "configs/methods/flow_grpo_fast.yaml")
+    assert fast.sampling == config.sampling  # the default run is the flow_grpo_fast preset
+    assert load(path=REPO / "configs/methods/flow_grpo.yaml").sampling.stochastic_steps() == 9
 
 
 def test_every_field_has_help_and_shows_in_format_help():
@@ -54,7 +64,7 @@ def test_every_field_has_help_and_shows_in_format_help():
 
     walk(TrainConfig)
     walk(RewardSpec, "reward.rewards[].")  # help strings only; not in format_help's dotted keys
-    assert "optim.lr = 0.001" in text
+    assert "optim.lr = 0.0005" in text
 
 
 # ---------------------------------------------------------------------------------------- files, base, overrides
@@ -110,7 +120,7 @@ def test_overrides_of_every_type():
     config = load(
         "optim.lr=3e-4",  # float in exponent form
         "optim.eps=1",  # an int is accepted for a float field
-        "optim.minibatches=3",  # int
+        "optim.minibatches=2",  # int
         "model.gradient_checkpointing=true",  # bool
         "model.path=some/dir",  # str
         "train.out_dir=2024",  # a str field keeps the text even when it looks like a number
@@ -125,7 +135,7 @@ def test_overrides_of_every_type():
         "advantage={std: global}",  # a whole section as a mapping merges into it
     )
     assert config.optim.lr == 3e-4 and config.optim.eps == 1.0 and type(config.optim.eps) is float
-    assert config.optim.minibatches == 3
+    assert config.optim.minibatches == 2
     assert config.model.gradient_checkpointing is True
     assert config.model.path == "some/dir" and config.train.out_dir == "2024"
     assert config.sampling.kind == "dance" and config.model.family is None
@@ -199,7 +209,7 @@ RANGE_ERRORS = [
     (["optim.ema_decay=1"], "optim.ema_decay must be in [0, 1), got 1"),
     (["optim.betas=[0.9]"], "optim.betas must hold two numbers"),
     (["optim.minibatches=0"], "optim.minibatches must be >= 1, got 0"),
-    (["optim.warmup_iterations=50"], "optim.warmup_iterations = 50 exceeds train.iterations = 40"),
+    (["optim.warmup_iterations=500"], "optim.warmup_iterations = 500 exceeds train.iterations = 300"),
     (["data.group_size=1"], "data.group_size must be >= 2"),
     (["data.prompts_per_iteration=0"], "data.prompts_per_iteration must be >= 1"),
     (["model.lora_rank=0"], "model.lora_rank must be >= 1"),
@@ -256,7 +266,7 @@ RANGE_ERRORS = [
 
 @pytest.mark.parametrize("overrides, expected", RANGE_ERRORS, ids=[o[0] for o, _ in RANGE_ERRORS])
 def test_out_of_range(overrides, expected):
-    message = error(*overrides)
+    message = error(*overrides, path=EVERY_STEP)
     assert expected in message
     assert "[from override" in message  # points at where the value was set
 
@@ -286,11 +296,11 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
 
 
 def test_batch_arithmetic_one_process():
-    message = error("optim.minibatches=2")
+    message = error("optim.minibatches=2", path=EVERY_STEP)
     assert "optim.minibatches = 2 does not divide the 9 stochastic steps of the noise schedule" in message
     assert "sampling.batch_size = 5 does not divide the 64 samples per process" in error("sampling.batch_size=5")
     # the trained steps are what gets split: 4 chunks of 16 samples x 4 steps = 16 micro-batches, 8 per minibatch
-    config = load("sampling.train_steps_per_rollout=4", "sampling.batch_size=16", "optim.minibatches=2")
+    config = load("sampling.train_steps_per_rollout=4", "sampling.batch_size=16", "optim.minibatches=2", path=EVERY_STEP)
     layout = config.check_batch(1)
     assert (layout.transitions_per_process, layout.micro_batches_per_process, layout.micro_batches_per_minibatch) == (
         256,
@@ -301,7 +311,7 @@ def test_batch_arithmetic_one_process():
 
 
 def test_batch_arithmetic_several_processes():
-    config = load("data.prompts_per_iteration=6", "data.group_size=5")  # 30 samples: fine on one process
+    config = load("data.prompts_per_iteration=6", "data.group_size=5", path=EVERY_STEP)  # 30 samples: fine on 1 process
     with pytest.raises(ConfigError, match=re.escape(
         "data.prompts_per_iteration * data.group_size = 30 samples cannot be split over 4 processes"
     )):
@@ -310,7 +320,7 @@ def test_batch_arithmetic_several_processes():
     assert (layout.global_samples, layout.samples_per_process, layout.rollout_batch_size) == (30, 10, 10)
     assert layout.transitions_per_process == 90
 
-    config = load("sampling.batch_size=16", "optim.minibatches=9")  # 64 samples x 9 steps
+    config = load("sampling.batch_size=16", "optim.minibatches=9", path=EVERY_STEP)  # 64 samples x 9 steps
     assert config.check_batch(4).rollout_batch_size == 16
     with pytest.raises(ConfigError, match=r"sampling.batch_size = 16 does not divide the 8 samples per process"):
         config.check_batch(8)
@@ -331,7 +341,7 @@ def test_batch_arithmetic_several_processes():
     ],
 )
 def test_noise_schedule_spec_matches_the_sampler(overrides, spec):
-    config = load(*overrides)
+    config = load(*overrides, path=EVERY_STEP)
     assert config.noise_schedule_spec() == spec
     from flowalign.samplers import noise_schedule
 
@@ -369,10 +379,10 @@ def test_diff_configs_lists_changed_keys():
     assert diff_configs(a, b) == [
         "reward.rewards: [{'name': 'toy_geneval', 'weight': 1.0, 'kwargs': {'partial_credit': True}}] != "
         "[{'name': 'x', 'weight': 1.0, 'kwargs': {}}]",
-        "optim.lr: 0.001 != 0.0003",
+        "optim.lr: 0.0005 != 0.0003",
         "train.resume: None != 'ckpt/5'",
     ]
-    assert diff_configs(a, b, ignore=("train", "reward")) == ["optim.lr: 0.001 != 0.0003"]
+    assert diff_configs(a, b, ignore=("train", "reward")) == ["optim.lr: 0.0005 != 0.0003"]
     assert diff_configs(a, b, ignore=["train.resume", "reward.rewards", "optim.lr"]) == []
     assert diff_configs({"x": {"y": 1}}, {"x": {"y": 1.0, "z": 2}}) == ["x.z: <missing> != 2"]
     assert diff_configs({"flag": True}, {"flag": 1}) == ["flag: True != 1"]

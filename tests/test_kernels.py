@@ -330,6 +330,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
             "model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8, "model.kernels": kernels,
             "reward.rewards": "[{name: brightness}]", "data.prompts_per_iteration": 2, "data.group_size": 4,
             "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "loss.beta": 0.01,
+            "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
             "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
             "train.out_dir": str(tmp_path / kernels),
         }

@@ -33,6 +33,11 @@ def tiny_model(tmp_path_factory):
     return path
 
 
+# The Flow-GRPO layout these tests were written for: SDE on every step but the last (the default run uses a
+# random 2-step window).
+EVERY_STEP = {"sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null"}
+
+
 def overrides(model, out, **extra):
     base = {
         "model.path": str(model),
@@ -45,6 +50,7 @@ def overrides(model, out, **extra):
         "data.group_size": 4,
         "sampling.num_steps": 4,
         "sampling.batch_size": 4,
+        **EVERY_STEP,
         "optim.lr": 3e-3,
         "train.iterations": 3,
         "train.tracker": "none",
@@ -92,6 +98,7 @@ def test_a_short_run_on_the_toy_model_raises_the_reward(tmp_path):
         config = load_config(TrainConfig, None, [
             "reward.rewards=[{name: brightness}]", "data.prompts_per_iteration=2", "data.group_size=8",
             "optim.lr=1e-2", "model.lora_rank=8", "model.lora_alpha=16", "train.iterations=12", f"train.seed={seed}",
+            "optim.ema_decay=0", *[f"{k}={v}" for k, v in EVERY_STEP.items()],
             "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
             f"train.out_dir={tmp_path / str(seed)}", f"model.path={REPO / 'assets/toy-sd3'}",
             f"data.train_prompts={REPO / 'assets/prompts/train.jsonl'}",
