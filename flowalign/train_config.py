@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .config import ConfigError
@@ -354,20 +355,36 @@ class RolloutConfig:
 class StepRewardConfig:
     """Where a transition's reward comes from: the terminal reward, or the rewards of intermediate states."""
 
-    estimator: Literal["terminal", "dense", "return_to_go", "turning_point"] = option(
+    estimator: Literal["terminal", "dense", "return_to_go", "turning_point", "registers"] = option(
         "terminal",
         "terminal: every transition gets its trajectory's reward; dense: R_{t+1} - R_t of the clean estimates "
         "(DenseGRPO); return_to_go: R_T - R_t; turning_point: TP-GRPO's incremental rewards with aggregated rewards "
-        "at turning points. Non-terminal estimators normalise per step within each group",
+        "at turning points; registers: the change of the latent-register score across the transition (one "
+        "reference-model forward per state, step_reward.registers). Non-terminal estimators normalise per step "
+        "within each group",
     )
     clean: Literal["ode", "x0"] = option(
         "ode", "clean estimate of an intermediate state: an ODE completion, or the one-step x0 projection"
     )
     ode_steps: int | None = option(None, "ODE completion steps; null = the rollout's whole remaining schedule")
     balanced: bool = option(False, "turning_point: keep as many positive as negative turning points per group")
+    registers: str | None = option(
+        None, "estimator 'registers': the register checkpoint (`flowalign registers train`) trained on this model"
+    )
 
     def validate(self) -> None:
         _at_least("step_reward.ode_steps", self.ode_steps, 1)
+        _check(
+            self.estimator != "registers" or self.registers is not None,
+            "step_reward.registers",
+            "must name a register checkpoint when step_reward.estimator = 'registers' (train one with "
+            "`flowalign registers train --model PATH`)",
+        )
+        _check(
+            self.registers is None or Path(self.registers).is_file(),
+            "step_reward.registers",
+            f"= {self.registers!r} does not exist",
+        )
         _check(
             not self.balanced or self.estimator == "turning_point",
             "step_reward.balanced",

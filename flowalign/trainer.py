@@ -20,6 +20,8 @@ so the first recomputed log-prob ratio of an iteration is exactly 1. Log-probs a
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import signal
@@ -354,6 +356,9 @@ class GRPOTrainer:
         t = chunk.rollout.transitions
         num_steps = cfg.sampling.num_steps
         estimator = cfg.step_reward.estimator
+        if estimator == "registers":
+            rewards, nfe = self.register_rewards(chunk)
+            return self.normalized_step_credit(chunk, steps, dense_increments(rewards), nfe)
         if estimator == "turning_point":
             positions = set(range(num_steps + 1))
         elif estimator == "dense":
@@ -368,11 +373,45 @@ class GRPOTrainer:
         else:
             values, _ = turning_point_rewards(rewards, balanced=cfg.step_reward.balanced,
                                               pools=chunk.sample_ids // cfg.data.group_size)
+        return self.normalized_step_credit(chunk, steps, values, nfe)
+
+    def normalized_step_credit(self, chunk: Chunk, steps: list[int], values: Tensor,
+                               nfe: int) -> tuple[Tensor, Tensor, int]:
+        """Step rewards ``values [B, T]`` as per-transition advantages normalised per (group, step)."""
+        cfg = self.config
+        t = chunk.rollout.transitions
         per_transition = values[t.sample_id, t.step]  # chain transitions are (step, row) pairs
         finite = torch.isfinite(per_transition) & torch.isin(t.step, torch.tensor(steps))
-        groups = t.group_id * num_steps + t.step
+        groups = t.group_id * cfg.sampling.num_steps + t.step
         advantages, _ = group_normalize(torch.where(finite, per_transition, 0.0).float(), groups, finite)
         return advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip), finite, nfe
+
+    @torch.no_grad()
+    def register_rewards(self, chunk: Chunk) -> tuple[Tensor, int]:
+        """``R [B, T + 1]``: the latent-register score (heads summed) of every state of a chain chunk, read in one
+        forward per state of the reference model (LoRA off: the transformer the registers were trained on)."""
+        from .reward_models.registers import load_registers
+
+        cfg = self.config
+        if getattr(self, "registers", None) is None:
+            self.registers = load_registers(cfg.step_reward.registers, dict(self.model.transformer.config))
+            self.registers.to(self.model.device)
+        t = chunk.rollout.transitions
+        batch, num_steps = len(chunk.sample_ids), cfg.sampling.num_steps
+        sigmas = self.model.sigmas(num_steps, cfg.sampling.image_size)
+        velocity, rows = self._per_row_velocity(chunk.cond), torch.arange(batch)
+        rewards = torch.empty(batch, num_steps + 1, dtype=torch.float64)
+        reference = self.model.reference() if self.model.has_lora else contextlib.nullcontext()
+        self.registers.attach(self.model.transformer)
+        try:
+            with reference, self.accelerator.autocast():
+                for k in range(num_steps + 1):
+                    states = t.states[k * batch: (k + 1) * batch]  # node id = step * batch + row
+                    _, scores = self.registers.read(velocity, states, sigmas[k].expand(batch), rows)
+                    rewards[:, k] = scores.sum(dim=1).double().cpu()
+        finally:
+            self.registers.detach()
+        return rewards, (num_steps + 1) * batch * velocity.evals_per_sample
 
     def tree_credit(self, iteration: int, chunk: Chunk, combined: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Per-node advantages (clipped) and per-node 'the edge into it is trained' masks of a chunk's trees.
