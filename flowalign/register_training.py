@@ -205,8 +205,8 @@ def train_registers(config: RegisterTrainConfig) -> dict:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        history.append({"iteration": iteration, "loss": float(loss), "reward": float(batch.final_rewards.mean())})
-        print(f"registers iteration {iteration}: thurstone loss {float(loss):.4f}", flush=True)
+        history.append({"iteration": iteration, "loss": float(loss.detach()), "reward": float(batch.final_rewards.mean())})
+        print(f"registers iteration {iteration}: thurstone loss {float(loss.detach()):.4f}", flush=True)
     held_out = collect_states(model, registers, eval_meta, reward_fn, seed_key=(config.seed, 10**6),
                               baseline_x0=config.baseline_x0, **collect)
     held_out.features = [f.to(device) for f in held_out.features]

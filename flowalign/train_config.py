@@ -443,10 +443,15 @@ class LossConfig:
     step_weighting: Literal["uniform", "noise_aware"] = option(
         "uniform", "weight of each step's loss: equal, or scaled by the step's noise"
     )
+    rg_opd_weight: float = option(
+        0.0, "RG-OPD: weight of the regression of the policy's velocity onto RGS targets v + delta/dt (register "
+        "gradients of step_reward.registers on the reference model) on trained steps with sigma > 0.2; 0 = off",
+    )
 
     def validate(self) -> None:
         _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
         _finite("loss.beta", self.beta, 0.0)
+        _finite("loss.rg_opd_weight", self.rg_opd_weight, 0.0)
 
 
 @dataclass
@@ -623,6 +628,11 @@ class TrainConfig:
             self._validate_tree()
         if self.step_reward.estimator != "terminal":
             self._validate_step_reward()
+        _check(
+            self.loss.rg_opd_weight == 0 or self.step_reward.registers is not None,
+            "loss.rg_opd_weight",
+            "> 0 needs step_reward.registers (the register checkpoint whose gradients make the RGS targets)",
+        )
         if self.rollout.shape == "probe":
             stochastic = self.sampling.always_stochastic_steps()
             outside = [s for s in self.rollout.probe_steps if s not in stochastic]

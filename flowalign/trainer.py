@@ -472,8 +472,38 @@ class GRPOTrainer:
                 kl = latent_mean_kl(out.mean, ref_mean, out.std)
             else:
                 kl = velocity_mse_kl(v.float(), v_ref.float())
-        return grpo_loss(out.log_prob, st.log_prob, chunk.advantages[sel], clip_range=cfg.loss.clip_range,
-                         weights=chunk.weights[sel], kl=kl, beta=cfg.loss.beta)
+        loss, stats = grpo_loss(out.log_prob, st.log_prob, chunk.advantages[sel], clip_range=cfg.loss.clip_range,
+                                weights=chunk.weights[sel], kl=kl, beta=cfg.loss.beta)
+        if cfg.loss.rg_opd_weight > 0:
+            target = self.rg_opd_target(x, sigma, st.sigma_next[:1].expand(len(sources)), chunk.cond.index(rows))
+            opd = (v.float() - target[inverse]).pow(2).flatten(1).mean(dim=1)
+            opd = (opd * chunk.weights[sel]).sum() / chunk.weights[sel].sum().clamp_min(1e-8)
+            loss = loss + cfg.loss.rg_opd_weight * opd
+            stats = {**stats, "rg_opd": float(opd.detach())}
+        return loss, stats
+
+    def rg_opd_target(self, x: Tensor, sigma: Tensor, sigma_next: Tensor, cond: Cond) -> Tensor:
+        """RG-OPD (on-policy distillation of RGS): per-state velocity targets ``v_ref + delta / dt`` where ``delta``
+        is the RGS correction from the register heads' gradients at ``x`` (``samplers.rgs.rgs_velocity_target``), all
+        on the reference model (LoRA off). Detached."""
+        from .reward_models.registers import load_registers
+        from .samplers.rgs import rgs_velocity_target
+
+        if getattr(self, "registers", None) is None:
+            self.registers = load_registers(self.config.step_reward.registers, dict(self.model.transformer.config))
+            self.registers.to(self.model.device)
+        scale = self.config.sampling.guidance_scale
+        self.registers.attach(self.model.transformer)
+        try:
+            with torch.enable_grad(), self.model.reference(), self.accelerator.autocast():
+                x_in = x.detach().float().requires_grad_(True)
+                v_ref, scores = self.registers.read(lambda x, s: self.model.velocity(x, s, cond, scale), x_in, sigma)
+                heads = scores.shape[1]
+                grads = [torch.autograd.grad(scores[:, h].sum(), x_in, retain_graph=h < heads - 1)[0]
+                         for h in range(heads)]
+        finally:
+            self.registers.detach()
+        return rgs_velocity_target(x_in.detach(), v_ref.detach(), grads, [1.0] * heads, sigma[0], sigma_next[0]).detach()
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.
@@ -512,6 +542,8 @@ class GRPOTrainer:
         summary = {key: sum(r[key] for r in records) / len(records)
                    for key in ("loss", "policy_loss", "kl", "approx_kl", "clip_frac", "ratio_mean")}
         summary["ratio_max"] = max(r["ratio_max"] for r in records)
+        if "rg_opd" in records[0]:
+            summary["rg_opd"] = sum(r["rg_opd"] for r in records) / len(records)
         summary["first_ratio_max"] = records[0]["ratio_max"]
         summary["first_ratio_mean"] = records[0]["ratio_mean"]
         summary["grad_norm"] = sum(r["grad_norm"] for r in records if "grad_norm" in r) / max(

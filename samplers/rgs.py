@@ -44,7 +44,7 @@ from .rollout import count_nfe
 from .sde import predict_x0
 
 __all__ = ["DEFAULT_BANDS", "band_scale", "check_differentiable", "reward_guided_sampling", "rgs_correction",
-           "unit_rms", "x0_guide"]
+           "rgs_velocity_target", "unit_rms", "x0_guide"]
 
 # (sigma above which the band starts, scale), highest band first.
 DEFAULT_BANDS = ((0.8, 0.30), (0.2, 0.05))
@@ -76,6 +76,20 @@ def rgs_correction(x: Tensor, x_base: Tensor, grads: Sequence[Tensor], weights: 
     delta = unit_rms(g) * size
     delta = torch.maximum(torch.minimum(delta, 2 * size), -2 * size)
     return (x_base.float() + delta).to(x_base.dtype)
+
+
+def rgs_velocity_target(x: Tensor, v: Tensor, grads: Sequence[Tensor], weights: Sequence[float],
+                        sigma: float | Tensor, sigma_next: float | Tensor,
+                        bands: Sequence[tuple[float, float]] = DEFAULT_BANDS) -> Tensor:
+    """RG-OPD's regression target: the velocity whose Euler step lands on the RGS-corrected ODE step,
+    ``v* = v + delta / dt`` with ``delta`` from ``rgs_correction`` at ``x_base = x + dt v`` (``v`` itself where the
+    band scale is 0). fp32."""
+    scale = band_scale(float(sigma), bands)
+    if scale == 0:
+        return v.float()
+    dt = float(sigma_next) - float(sigma)
+    x_base = x.float() + dt * v.float()
+    return v.float() + (rgs_correction(x.float(), x_base, grads, weights, scale) - x_base) / dt
 
 
 def x0_guide(velocity: GuidedVelocity, reward: LatentReward) -> Guide:

@@ -216,6 +216,18 @@ def test_rgs_correction_is_magnitude_matched_and_clipped():
     assert band_scale(0.9) == 0.3 and band_scale(0.5) == 0.05 and band_scale(0.2) == 0.0
 
 
+def test_rg_opd_target_is_the_velocity_whose_euler_step_lands_on_the_rgs_step():
+    from flowalign.samplers import ode_step
+    from flowalign.samplers.rgs import rgs_velocity_target
+
+    torch.manual_seed(0)
+    x, v, grad = torch.randn(2, 6), torch.randn(2, 6), torch.randn(2, 6)
+    target = rgs_velocity_target(x, v, [grad], [1.0], 0.9, 0.7)
+    expected = rgs_correction(x, ode_step(x, v, 0.9, 0.7), [grad], [1.0], band_scale(0.9))
+    assert torch.allclose(ode_step(x, target, 0.9, 0.7), expected, atol=1e-6)
+    assert torch.equal(rgs_velocity_target(x, v, [grad], [1.0], 0.15, 0.05), v)  # no guidance below sigma 0.2
+
+
 def test_rgs_raises_the_reward_over_plain_sampling_from_the_same_noise():
     s = sigmas(8)
     guided = reward_guided_sampling(x0_guide(CountingVelocity(4), mean_reward), s, SHAPE, generators(4), 15,
@@ -289,8 +301,9 @@ def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidan
     assert result.final.shape == (2, *model.latent_shape(1)[1:])
     assert torch.isfinite(result.reward).all() and ((result.reward >= 0) & (result.reward <= 1)).all()
     assert (result.nfe <= budget).all()
-    if guidance == "rgs":  # 3 forwards, and backwards on the steps with sigma > 0.2 (sigmas 1, 0.67, 0.33)
-        assert result.nfe.tolist() == [6, 6] and counter.rows == 2 * 3
+    if guidance == "rgs":  # 3 forwards, and backwards on the 2 steps with sigma > 0.2 (sigmas 1, 0.5, 0.001)
+        assert int(model.sigmas(3)[:3].gt(0.2).sum()) == 2
+        assert result.nfe.tolist() == [5, 5] and counter.rows == 2 * 3
     elif guidance == "dts":
         assert counter.rows == int(result.nfe.sum()) and (result.nfe > budget - 3).all()
     else:

@@ -80,12 +80,15 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
         checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
         extra["step_reward.registers"] = str(checkpoint)
+        extra["loss.rg_opd_weight"] = 0.5  # and RG-OPD's regression onto RGS targets from the same registers
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     stochastic, nfe = EXPECTED[preset.stem]
     assert config.sampling.stochastic_steps() == stochastic
     assert history[0]["nfe"] == nfe
+    if preset.stem == "register_grpo":
+        assert history[0]["rg_opd"] > 0
 
 
 def test_method_presets_differ_only_in_their_knobs():

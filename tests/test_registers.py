@@ -109,3 +109,24 @@ def test_checkpoint_round_trip_and_a_different_transformer_config_is_refused(tmp
         load_registers(path, dict(other.config))
     with pytest.raises(ValueError, match="num_layers"):
         again.attach(other)
+
+
+def test_registers_train_then_rgs_sampling_through_the_cli(tmp_path):
+    """`flowalign registers train` at a tiny size writes a checkpoint and its held-out report; `flowalign sample
+    --guidance rgs` then guides with it within the budget."""
+    import json
+
+    from flowalign.cli import main
+
+    checkpoint = tmp_path / "reg" / "registers.pt"
+    assert main(["registers", "train", "--iterations", "1", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
+                 "--steps", "3", "--updates-per-iteration", "2", "--eval-prompt-count", "2", "--num-registers", "4",
+                 "--out", str(checkpoint)]) == 0
+    report = json.loads((checkpoint.parent / "report.json").read_text())["held_out"]
+    assert set(report) == {"registers", "x0_projection"}
+    assert set(report["registers"]) == {"sigma>0.8", "0.5-0.8", "0.2-0.5", "sigma<0.2"}
+    out = tmp_path / "rgs"
+    assert main(["sample", "--guidance", "rgs", "--registers", str(checkpoint), "--budget", "6", "--steps", "3",
+                 "--max-prompts", "2", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]
+    assert [r["nfe"] for r in results] == [5, 5]  # 3 forwards + 2 backwards (sigmas 1, 0.5 > 0.2; 0.001 unguided)
