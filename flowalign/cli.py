@@ -18,6 +18,9 @@ Commands:
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
 * ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
   (``flowalign.calibrate``), written as a config for ``flowalign train``.
+* ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE``: reward-guided sampling
+  (``flowalign.guided_sampling``).
+* ``flowalign registers train``: latent reward registers (``flowalign.register_training``).
 """
 
 from __future__ import annotations
@@ -299,6 +302,107 @@ def _run_toy_pretrain(args: argparse.Namespace) -> None:
     pretrain_main(args)
 
 
+def _add_sample(commands) -> None:
+    from flowalign.guided_sampling import SampleConfig
+    from flowalign.samplers.fk import POTENTIALS
+    from flowalign.samplers.guided import GUIDANCE
+
+    defaults = SampleConfig()
+    parser = commands.add_parser(
+        "sample",
+        help="reward-guided sampling under an NFE budget (best-of-N, FK steering, DTS*, RGS)",
+        description="Sample every prompt with a guidance method that spends at most --budget NFEs per prompt; "
+        "writes images/, grid.png, results.json (each chosen sample's reward and NFEs) and summary.md to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
+    parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
+    parser.add_argument("--guidance", choices=GUIDANCE, default=defaults.guidance)
+    parser.add_argument("--budget", type=positive_int, default=defaults.budget, help="NFEs per prompt")
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="sampler steps per trajectory")
+    parser.add_argument("--reward", default=defaults.reward, help="registered image reward that scores samples")
+    parser.add_argument("--binary-reward", action="store_true", help="toy_geneval without partial credit")
+    parser.add_argument("--registers", default=None, help="register checkpoint (needed by --guidance rgs)")
+    parser.add_argument("--noise-level", type=non_negative_float, default=defaults.noise_level,
+                        help="SDE noise level of FK particles and tree search")
+    parser.add_argument("--lam", type=non_negative_float, default=defaults.lam, help="FK / DTS inverse temperature")
+    parser.add_argument("--potential", choices=POTENTIALS, default=defaults.potential, help="FK potential")
+    parser.add_argument("--max-children", type=_int_at_least(2), default=defaults.max_children,
+                        help="DTS children per node")
+    parser.add_argument("--dts-soft", action="store_true", help="DTS (Boltzmann selection) instead of DTS*")
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--max-prompts", type=positive_int, default=None)
+    parser.add_argument("--batch-prompts", type=positive_int, default=defaults.batch_prompts)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=defaults.out_dir, help="output directory")
+    parser.set_defaults(handler=_run_sample)
+
+
+def _run_sample(args: argparse.Namespace) -> None:
+    from flowalign.guided_sampling import SampleConfig, run_sample
+
+    config = SampleConfig(
+        model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
+        seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
+        noise_level=args.noise_level, lam=args.lam, potential=args.potential, max_children=args.max_children,
+        dts_soft=args.dts_soft, max_prompts=args.max_prompts, batch_prompts=args.batch_prompts, out_dir=args.out,
+        device=args.device,
+    )
+    summary = run_sample(config)
+    line = f"{summary['prompts']} prompts, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"
+    if "geneval" in summary:
+        line += f", toy GenEval overall {summary['geneval']['overall']:.3f}"
+    print(f"wrote {args.out}: {line}")
+
+
+def _add_registers_train(group) -> None:
+    from flowalign.register_training import RegisterTrainConfig
+
+    defaults = RegisterTrainConfig()
+    parser = group.add_parser(
+        "train",
+        help="train latent reward registers on the model's own samples (pairwise Thurstone loss)",
+        description="Sample K trajectories per prompt with the frozen model, label the final images with --reward, "
+        "and fit register heads on pairs of noisy states of the same prompt; reports held-out pairwise accuracy "
+        "by sigma band (report.md / report.json next to --out).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--model", default=defaults.model)
+    parser.add_argument("--prompts", default=None, help="training metadata jsonl (default: assets/prompts/train.jsonl)")
+    parser.add_argument("--eval-prompts", default=None, help="held-out metadata jsonl (default: test.jsonl)")
+    parser.add_argument("--eval-prompt-count", type=positive_int, default=defaults.eval_prompt_count)
+    parser.add_argument("--reward", default=defaults.reward)
+    parser.add_argument("--iterations", type=positive_int, default=defaults.iterations)
+    parser.add_argument("--prompts-per-iteration", type=positive_int, default=defaults.prompts_per_iteration)
+    parser.add_argument("--samples-per-prompt", type=_int_at_least(2), default=defaults.samples_per_prompt)
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps)
+    parser.add_argument("--updates-per-iteration", type=positive_int, default=defaults.updates_per_iteration)
+    parser.add_argument("--lr", type=non_negative_float, default=defaults.lr)
+    parser.add_argument("--num-registers", type=positive_int, default=defaults.num_registers)
+    parser.add_argument("--taps", type=non_negative_int, nargs="+", default=None,
+                        help="block indices to read (default: 3 evenly spaced)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the x0-projection baseline in the report")
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=defaults.out, help="checkpoint file to write")
+    parser.set_defaults(handler=_run_registers_train)
+
+
+def _run_registers_train(args: argparse.Namespace) -> None:
+    from flowalign.register_training import RegisterTrainConfig, train_registers
+
+    config = RegisterTrainConfig(
+        model=args.model, prompts=args.prompts, eval_prompts=args.eval_prompts,
+        eval_prompt_count=args.eval_prompt_count, reward=args.reward, iterations=args.iterations,
+        prompts_per_iteration=args.prompts_per_iteration, samples_per_prompt=args.samples_per_prompt,
+        steps=args.steps, updates_per_iteration=args.updates_per_iteration, lr=args.lr,
+        num_registers=args.num_registers, taps=args.taps, baseline_x0=not args.no_baseline, seed=args.seed,
+        out=args.out, device=args.device,
+    )
+    result = train_registers(config)
+    print(f"wrote {result['checkpoint']}")
+
+
 # ------------------------------------------------------------------------------------------------ parser
 
 
@@ -323,6 +427,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     toy_group = _group(commands, "toy", "toy-world tools")
     _add_toy_pretrain(toy_group)
+
+    _add_sample(commands)
+    registers_group = _group(commands, "registers", "latent reward registers")
+    _add_registers_train(registers_group)
     return parser
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 __all__ = ["ESTIMATORS", "calibrate_noise", "dense_increments", "return_to_go", "turning_point_rewards"]
 
-ESTIMATORS = ("terminal", "dense", "return_to_go", "turning_point")
+ESTIMATORS = ("terminal", "dense", "return_to_go", "turning_point", "registers")
 
 
 def _check(rewards: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from .config import ConfigError
@@ -358,20 +359,36 @@ class RolloutConfig:
 class StepRewardConfig:
     """Where a transition's reward comes from: the terminal reward, or the rewards of intermediate states."""
 
-    estimator: Literal["terminal", "dense", "return_to_go", "turning_point"] = option(
+    estimator: Literal["terminal", "dense", "return_to_go", "turning_point", "registers"] = option(
         "terminal",
         "terminal: every transition gets its trajectory's reward; dense: R_{t+1} - R_t of the clean estimates "
         "(DenseGRPO); return_to_go: R_T - R_t; turning_point: TP-GRPO's incremental rewards with aggregated rewards "
-        "at turning points. Non-terminal estimators normalise per step within each group",
+        "at turning points; registers: the change of the latent-register score across the transition (one "
+        "reference-model forward per state, step_reward.registers). Non-terminal estimators normalise per step "
+        "within each group",
     )
     clean: Literal["ode", "x0"] = option(
         "ode", "clean estimate of an intermediate state: an ODE completion, or the one-step x0 projection"
     )
     ode_steps: int | None = option(None, "ODE completion steps; null = the rollout's whole remaining schedule")
     balanced: bool = option(False, "turning_point: keep as many positive as negative turning points per group")
+    registers: str | None = option(
+        None, "estimator 'registers': the register checkpoint (`flowalign registers train`) trained on this model"
+    )
 
     def validate(self) -> None:
         _at_least("step_reward.ode_steps", self.ode_steps, 1)
+        _check(
+            self.estimator != "registers" or self.registers is not None,
+            "step_reward.registers",
+            "must name a register checkpoint when step_reward.estimator = 'registers' (train one with "
+            "`flowalign registers train --model PATH`)",
+        )
+        _check(
+            self.registers is None or Path(self.registers).is_file(),
+            "step_reward.registers",
+            f"= {self.registers!r} does not exist",
+        )
         _check(
             not self.balanced or self.estimator == "turning_point",
             "step_reward.balanced",
@@ -430,10 +447,15 @@ class LossConfig:
     step_weighting: Literal["uniform", "noise_aware"] = option(
         "uniform", "weight of each step's loss: equal, or scaled by the step's noise"
     )
+    rg_opd_weight: float = option(
+        0.0, "RG-OPD: weight of the regression of the policy's velocity onto RGS targets v + delta/dt (register "
+        "gradients of step_reward.registers on the reference model) on trained steps with sigma > 0.2; 0 = off",
+    )
 
     def validate(self) -> None:
         _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
         _finite("loss.beta", self.beta, 0.0)
+        _finite("loss.rg_opd_weight", self.rg_opd_weight, 0.0)
 
 
 @dataclass
@@ -618,6 +640,11 @@ class TrainConfig:
             self._validate_tree()
         if self.step_reward.estimator != "terminal":
             self._validate_step_reward()
+        _check(
+            self.loss.rg_opd_weight == 0 or self.step_reward.registers is not None,
+            "loss.rg_opd_weight",
+            "> 0 needs step_reward.registers (the register checkpoint whose gradients make the RGS targets)",
+        )
         if self.rollout.shape == "probe":
             stochastic = self.sampling.always_stochastic_steps()
             outside = [s for s in self.rollout.probe_steps if s not in stochastic]

@@ -20,6 +20,7 @@ so the first recomputed log-prob ratio of an iteration is exactly 1. Log-probs a
 
 from __future__ import annotations
 
+
 import json
 import math
 import signal
@@ -353,6 +354,9 @@ class GRPOTrainer:
         t = chunk.rollout.transitions
         num_steps = cfg.sampling.num_steps
         estimator = cfg.step_reward.estimator
+        if estimator == "registers":
+            rewards, nfe = self.register_rewards(chunk)
+            return self.normalized_step_credit(chunk, steps, dense_increments(rewards), nfe)
         if estimator == "turning_point":
             positions = set(range(num_steps + 1))
         elif estimator == "dense":
@@ -367,11 +371,45 @@ class GRPOTrainer:
         else:
             values, _ = turning_point_rewards(rewards, balanced=cfg.step_reward.balanced,
                                               pools=chunk.sample_ids // cfg.data.group_size)
+        return self.normalized_step_credit(chunk, steps, values, nfe)
+
+    def normalized_step_credit(self, chunk: Chunk, steps: list[int], values: Tensor,
+                               nfe: int) -> tuple[Tensor, Tensor, int]:
+        """Step rewards ``values [B, T]`` as per-transition advantages normalised per (group, step)."""
+        cfg = self.config
+        t = chunk.rollout.transitions
         per_transition = values[t.sample_id, t.step]  # chain transitions are (step, row) pairs
         finite = torch.isfinite(per_transition) & torch.isin(t.step, torch.tensor(steps))
-        groups = t.group_id * num_steps + t.step
+        groups = t.group_id * cfg.sampling.num_steps + t.step
         advantages, _ = group_normalize(torch.where(finite, per_transition, 0.0).float(), groups, finite)
         return advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip), finite, nfe
+
+    @torch.no_grad()
+    def register_rewards(self, chunk: Chunk) -> tuple[Tensor, int]:
+        """``R [B, T + 1]``: the latent-register score (heads summed) of every state of a chain chunk, read in one
+        forward per state of the reference model (LoRA off: the transformer the registers were trained on)."""
+        from .reward_models.registers import load_registers
+
+        cfg = self.config
+        if getattr(self, "registers", None) is None:
+            self.registers = load_registers(cfg.step_reward.registers, dict(self.model.transformer.config))
+            self.registers.to(self.model.device)
+        t = chunk.rollout.transitions
+        batch, num_steps = len(chunk.sample_ids), cfg.sampling.num_steps
+        sigmas = self.model.sigmas(num_steps, cfg.sampling.image_size)
+        velocity, rows = self._per_row_velocity(chunk.cond), torch.arange(batch)
+        rewards = torch.empty(batch, num_steps + 1, dtype=torch.float64)
+        reference = self.model.reference() if self.model.has_lora else nullcontext()
+        self.registers.attach(self.model.transformer)
+        try:
+            with reference, self.accelerator.autocast():
+                for k in range(num_steps + 1):
+                    states = t.states[k * batch: (k + 1) * batch]  # node id = step * batch + row
+                    _, scores = self.registers.read(velocity, states, sigmas[k].expand(batch), rows)
+                    rewards[:, k] = scores.sum(dim=1).double().cpu()
+        finally:
+            self.registers.detach()
+        return rewards, (num_steps + 1) * batch * velocity.evals_per_sample
 
     def tree_credit(self, iteration: int, chunk: Chunk, combined: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Per-node advantages (clipped) and per-node 'the edge into it is trained' masks of a chunk's trees.
@@ -426,11 +464,41 @@ class GRPOTrainer:
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
                 v_ref = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
         # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
-        return transition_grpo_loss(
+        loss, stats = transition_grpo_loss(
             v, st.x_t, st.x_next, st.sigma, st.sigma_next, st.log_prob, chunk.advantages[sel], kind=t.kind,
             noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=t.reduce, clip_range=cfg.loss.clip_range,
             weights=chunk.weights[sel], v_ref=v_ref, beta=cfg.loss.beta, kl=cfg.loss.kl, backend=cfg.model.kernels,
         )
+        if cfg.loss.rg_opd_weight > 0:
+            target = self.rg_opd_target(x, sigma, st.sigma_next[:1].expand(len(sources)), chunk.cond.index(rows))
+            opd = (v.float() - target[inverse]).pow(2).flatten(1).mean(dim=1)
+            opd = (opd * chunk.weights[sel]).sum() / chunk.weights[sel].sum().clamp_min(1e-8)
+            loss = loss + cfg.loss.rg_opd_weight * opd
+            stats = {**stats, "rg_opd": float(opd.detach())}
+        return loss, stats
+
+    def rg_opd_target(self, x: Tensor, sigma: Tensor, sigma_next: Tensor, cond: Cond) -> Tensor:
+        """RG-OPD (on-policy distillation of RGS): per-state velocity targets ``v_ref + delta / dt`` where ``delta``
+        is the RGS correction from the register heads' gradients at ``x`` (``samplers.rgs.rgs_velocity_target``), all
+        on the reference model (LoRA off). Detached."""
+        from .reward_models.registers import load_registers
+        from .samplers.rgs import rgs_velocity_target
+
+        if getattr(self, "registers", None) is None:
+            self.registers = load_registers(self.config.step_reward.registers, dict(self.model.transformer.config))
+            self.registers.to(self.model.device)
+        scale = self.config.sampling.guidance_scale
+        self.registers.attach(self.model.transformer)
+        try:
+            with torch.enable_grad(), self.model.reference(), self.accelerator.autocast():
+                x_in = x.detach().float().requires_grad_(True)
+                v_ref, scores = self.registers.read(lambda x, s: self.model.velocity(x, s, cond, scale), x_in, sigma)
+                heads = scores.shape[1]
+                grads = [torch.autograd.grad(scores[:, h].sum(), x_in, retain_graph=h < heads - 1)[0]
+                         for h in range(heads)]
+        finally:
+            self.registers.detach()
+        return rgs_velocity_target(x_in.detach(), v_ref.detach(), grads, [1.0] * heads, sigma[0], sigma_next[0]).detach()
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.
@@ -469,6 +537,8 @@ class GRPOTrainer:
         summary = {key: sum(r[key] for r in records) / len(records)
                    for key in ("loss", "policy_loss", "kl", "approx_kl", "clip_frac", "ratio_mean")}
         summary["ratio_max"] = max(r["ratio_max"] for r in records)
+        if "rg_opd" in records[0]:
+            summary["rg_opd"] = sum(r["rg_opd"] for r in records) / len(records)
         summary["first_ratio_max"] = records[0]["ratio_max"]
         summary["first_ratio_mean"] = records[0]["ratio_mean"]
         summary["grad_norm"] = sum(r["grad_norm"] for r in records if "grad_norm" in r) / max(

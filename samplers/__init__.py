@@ -7,6 +7,10 @@ from .rollout import Rollout, Transitions, count_nfe, rollout
 from .schedules import ConstantNoise, NoiseSchedule, PerStepNoise, SDEWindow, noise_schedule
 from .probe import ProbeRollout, probe_nfe, probe_rollout
 from .tree import TreeRollout, TreeSchedule, tree_rollout
+from .guided import GUIDANCE, GuidedResult, best_of_n
+from .fk import fk_steering
+from .dts import diffusion_tree_search
+from .rgs import reward_guided_sampling
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
@@ -23,6 +27,8 @@ __all__ = [
     "REDUCTIONS",
     "SDE_KINDS",
     "ConstantNoise",
+    "GUIDANCE",
+    "GuidedResult",
     "NoiseSchedule",
     "PerStepNoise",
     "ProbeRollout",
@@ -32,14 +38,18 @@ __all__ = [
     "Transitions",
     "TreeRollout",
     "TreeSchedule",
+    "best_of_n",
     "check_sigmas",
     "count_nfe",
+    "diffusion_tree_search",
+    "fk_steering",
     "gaussian_log_prob",
     "noise_schedule",
     "ode_step",
     "predict_x0",
     "probe_nfe",
     "probe_rollout",
+    "reward_guided_sampling",
     "rollout",
     "sde_mean_std",
     "sde_step",

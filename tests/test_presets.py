@@ -43,7 +43,7 @@ def small_run(model_path, out, **extra):
 
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                         "tempflow_grpo", "dense_grpo", "tp_grpo"}
+                                         "tempflow_grpo", "dense_grpo", "tp_grpo", "register_grpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     for name in ("ddp", "fsdp", "deepspeed_zero2", "multi_node"):
         launch = yaml.safe_load((REPO / "configs/accelerate" / f"{name}.yaml").read_text())
@@ -66,18 +66,29 @@ EXPECTED = {
     "tempflow_grpo": (9, 2 * 7 + 2 * 2 * (9 + 7 + 5 + 3)),
     "dense_grpo": (9, 2 * 2 * (10 + 55)),
     "tp_grpo": (9, 2 * 2 * (10 + 55)),
+    "register_grpo": (9, 2 * 2 * (10 + 11)),
 }
 
 
 @pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
 def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
-    extra = SMALL_RUN_SHAPE.get(preset.stem, {})
+    extra = dict(SMALL_RUN_SHAPE.get(preset.stem, {}))
+    if preset.stem == "register_grpo":  # registers for the tiny transformer the run trains
+        from diffusers import SD3Transformer2DModel
+        from flowalign.reward_models.registers import LatentRegisters
+
+        transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
+        checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
+        extra["step_reward.registers"] = str(checkpoint)
+        extra["loss.rg_opd_weight"] = 0.5  # and RG-OPD's regression onto RGS targets from the same registers
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     stochastic, nfe = EXPECTED[preset.stem]
     assert config.sampling.stochastic_steps() == stochastic
     assert history[0]["nfe"] == nfe
+    if preset.stem == "register_grpo":
+        assert history[0]["rg_opd"] > 0
 
 
 def test_method_presets_differ_only_in_their_knobs():

@@ -1,0 +1,189 @@
+"""Held-out toy-GenEval accuracy against the NFE budget for best-of-N, FK steering, DTS* and RGS.
+
+Every method samples the held-out prompts (assets/prompts/test.jsonl) with the same per-prompt randomness, guided by
+the toy verifier with partial credit (``toy_geneval``), and its chosen images are judged with the binary GenEval
+rules. Plain ODE sampling (``none``, T NFEs) is the reference. RGS needs a register checkpoint
+(``--registers``; trained with ``flowalign registers train``) and is skipped without one; its stored held-out pairwise
+accuracy by sigma band is copied into the results.
+
+Writes JSON (``--out``), a markdown table (same name, ``.md``) and a PNG plot (``.png``; drawn with PIL), and prints
+the table. The targets of issue 7 are checked and reported, met or not:
+
+* DTS* or FK reaches best-of-N's accuracy at <= 1/2 of its NFEs;
+* RGS beats plain sampling at <= 1.5x its NFEs.
+
+    python bench/guided.py --max-prompts 64 --steps 10 --budgets 10 20 40 80 [--registers outputs/registers/registers.pt]
+    python bench/guided.py --max-prompts 2 --steps 3 --budgets 3 6     # smoke size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+METHODS = ("bon", "fk", "dts", "rgs")
+COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44),
+          "rgs": (214, 39, 40)}
+
+
+def run_method(model, metadata, config, reward_fn, registers) -> dict:
+    from flowalign.evaluation.geneval import summarize
+    from flowalign.guided_sampling import run_guided
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    finals, rewards, nfes = [], [], []
+    start_time = time.perf_counter()
+    for start in range(0, len(metadata), config.batch_prompts):
+        batch = metadata[start : start + config.batch_prompts]
+        result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers, prompt_offset=start)
+        finals.append(result.final.detach())
+        rewards.append(result.reward)
+        nfes.append(result.nfe)
+    with torch.no_grad():
+        images = torch.cat([model.decode(f) for f in finals]).cpu()
+    correct = ToyGenEvalReward()(images, [m["prompt"] for m in metadata], list(metadata))
+    rows = [{"prompt_id": p, "prompt": m["prompt"], "tag": m["tag"], "correct": bool(c)}
+            for p, (m, c) in enumerate(zip(metadata, correct.tolist()))]
+    summary = summarize(rows)
+    nfe = torch.cat(nfes).double()
+    return {"overall": summary["overall"], "images_correct": summary["images_correct"],
+            "mean_reward": float(torch.cat(rewards).nanmean()), "mean_nfe": float(nfe.mean()),
+            "max_nfe": int(nfe.max()), "seconds": time.perf_counter() - start_time}
+
+
+def check_targets(rows: list[dict]) -> dict:
+    """The issue's two targets, from the measured rows."""
+    by = {(r["method"], r["budget"]): r for r in rows}
+    bon = sorted((r for r in rows if r["method"] == "bon"), key=lambda r: r["budget"])
+    matches = []
+    for target in bon:
+        for method in ("dts", "fk"):
+            for r in rows:
+                if r["method"] == method and r["max_nfe"] <= target["budget"] / 2 and r["overall"] >= target["overall"]:
+                    matches.append({"method": method, "budget": r["budget"], "bon_budget": target["budget"]})
+    plain = by.get(("none", min((r["budget"] for r in rows if r["method"] == "none"), default=0)))
+    rgs_ok = [r for r in rows if r["method"] == "rgs" and plain and r["max_nfe"] <= 1.5 * plain["max_nfe"]
+              and r["overall"] > plain["overall"]]
+    return {"dts_or_fk_matches_bon_at_half_nfe": bool(matches), "matches": matches,
+            "rgs_beats_plain_within_1.5x": bool(rgs_ok) if any(r["method"] == "rgs" for r in rows) else None}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| method | budget (NFE/prompt) | mean NFE | toy GenEval overall | images correct | mean guide reward |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['budget']} | {r['mean_nfe']:.1f} | {r['overall']:.3f} | "
+                     f"{r['images_correct']:.3f} | {r['mean_reward']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> None:
+    """Accuracy against mean NFEs, one polyline per method (PIL only)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    left, right, top, bottom = 60, width - 110, 20, height - 50
+    xs = [r["mean_nfe"] for r in rows]
+    ys = [r["overall"] for r in rows]
+    x_lo, x_hi = 0.0, max(xs) * 1.05 or 1.0
+    y_lo, y_hi = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    y_hi = y_hi if y_hi > y_lo else y_lo + 0.1
+
+    def at(x, y):
+        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
+
+    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
+    for k in range(5):
+        y = y_lo + k * (y_hi - y_lo) / 4
+        px, py = at(x_lo, y)
+        draw.text((5, py - 6), f"{y:.2f}", fill=(0, 0, 0))
+        x = x_lo + k * (x_hi - x_lo) / 4
+        px, py = at(x, y_lo)
+        draw.text((px - 10, bottom + 5), f"{x:.0f}", fill=(0, 0, 0))
+    draw.text(((left + right) / 2 - 60, height - 25), "NFEs per prompt", fill=(0, 0, 0))
+    draw.text((5, 2), "toy GenEval overall (held-out)", fill=(0, 0, 0))
+    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        points = [at(r["mean_nfe"], r["overall"]) for r in sorted(rows, key=lambda r: r["mean_nfe"]) if r["method"] == method]
+        color = COLORS.get(method, (0, 0, 0))
+        if len(points) > 1:
+            draw.line(points, fill=color, width=2)
+        for px, py in points:
+            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
+        draw.line([right + 10, top + 12 + 18 * index, right + 30, top + 12 + 18 * index], fill=color, width=3)
+        draw.text((right + 35, top + 6 + 18 * index), method, fill=(0, 0, 0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+
+
+def main() -> None:
+    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.guided_sampling import SampleConfig
+    from flowalign.models.loading import load_flow_model
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(REPO / "assets/toy-sd3"))
+    parser.add_argument("--prompts", default=str(REPO / "assets/prompts/test.jsonl"))
+    parser.add_argument("--max-prompts", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
+    parser.add_argument("--batch-prompts", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
+    args = parser.parse_args()
+
+    metadata = load_metadata(args.prompts)[: args.max_prompts]
+    model = load_flow_model(args.model)
+    model.transformer.requires_grad_(False)
+    reward_fn = ToyGenEvalReward(partial_credit=True)
+    registers, register_report = None, None
+    if args.registers:
+        from flowalign.reward_models.registers import load_registers, read_checkpoint
+
+        registers = load_registers(args.registers, dict(model.transformer.config))
+        register_report = read_checkpoint(args.registers)["extra"].get("held_out")
+
+    rows = []
+
+    def record(method, budget):
+        config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
+                              batch_prompts=args.batch_prompts, registers=args.registers)
+        row = {"method": method, "budget": budget, **run_method(model, metadata, config, reward_fn, registers)}
+        rows.append(row)
+        print(f"{method:>4} budget {budget:>4}: overall {row['overall']:.3f}, mean NFE {row['mean_nfe']:.1f}", flush=True)
+
+    record("none", args.steps)
+    for method in args.methods:
+        if method == "rgs" and registers is None:
+            print("rgs: skipped (no --registers)")
+            continue
+        for budget in args.budgets:
+            if budget >= args.steps:
+                record(method, budget)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"settings": vars(args), "prompts": len(metadata), "rows": rows, "targets": check_targets(rows),
+              "register_accuracy": register_report}
+    out.write_text(json.dumps(result, indent=1))
+    text = table(rows)
+    if register_report:
+        from flowalign.register_training import format_accuracy
+
+        text += "\n\nRegister pairwise accuracy by sigma band (held-out):\n\n" + format_accuracy(register_report)
+    out.with_suffix(".md").write_text(text + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(text)
+    print("targets:", json.dumps(result["targets"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""``flowalign sample``: reward-guided sampling of a flow model for a prompt file, under an NFE budget.
+
+``run_guided(model, metadata, SampleConfig(...), reward=..., registers=...)`` turns a ``FlowModel`` and an image reward
+into the plain callables of ``flowalign.samplers`` (``velocity(x, sigma, rows)``, ``reward(x0, rows)``), runs one
+guidance method for every prompt, and returns the chosen latents, their rewards and the NFEs spent. ``run_sample``
+adds loading, checks and outputs (``images/*.png``, ``grid.png``, ``results.json``, ``summary.md``).
+
+Guidance methods (``--guidance``): ``none`` (one ODE sample), ``bon`` (best-of-N ODE samples), ``fk`` (Feynman-Kac
+steering), ``dts`` (DTS*, greedy tree search; ``--dts-soft`` for DTS), ``rgs`` (reward-gradient guidance on register
+heads, ``--registers CKPT``). The budget is per prompt. Every check on the settings runs before the model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from flowalign.samplers.guided import GUIDANCE, GuidedResult
+from flowalign.seeding import generator as seeded_generator
+
+__all__ = ["SampleConfig", "latent_reward", "run_guided", "run_sample"]
+
+
+@dataclass
+class SampleConfig:
+    """Settings of ``flowalign sample`` (per-prompt NFE ``budget``; see the module docstring)."""
+
+    model: str = "assets/toy-sd3"
+    prompts: str | None = None
+    guidance: str = "bon"
+    budget: int = 40
+    steps: int = 10
+    seed: int = 0
+    reward: str = "toy_geneval"
+    partial_credit: bool = True
+    registers: str | None = None
+    noise_level: float = 0.7
+    lam: float = 10.0
+    potential: str = "max"
+    max_children: int = 3
+    dts_soft: bool = False
+    max_prompts: int | None = None
+    batch_prompts: int = 16
+    out_dir: str = "outputs/sample"
+    device: str | None = None
+
+    def validate(self) -> None:
+        """ValueError naming the first bad setting; cheap (no model is loaded)."""
+        if self.guidance not in GUIDANCE:
+            raise ValueError(f"unknown guidance {self.guidance!r}: expected one of {', '.join(GUIDANCE)}")
+        for name in ("budget", "steps", "batch_prompts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.guidance != "none" and self.budget < self.steps:
+            raise ValueError(
+                f"budget={self.budget} NFEs per prompt is smaller than one trajectory of {self.steps} steps "
+                f"({self.steps} NFEs): raise --budget to at least {self.steps} or lower --steps"
+            )
+        if self.guidance == "rgs" and self.registers is None:
+            raise ValueError(
+                "guidance 'rgs' needs a differentiable reward, and the image reward "
+                f"{self.reward!r} is not (it scores decoded images without gradients): pass --registers CKPT "
+                "(trained with `flowalign registers train`) or use --guidance bon|fk|dts"
+            )
+        if self.guidance in ("fk", "dts") and not self.noise_level > 0:
+            raise ValueError(f"guidance {self.guidance!r} needs noise_level > 0 (SDE particles), got {self.noise_level}")
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1 (or None for all), got {self.max_prompts!r}")
+
+
+def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64):
+    """``reward(x0, rows) -> [n]``: decode latents and score them with an image reward for prompts ``rows``.
+
+    Not differentiable (``differentiable = False``): image rewards are scored without gradients.
+    """
+
+    @torch.no_grad()
+    def reward(x0: Tensor, rows: Tensor) -> Tensor:
+        scores = []
+        for start in range(0, x0.shape[0], chunk):
+            part = rows[start : start + chunk].tolist()
+            images = model.decode(x0[start : start + chunk])
+            out = reward_fn(images, [prompts[r] for r in part], [metadata[r] for r in part])
+            scores.append(torch.as_tensor(out, dtype=torch.float64).flatten().cpu())
+        return torch.cat(scores)
+
+    reward.differentiable = False
+    reward.name = getattr(reward_fn, "name", "reward")
+    return reward
+
+
+def prompt_velocity(model, cond):
+    """``velocity(x, sigma, rows)`` with prompt ``rows[i]``'s conditioning for row ``i``."""
+
+    def velocity(x: Tensor, sigma: Tensor, rows: Tensor) -> Tensor:
+        return model.velocity(x, sigma, cond.index(rows))
+
+    velocity.evals_per_sample = 1
+    return velocity
+
+
+def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_fn, registers=None,
+               prompt_offset: int = 0) -> GuidedResult:
+    """One guidance method over ``metadata`` (one batch of prompts). Prompt ``p``'s randomness comes from the
+    generator keyed ``(seed, prompt_offset + p)``."""
+    from flowalign.samplers.dts import diffusion_tree_search
+    from flowalign.samplers.fk import fk_steering
+    from flowalign.samplers.guided import best_of_n
+    from flowalign.samplers.rgs import reward_guided_sampling
+
+    prompts = [entry["prompt"] for entry in metadata]
+    cond = model.encode(prompts)
+    velocity = prompt_velocity(model, cond)
+    reward = latent_reward(model, reward_fn, prompts, metadata)
+    sigmas = model.sigmas(config.steps)
+    shape = model.latent_shape(1)[1:]
+    generators = [seeded_generator(config.seed, prompt_offset + p) for p in range(len(prompts))]
+    common = dict(device=model.device)
+    g = config.guidance
+    if g == "none":
+        return best_of_n(velocity, reward, sigmas, shape, generators, config.steps, **common)
+    if g == "bon":
+        return best_of_n(velocity, reward, sigmas, shape, generators, config.budget, **common)
+    if g == "fk":
+        return fk_steering(velocity, reward, sigmas, shape, generators, config.budget, potential_kind=config.potential,
+                           lam=config.lam, noise_level=config.noise_level, **common)
+    if g == "dts":
+        return diffusion_tree_search(velocity, reward, sigmas, shape, generators, config.budget,
+                                     greedy=not config.dts_soft, lam=config.lam, max_children=config.max_children,
+                                     noise_level=config.noise_level, **common)
+    if registers is None:
+        raise ValueError("guidance 'rgs' needs register heads (a differentiable reward): pass registers=")
+    registers.attach(model.transformer)
+    try:
+        return reward_guided_sampling(registers.guide(velocity), sigmas, shape, generators, config.budget,
+                                      head_weights=[1.0] * len(registers.head_names), final_reward=reward, **common)
+    finally:
+        registers.detach()
+
+
+def read_transformer_config(model_path: str) -> dict | None:
+    """``<model>/transformer/config.json`` of a local pipeline directory, or None (a hub id)."""
+    path = Path(model_path) / "transformer" / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_sample(config: SampleConfig) -> dict:
+    """Check, load, sample every prompt and write the outputs; returns the summary written to results.json."""
+    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
+
+    config.validate()
+    model_path = resolve_model_path(config.model)
+    metadata = load_metadata(config.prompts or default_prompts_path())
+    if config.max_prompts is not None:
+        metadata = metadata[: config.max_prompts]
+    if not metadata:
+        raise ValueError(f"no prompts in {config.prompts}")
+    registers = None
+    if config.registers is not None:
+        from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config
+
+        saved = read_checkpoint(config.registers)["transformer_config"]
+        actual = read_transformer_config(model_path)
+        if actual is not None:  # before the model loads
+            check_transformer_config(saved, actual, f"register checkpoint {config.registers}")
+    from flowalign.models.loading import load_flow_model
+    from flowalign.rewards import build_reward
+
+    reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
+    reward_fn = build_reward(config.reward, **reward_kwargs)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(model_path, device=device)
+    model.transformer.requires_grad_(False)
+    if config.registers is not None:
+        registers = load_registers(config.registers, dict(model.transformer.config)).to(device)
+
+    finals, rewards, nfes = [], [], []
+    for start in range(0, len(metadata), config.batch_prompts):
+        batch = metadata[start : start + config.batch_prompts]
+        result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers, prompt_offset=start)
+        finals.append(result.final.detach())
+        rewards.append(result.reward)
+        nfes.append(result.nfe)
+    with torch.no_grad():
+        images = torch.cat([model.decode(f) for f in finals]).cpu()
+    return write_outputs(config, metadata, images, torch.cat(rewards), torch.cat(nfes))
+
+
+def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor, rewards: Tensor,
+                  nfes: Tensor) -> dict:
+    from flowalign.evaluation.images import save_grid, to_uint8
+
+    out = Path(config.out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    from PIL import Image
+
+    for index, pixels in enumerate(to_uint8(images)):
+        Image.fromarray(pixels).save(out / "images" / f"{index:04d}.png")
+    save_grid(images[:64], [m["prompt"] for m in metadata[:64]], out / "grid.png")
+    rows = [{"prompt_id": p, "prompt": m["prompt"], "tag": m.get("tag"), "reward": _num(r), "nfe": int(n)}
+            for p, (m, r, n) in enumerate(zip(metadata, rewards.tolist(), nfes.tolist()))]
+    summary: dict[str, Any] = {
+        "config": asdict(config),
+        "prompts": len(rows),
+        "mean_reward": _num(float(torch.nanmean(rewards.double()))) if len(rows) else None,
+        "mean_nfe": float(nfes.double().mean()),
+        "max_nfe": int(nfes.max()),
+    }
+    if all("include" in m for m in metadata):
+        from flowalign.evaluation.geneval import summarize
+        from flowalign.toy.reward import ToyGenEvalReward
+
+        correct = ToyGenEvalReward()(images, [m["prompt"] for m in metadata], list(metadata))
+        for row, value in zip(rows, correct.tolist()):
+            row["correct"] = bool(value)
+        summary["geneval"] = summarize(rows)
+    summary["results"] = rows
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    lines = [f"# flowalign sample: guidance {config.guidance}, budget {config.budget} NFEs/prompt", "",
+             f"prompts {len(rows)}, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"]
+    if "geneval" in summary:
+        lines.append(f"toy GenEval overall {summary['geneval']['overall']:.3f}")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    return summary
+
+
+def _num(value: float) -> float | None:
+    return None if value is None or math.isnan(value) else float(value)

@@ -1,0 +1,221 @@
+"""``flowalign registers train``: fit latent reward registers on the model's own samples (DESIGN.md §4).
+
+Each iteration draws prompts, samples ``K`` trajectories per prompt with the frozen model, labels the final images
+with a reward, and keeps the register taps' hidden states of every visited state ``x_t`` (captured by the
+registers' read hooks during the sampling passes themselves, so the features cost no extra NFE). Pairs are the
+states of two trajectories of the same prompt at the same step whose final rewards differ; the registers minimise
+the pairwise Thurstone loss over them (``reward_models.registers.thurstone_loss``) for a few updates per batch.
+
+Evaluation on held-out prompts reports the pairwise accuracy of the register scores per sigma band, next to the
+accuracy of the one-step projection baseline ``R(decode(x0_hat))`` with ``x0_hat = x_t - s v`` (the cheapest image
+reward of an intermediate state), on the same pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["RegisterTrainConfig", "collect_states", "evaluate_registers", "train_registers"]
+
+
+@dataclass
+class RegisterTrainConfig:
+    """Settings of ``flowalign registers train``."""
+
+    model: str = "assets/toy-sd3"
+    prompts: str | None = None
+    eval_prompts: str | None = None
+    reward: str = "toy_geneval"
+    partial_credit: bool = True
+    iterations: int = 30
+    prompts_per_iteration: int = 8
+    samples_per_prompt: int = 4
+    steps: int = 10
+    noise_level: float = 0.0
+    updates_per_iteration: int = 8
+    lr: float = 1e-3
+    num_registers: int = 32
+    width: int = 128
+    taps: list[int] | None = None
+    eval_prompt_count: int = 16
+    baseline_x0: bool = True
+    seed: int = 0
+    out: str = "outputs/registers/registers.pt"
+    device: str | None = None
+
+    def validate(self) -> None:
+        for name in ("iterations", "prompts_per_iteration", "steps", "updates_per_iteration", "num_registers",
+                     "width", "eval_prompt_count"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.samples_per_prompt < 2:
+            raise ValueError(f"samples_per_prompt must be >= 2 (pairs are formed within a prompt), got "
+                             f"{self.samples_per_prompt}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+
+
+@dataclass
+class StateBatch:
+    """Visited states of a batch of trajectories: per-tap features ``[N, L, D]``, ``sigma [N]``, the final reward
+    of the state's trajectory ``label [N]``, ``group [N]`` (prompt x step: pairs never cross it), and optionally the
+    one-step-projection reward ``x0_reward [N]``."""
+
+    features: list[Tensor]
+    sigma: Tensor
+    label: Tensor
+    group: Tensor
+    x0_reward: Tensor | None = None
+    final_rewards: Tensor = field(default_factory=lambda: torch.zeros(0))
+
+
+@torch.no_grad()
+def collect_states(model, registers, metadata: Sequence[dict], reward_fn, *, samples_per_prompt: int, steps: int,
+                   noise_level: float, seed_key: tuple[int, ...], baseline_x0: bool = False) -> StateBatch:
+    """Sample ``K`` trajectories per prompt (registers attached) and keep every state's tapped features."""
+    from flowalign.samplers import ode_step, predict_x0, sde_step
+    from flowalign.seeding import generator
+
+    k = samples_per_prompt
+    prompts = [m["prompt"] for m in metadata]
+    rows = torch.arange(len(prompts)).repeat_interleave(k)
+    cond = model.encode(prompts).index(rows)
+    generators = [generator(*seed_key, int(r), j % k) for j, r in enumerate(rows.tolist())]
+    x = model.prepare_noise(len(rows), generator=generators)
+    sigmas = model.sigmas(steps)
+    per_tap, sigma_of, step_of, x0_states = None, [], [], []
+    for t in range(steps):
+        v = model.velocity(x, sigmas[t], cond)
+        feats = [f.detach().float().cpu() for f in registers.take_features(x.shape[0])]
+        per_tap = [[f] for f in feats] if per_tap is None else [acc + [f] for acc, f in zip(per_tap, feats)]
+        sigma_of.append(torch.full((x.shape[0],), float(sigmas[t])))
+        step_of.append(torch.full((x.shape[0],), t))
+        if baseline_x0:
+            x0_states.append(predict_x0(x, v, sigmas[t]).to(x.dtype))
+        if noise_level > 0:
+            noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)
+            x = sde_step(x, v, sigmas[t], sigmas[t + 1], kind="flow_grpo", noise_level=noise_level, noise=noise).prev_sample
+        else:
+            x = ode_step(x, v, sigmas[t], sigmas[t + 1])
+    images = model.decode(x)
+    meta = [metadata[r] for r in rows.tolist()]
+    texts = [prompts[r] for r in rows.tolist()]
+    final = torch.as_tensor(reward_fn(images, texts, meta), dtype=torch.float64).flatten()
+    x0_reward = None
+    if baseline_x0:
+        x0_reward = torch.cat([torch.as_tensor(reward_fn(model.decode(s), texts, meta), dtype=torch.float64).flatten()
+                               for s in x0_states])
+    step = torch.cat(step_of)
+    return StateBatch(
+        features=[torch.cat(chunks) for chunks in per_tap],
+        sigma=torch.cat(sigma_of),
+        label=final.repeat(steps),
+        group=rows.repeat(steps) * steps + step,
+        x0_reward=x0_reward,
+        final_rewards=final,
+    )
+
+
+def pair_index(labels: Tensor, groups: Tensor) -> tuple[Tensor, Tensor]:
+    """All pairs ``i < j`` in the same group with different labels."""
+    same = (groups[:, None] == groups[None]) & (labels[:, None] != labels[None])
+    i, j = torch.nonzero(torch.triu(same, diagonal=1), as_tuple=True)
+    return i, j
+
+
+def register_loss(registers, batch: StateBatch) -> Tensor:
+    from flowalign.reward_models.registers import thurstone_loss
+
+    scores = registers.features_to_scores(batch.features, batch.sigma)[:, 0]
+    i, j = pair_index(batch.label, batch.group)
+    labels, sigma = batch.label.to(scores.device).float(), batch.sigma.to(scores.device)
+    i, j = i.to(scores.device), j.to(scores.device)
+    return thurstone_loss(scores[i], scores[j], labels[i], labels[j], sigma[i], sigma[j])
+
+
+@torch.no_grad()
+def evaluate_registers(registers, batch: StateBatch) -> dict:
+    """Pairwise accuracy per sigma band of the registers (and of the x0-projection baseline when collected)."""
+    from flowalign.reward_models.registers import pairwise_accuracy
+
+    scores = registers.features_to_scores(batch.features, batch.sigma)[:, 0].cpu()
+    out = {"registers": pairwise_accuracy(scores, batch.label, batch.group, batch.sigma.cpu())}
+    if batch.x0_reward is not None:
+        out["x0_projection"] = pairwise_accuracy(batch.x0_reward, batch.label, batch.group, batch.sigma.cpu())
+    return out
+
+
+def format_accuracy(report: dict) -> str:
+    from flowalign.reward_models.registers import SIGMA_BANDS
+
+    methods = list(report)
+    lines = ["| sigma band | pairs | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
+    for label, _, _ in SIGMA_BANDS:
+        pairs = report[methods[0]][label]["pairs"]
+        cells = [f"{report[m][label]['accuracy']:.3f}" for m in methods]
+        lines.append(f"| {label} | {pairs} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def train_registers(config: RegisterTrainConfig) -> dict:
+    """Train, evaluate on held-out prompts, save the checkpoint (with the report) next to ``report.json``."""
+    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
+    from flowalign.models.loading import load_flow_model
+    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.rewards import build_reward
+    from flowalign.seeding import numpy_rng
+    from flowalign.toy.prompts import PROMPT_ASSET_DIR
+
+    config.validate()
+    train_meta = load_metadata(config.prompts or Path(PROMPT_ASSET_DIR) / "train.jsonl")
+    eval_meta = load_metadata(config.eval_prompts or default_prompts_path())[: config.eval_prompt_count]
+    kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
+    reward_fn = build_reward(config.reward, **kwargs)
+    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_flow_model(resolve_model_path(config.model), device=device)
+    model.transformer.requires_grad_(False)
+    torch.manual_seed(config.seed)
+    registers = LatentRegisters.for_transformer(model.transformer, heads=[config.reward], taps=config.taps,
+                                                num_registers=config.num_registers, width=config.width).to(device)
+    registers.attach(model.transformer)
+    optimizer = torch.optim.AdamW(registers.parameters(), lr=config.lr, weight_decay=0.0)
+    collect = dict(samples_per_prompt=config.samples_per_prompt, steps=config.steps, noise_level=config.noise_level)
+    history = []
+    for iteration in range(config.iterations):
+        rng = numpy_rng(config.seed, iteration, 7)
+        pick = rng.choice(len(train_meta), size=min(config.prompts_per_iteration, len(train_meta)), replace=False)
+        batch = collect_states(model, registers, [train_meta[i] for i in pick], reward_fn,
+                               seed_key=(config.seed, iteration), **collect)
+        batch.features = [f.to(device) for f in batch.features]
+        batch.sigma = batch.sigma.to(device)
+        for _ in range(config.updates_per_iteration):
+            loss = register_loss(registers, batch)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        history.append({"iteration": iteration, "loss": float(loss.detach()), "reward": float(batch.final_rewards.mean())})
+        print(f"registers iteration {iteration}: thurstone loss {float(loss.detach()):.4f}", flush=True)
+    held_out = collect_states(model, registers, eval_meta, reward_fn, seed_key=(config.seed, 10**6),
+                              baseline_x0=config.baseline_x0, **collect)
+    held_out.features = [f.to(device) for f in held_out.features]
+    held_out.sigma = held_out.sigma.to(device)
+    report = evaluate_registers(registers, held_out)
+    registers.detach()
+    out = registers.save(config.out, extra={"config": asdict(config), "held_out": report, "history": history})
+    table = format_accuracy(report)
+    (out.parent / "report.json").write_text(json.dumps({"held_out": report, "history": history}, indent=1))
+    (out.parent / "report.md").write_text("# Register pairwise accuracy on held-out prompts\n\n" + table + "\n")
+    print(table)
+    return {"held_out": report, "history": history, "checkpoint": str(out)}

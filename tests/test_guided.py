@@ -1,0 +1,353 @@
+"""Reward-guided sampling: best-of-N, FK steering, DTS / DTS*, RGS.
+
+Unit behaviour runs on the analytic Gaussian flow (tests/gaussian_flow.py); every guidance mode also runs end to end
+on the toy model (assets/toy-sd3) with its NFEs counted at the transformer itself.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowalign.samplers.dts import SearchTree, diffusion_tree_search, soft_value
+from flowalign.samplers.fk import effective_sample_size, fk_steering, potential, resample
+from flowalign.samplers.guided import best_of_n
+from flowalign.samplers.rgs import (
+    band_scale,
+    check_differentiable,
+    reward_guided_sampling,
+    rgs_correction,
+    x0_guide,
+)
+from gaussian_flow import gaussian_velocity, sigmas
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "assets" / "toy-sd3"
+
+
+class CountingVelocity:
+    """The Gaussian flow's velocity with ``(x, sigma, rows)``, counting rows per prompt (the NFEs)."""
+
+    def __init__(self, prompts):
+        self.per_prompt = [0] * prompts
+
+    def __call__(self, x, sigma, rows):
+        for r in rows.tolist():
+            self.per_prompt[r] += 1
+        return gaussian_velocity(x, sigma)
+
+
+def mean_reward(x0, rows):
+    return x0.flatten(1).mean(dim=1)
+
+
+def generators(n, seed=0):
+    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
+
+
+SHAPE = (6,)
+
+
+# ------------------------------------------------------------------------------------------------ budgets
+
+
+@pytest.mark.parametrize("method", ["bon", "fk", "dts", "rgs"])
+def test_nfes_are_counted_exactly_and_stay_within_the_budget(method):
+    steps, budget, prompts = 6, 27, 3
+    velocity = CountingVelocity(prompts)
+    s = sigmas(steps)
+    if method == "bon":
+        result = best_of_n(velocity, mean_reward, s, SHAPE, generators(prompts), budget)
+    elif method == "fk":
+        result = fk_steering(velocity, mean_reward, s, SHAPE, generators(prompts), budget)
+    elif method == "dts":
+        result = diffusion_tree_search(velocity, mean_reward, s, SHAPE, generators(prompts), budget)
+    else:
+        result = reward_guided_sampling(x0_guide(velocity, mean_reward), s, SHAPE, generators(prompts), budget,
+                                        final_reward=mean_reward)
+    forwards = torch.tensor(velocity.per_prompt)
+    if method == "rgs":
+        backwards = result.info["particles"] * result.info["guided_steps"]  # one head, backward_nfe = 1
+        assert torch.equal(result.nfe, forwards + backwards)
+    else:
+        assert torch.equal(result.nfe, forwards)
+    assert (result.nfe <= budget).all()
+    if method in ("bon", "fk"):
+        assert (result.nfe == (budget // steps) * steps).all()  # 4 particles x 6 steps
+    if method == "dts":
+        assert (result.nfe > budget - steps).all()  # stops only when the next rollout would not fit
+    assert result.final.shape == (prompts, *SHAPE)
+
+
+@pytest.mark.parametrize("method", ["bon", "fk", "dts", "rgs"])
+def test_a_budget_below_one_trajectory_fails_before_any_work(method):
+    velocity = CountingVelocity(2)
+    s = sigmas(6)
+    with pytest.raises(ValueError, match="smaller than one .*trajectory"):
+        if method == "bon":
+            best_of_n(velocity, mean_reward, s, SHAPE, generators(2), 5)
+        elif method == "fk":
+            fk_steering(velocity, mean_reward, s, SHAPE, generators(2), 5)
+        elif method == "dts":
+            diffusion_tree_search(velocity, mean_reward, s, SHAPE, generators(2), 5)
+        else:  # one guided trajectory: 6 forwards + 5 backwards (sigma > 0.2 on 5 of the 6 steps)
+            reward_guided_sampling(x0_guide(velocity, mean_reward), s, SHAPE, generators(2), 10)
+    assert velocity.per_prompt == [0, 0]
+
+
+def test_bon_keeps_the_best_of_its_particles():
+    result = best_of_n(CountingVelocity(2), mean_reward, sigmas(5), SHAPE, generators(2), 20)
+    assert torch.equal(result.reward, result.info["all_rewards"].max(dim=1).values)
+    assert torch.allclose(mean_reward(result.final, None).double(), result.reward)
+
+
+# ------------------------------------------------------------------------------------------------ FK
+
+
+def test_fk_resampling_fires_exactly_when_ess_is_below_half_the_particles():
+    n = 4
+
+    def weights_with_ess(ess):  # w = [a, b, b, b]: ESS = 1 / (a^2 + 3 b^2)
+        lo, hi = 0.25, 1.0
+        for _ in range(200):  # bisection on a for the wanted ESS
+            a = (lo + hi) / 2
+            b = (1 - a) / 3
+            lo, hi = (a, hi) if 1 / (a * a + 3 * b * b) > ess else (lo, a)
+        b = (1 - a) / 3
+        return torch.log(torch.tensor([a, b, b, b], dtype=torch.float64))
+
+    log_w = torch.stack([weights_with_ess(2.02), weights_with_ess(1.98), torch.zeros(n), weights_with_ess(1.2)])
+    ess = effective_sample_size(log_w)
+    assert ess[0] > 2 > ess[1] and ess[2] == pytest.approx(4.0)
+    ancestors, fired, _ = resample(log_w, generators(4))
+    assert fired.tolist() == [False, True, False, True]
+    kept = ancestors.reshape(4, n)
+    assert torch.equal(kept[0], torch.arange(0, 4)) and torch.equal(kept[2], torch.arange(8, 12))
+    assert ((kept[1] >= 4) & (kept[1] < 8)).all() and ((kept[3] >= 12) & (kept[3] < 16)).all()
+
+
+def test_fk_steering_resamples_at_every_check_where_ess_is_low():
+    result = fk_steering(CountingVelocity(3), mean_reward, sigmas(6), SHAPE, generators(3), 48, lam=30.0)
+    events = result.info["events"]
+    assert len(events) == 3 * 5  # every step but the last, for each prompt
+    assert all(fired == (ess < 8 / 2) for _, _, ess, fired in events)
+    assert any(fired for *_, fired in events) and result.info["resamples"] == sum(e[3] for e in events)
+
+
+def test_fk_potentials():
+    history = torch.tensor([[0.1, 0.5, 0.2], [0.3, 0.3, 0.9]], dtype=torch.float64)
+    assert potential(history, "max").tolist() == [0.5, 0.9]
+    assert potential(history, "add").tolist() == pytest.approx([0.8, 1.5])
+    assert potential(history, "diff").tolist() == pytest.approx([-0.3, 0.6])
+    assert potential(history, "rt").tolist() == [0.2, 0.9]
+    with pytest.raises(ValueError, match="unknown FK potential 'min'"):
+        potential(history, "min")
+
+
+# ------------------------------------------------------------------------------------------------ DTS
+
+
+def scripted_tree(lam):
+    """root -> a, b; a -> a1, a2 (leaves); b -> b1 (leaf). Depth 2, at most 2 children."""
+    tree = SearchTree(max_depth=2, max_children=2, lam=lam)
+    root = tree.add(None)
+    a, b = tree.add(root), tree.add(root)
+    a1, a2, b1 = tree.add(a), tree.add(a), tree.add(b)
+    for leaf, r in ((a1, 1.0), (a2, 0.0), (b1, 0.6)):
+        tree.backup(leaf, r)
+    return tree, (root, a, b, a1, a2, b1)
+
+
+def test_dts_soft_value_backup_on_a_scripted_tree():
+    lam = 2.0
+    tree, (root, a, b, *_) = scripted_tree(lam)
+    v_a = math.log((math.exp(2 * 1.0) + math.exp(0.0)) / 2) / 2
+    assert tree.value[a] == pytest.approx(v_a)
+    assert tree.value[b] == pytest.approx(0.6)
+    assert tree.value[root] == pytest.approx(math.log((math.exp(2 * v_a) + math.exp(2 * 0.6)) / 2) / 2)
+    assert soft_value([1.0, 0.0], math.inf) == 1.0 and soft_value([1.0, 0.0], 0.0) == 0.5
+    # a is full and both its children are leaves: closed; b can still take a child
+    assert tree.closed[a] and not tree.closed[b] and not tree.closed[root]
+
+
+def test_dts_selection_on_a_scripted_tree():
+    tree, (root, a, b, a1, a2, b1) = scripted_tree(2.0)
+    # The root is full; a is closed, so both DTS and DTS* must go to b, which has room for a second child.
+    assert tree.select(greedy=True) == b
+    assert tree.select(greedy=False, generator=torch.Generator().manual_seed(0)) == b
+    # Over all children (the final sample of DTS), Boltzmann selection follows exp(lambda V).
+    g = torch.Generator().manual_seed(0)
+    picks = [tree.choose_child(root, greedy=False, generator=g, open_only=False) for _ in range(4000)]
+    p_a = math.exp(2 * tree.value[a]) / (math.exp(2 * tree.value[a]) + math.exp(2 * tree.value[b]))
+    assert picks.count(a) / 4000 == pytest.approx(p_a, abs=0.03)
+    assert tree.choose_child(root, greedy=True, open_only=False) == a  # V_a = 0.72 > V_b = 0.6
+    assert tree.best_leaf() == a1
+    # Fill b: the whole tree closes and selection stops.
+    tree.backup(tree.add(b), 0.1)
+    assert tree.closed[root] and tree.select(greedy=True) is None
+
+
+def test_dts_star_returns_the_best_leaf_it_found():
+    result = diffusion_tree_search(CountingVelocity(2), mean_reward, sigmas(5), SHAPE, generators(2), 30)
+    for tree, chosen in zip(result.info["trees"], result.reward.tolist()):
+        assert chosen == max(tree.value[n] for n in tree.leaves())
+        assert len(tree.leaves()) > 1
+
+
+# ------------------------------------------------------------------------------------------------ RGS
+
+
+def test_rgs_correction_is_magnitude_matched_and_clipped():
+    torch.manual_seed(0)
+    x, x_base = torch.randn(3, 8), torch.randn(3, 8)
+    grads = [torch.randn(3, 8) * 100, torch.randn(3, 8) * 1e-3]
+    out = rgs_correction(x, x_base, grads, [1.0, 1.0], 0.3)
+    delta, step = out - x_base, x_base - x
+    rms = lambda t: t.pow(2).mean(dim=1).sqrt()  # noqa: E731
+    assert (rms(delta) <= 0.3 * rms(step) * (1 + 1e-5)).all()
+    assert (delta.abs() <= 2 * 0.3 * rms(step)[:, None] + 1e-6).all()
+    # both heads count equally after unitRMS, whatever their gradient scale
+    g = grads[0] / rms(grads[0])[:, None] + grads[1] / rms(grads[1])[:, None]
+    unclipped = g / rms(g)[:, None] * 0.3 * rms(step)[:, None]
+    inside = unclipped.abs() < 2 * 0.3 * rms(step)[:, None]
+    assert torch.allclose(delta[inside], unclipped[inside], atol=1e-6)
+    assert band_scale(0.9) == 0.3 and band_scale(0.5) == 0.05 and band_scale(0.2) == 0.0
+
+
+def test_rg_opd_target_is_the_velocity_whose_euler_step_lands_on_the_rgs_step():
+    from flowalign.samplers import ode_step
+    from flowalign.samplers.rgs import rgs_velocity_target
+
+    torch.manual_seed(0)
+    x, v, grad = torch.randn(2, 6), torch.randn(2, 6), torch.randn(2, 6)
+    target = rgs_velocity_target(x, v, [grad], [1.0], 0.9, 0.7)
+    expected = rgs_correction(x, ode_step(x, v, 0.9, 0.7), [grad], [1.0], band_scale(0.9))
+    assert torch.allclose(ode_step(x, target, 0.9, 0.7), expected, atol=1e-6)
+    assert torch.equal(rgs_velocity_target(x, v, [grad], [1.0], 0.15, 0.05), v)  # no guidance below sigma 0.2
+
+
+def test_rgs_raises_the_reward_over_plain_sampling_from_the_same_noise():
+    s = sigmas(8)
+    guided = reward_guided_sampling(x0_guide(CountingVelocity(4), mean_reward), s, SHAPE, generators(4), 15,
+                                    final_reward=mean_reward)
+    plain = best_of_n(CountingVelocity(4), mean_reward, s, SHAPE, generators(4), 8)
+    assert guided.info["particles"] == 1
+    assert (guided.reward > plain.reward).all()
+
+
+def test_rgs_refuses_a_non_differentiable_reward_before_any_work():
+    velocity = CountingVelocity(1)
+
+    @torch.no_grad()
+    def detached(x0, rows):
+        return x0.flatten(1).mean(dim=1)
+
+    with pytest.raises(ValueError, match="without a gradient.*bon, fk or dts"):
+        check_differentiable(detached, SHAPE)
+    declared = lambda x0, rows: x0.sum()  # noqa: E731
+    declared.differentiable = False
+    with pytest.raises(ValueError, match="not differentiable"):
+        check_differentiable(declared, SHAPE)
+    check_differentiable(mean_reward, SHAPE)
+    assert velocity.per_prompt == [0]
+
+
+# ------------------------------------------------------------------------------------------------ the toy model
+
+
+@pytest.fixture(scope="module")
+def toy():
+    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.models.loading import load_flow_model
+
+    model = load_flow_model(TOY)
+    model.transformer.requires_grad_(False)
+    metadata = load_metadata(REPO / "assets" / "prompts" / "test.jsonl")[:2]
+    return model, metadata
+
+
+class TransformerCounter:
+    """Counts transformer forward rows with a hook on the transformer itself."""
+
+    def __init__(self, transformer):
+        self.rows = 0
+        self.handle = transformer.register_forward_pre_hook(self.count, with_kwargs=True)
+
+    def count(self, module, args, kwargs):
+        self.rows += kwargs["hidden_states"].shape[0]
+
+
+@pytest.mark.parametrize("guidance,budget", [("none", 3), ("bon", 7), ("fk", 7), ("dts", 8), ("rgs", 8)])
+def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidance, budget):
+    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    model, metadata = toy
+    config = SampleConfig(guidance=guidance, budget=budget, steps=3, registers="unused" if guidance == "rgs" else None)
+    config.validate()
+    registers = None
+    if guidance == "rgs":
+        torch.manual_seed(0)
+        registers = LatentRegisters.for_transformer(model.transformer, num_registers=4, width=32)
+    counter = TransformerCounter(model.transformer)
+    try:
+        result = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True),
+                            registers=registers)
+    finally:
+        counter.handle.remove()
+    assert result.final.shape == (2, *model.latent_shape(1)[1:])
+    assert torch.isfinite(result.reward).all() and ((result.reward >= 0) & (result.reward <= 1)).all()
+    assert (result.nfe <= budget).all()
+    if guidance == "rgs":  # 3 forwards, and backwards on the 2 steps with sigma > 0.2 (sigmas 1, 0.5, 0.001)
+        assert int(model.sigmas(3)[:3].gt(0.2).sum()) == 2
+        assert result.nfe.tolist() == [5, 5] and counter.rows == 2 * 3
+    elif guidance == "dts":
+        assert counter.rows == int(result.nfe.sum()) and (result.nfe > budget - 3).all()
+    else:
+        expected = {"none": 3, "bon": 6, "fk": 6}[guidance]
+        assert result.nfe.tolist() == [expected, expected] and counter.rows == 2 * expected
+
+
+def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
+    from flowalign.cli import main
+
+    out = tmp_path / "bon"
+    assert main(["sample", "--guidance", "bon", "--budget", "6", "--steps", "3", "--max-prompts", "2",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["nfe"] for r in results["results"]] == [6, 6]
+    assert all(0 <= r["reward"] <= 1 and "correct" in r for r in results["results"])
+    assert (out / "images" / "0001.png").is_file() and (out / "grid.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--guidance", "bon", "--budget", "5", "--steps", "10"], "smaller than one trajectory"),
+        (["--guidance", "rgs", "--budget", "40"], "needs a differentiable reward"),
+    ],
+)
+def test_flowalign_sample_bad_input_fails_before_loading(tmp_path, capsys, argv, message):
+    from flowalign.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--model", str(tmp_path / "absent"), "--out", str(tmp_path / "o"), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_flowalign_sample_refuses_registers_of_another_transformer(tmp_path, capsys, sd3_pipe):
+    from flowalign.cli import main
+    from flowalign.reward_models.registers import LatentRegisters
+
+    checkpoint = LatentRegisters.for_transformer(sd3_pipe.transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--guidance", "rgs", "--registers", str(checkpoint), "--model", str(TOY),
+              "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "different transformer config" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
