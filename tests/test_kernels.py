@@ -329,7 +329,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
         overrides = {
             "model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8, "model.kernels": kernels,
             "reward.rewards": "[{name: brightness}]", "data.prompts_per_iteration": 2, "data.group_size": 4,
-            "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "loss.beta": 0.01,
+            "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "optim.eps": 1.0, "loss.beta": 0.01,
             "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
             "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
             "train.out_dir": str(tmp_path / kernels),
@@ -346,7 +346,8 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     assert metrics["reward"] == pytest.approx(ref_metrics["reward"], abs=1e-5)
     assert metrics["kl"] == pytest.approx(ref_metrics["kl"], rel=1e-3, abs=1e-9)
     assert sum(int((v != 0).sum()) for k, v in params.items() if "lora_B" in k) > 0  # the step moved the zero init
-    # AdamW's first step is about lr * sign(grad): where a gradient is ~0 the fp32 rounding of either path can move
-    # an element by up to 2 lr, so compare the update with a bound of 1% of lr (3e-3) per element.
+    # With eps = 1 AdamW's first step is lr * g / (|g| + 1) ~ lr * g for these small gradients: the update is smooth in
+    # the gradient, so the two paths' fp32 rounding stays at rounding size (with the usual eps = 1e-8 the step is
+    # lr * sign(g), and a gradient of ~0 can flip sign between the paths and move an element by 2 lr).
     for name, value in params.items():
-        torch.testing.assert_close(value, ref_params[name], rtol=0, atol=3e-5, msg=name)
+        torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-10, msg=name)
