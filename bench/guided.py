@@ -23,8 +23,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("bon", "fk", "dts", "rgs")
 COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44),
@@ -33,26 +31,18 @@ COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), 
 
 def run_method(model, metadata, config, reward_fn, registers) -> dict:
     from flowalign.evaluation.geneval import summarize
-    from flowalign.guided_sampling import run_guided
+    from flowalign.guided_sampling import sample_prompts
     from flowalign.toy.reward import ToyGenEvalReward
 
-    finals, rewards, nfes = [], [], []
     start_time = time.perf_counter()
-    for start in range(0, len(metadata), config.batch_prompts):
-        batch = metadata[start : start + config.batch_prompts]
-        result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers, prompt_offset=start)
-        finals.append(result.final.detach())
-        rewards.append(result.reward)
-        nfes.append(result.nfe)
-    with torch.no_grad():
-        images = torch.cat([model.decode(f) for f in finals]).cpu()
+    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers)
     correct = ToyGenEvalReward()(images, [m["prompt"] for m in metadata], list(metadata))
     rows = [{"prompt_id": p, "prompt": m["prompt"], "tag": m["tag"], "correct": bool(c)}
             for p, (m, c) in enumerate(zip(metadata, correct.tolist()))]
     summary = summarize(rows)
-    nfe = torch.cat(nfes).double()
+    nfe = nfes.double()
     return {"overall": summary["overall"], "images_correct": summary["images_correct"],
-            "mean_reward": float(torch.cat(rewards).nanmean()), "mean_nfe": float(nfe.mean()),
+            "mean_reward": float(rewards.nanmean()), "mean_nfe": float(nfe.mean()),
             "max_nfe": int(nfe.max()), "seconds": time.perf_counter() - start_time}
 
 

@@ -182,6 +182,13 @@ def run_sample(config: SampleConfig) -> dict:
     if config.registers is not None:
         registers = load_registers(config.registers, dict(model.transformer.config)).to(device)
 
+    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers)
+    return write_outputs(config, metadata, images, rewards, nfes)
+
+
+def sample_prompts(model, metadata, config, *, reward_fn, registers=None) -> tuple[Tensor, Tensor, Tensor]:
+    """``run_guided`` over the prompts, ``config.batch_prompts`` at a time: decoded images ``[P, 3, H, W]`` on the CPU,
+    the chosen samples' rewards ``[P]`` and the NFEs each prompt used ``[P]``."""
     finals, rewards, nfes = [], [], []
     for start in range(0, len(metadata), config.batch_prompts):
         batch = metadata[start : start + config.batch_prompts]
@@ -191,7 +198,7 @@ def run_sample(config: SampleConfig) -> dict:
         nfes.append(result.nfe)
     with torch.no_grad():
         images = torch.cat([model.decode(f) for f in finals]).cpu()
-    return write_outputs(config, metadata, images, torch.cat(rewards), torch.cat(nfes))
+    return images, torch.cat(rewards), torch.cat(nfes)
 
 
 def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor, rewards: Tensor,
