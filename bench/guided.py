@@ -12,8 +12,11 @@ the table. The targets of issue 7 are checked and reported, met or not:
 * DTS* or FK reaches best-of-N's accuracy at <= 1/2 of its NFEs;
 * RGS beats plain sampling at <= 1.5x its NFEs.
 
-    python bench/guided.py --max-prompts 64 --steps 10 --budgets 10 20 40 80 [--registers outputs/registers/registers.pt]
-    python bench/guided.py --max-prompts 2 --steps 3 --budgets 3 6     # smoke size
+    python bench/guided.py --repeats 8 --steps 10 --budgets 10 20 40 80 [--registers outputs/registers/registers.pt]
+    python bench/guided.py --max-prompts 2 --repeats 1 --steps 3 --budgets 3 6     # smoke size
+
+Each held-out prompt is sampled ``--repeats`` times with its own seeds; every method sees the same seeds, so each
+row's gain over plain sampling is paired image by image, with its standard error.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ def run_method(model, metadata, config, reward_fn, registers) -> dict:
             for p, (m, c) in enumerate(zip(metadata, correct.tolist()))]
     summary = summarize(rows)
     nfe = nfes.double()
-    return {"overall": summary["overall"], "images_correct": summary["images_correct"],
+    return {"overall": summary["overall"], "images_correct": summary["images_correct"], "images": rows,
             "mean_reward": float(rewards.nanmean()), "mean_nfe": float(nfe.mean()),
             "max_nfe": int(nfe.max()), "seconds": time.perf_counter() - start_time}
 
@@ -63,12 +66,26 @@ def check_targets(rows: list[dict]) -> dict:
             "rgs_beats_plain_within_1.5x": bool(rgs_ok) if any(r["method"] == "rgs" for r in rows) else None}
 
 
+def add_paired_gains(rows: list[dict]) -> None:
+    """Each row's paired gain over plain ODE sampling (``none``): the same prompts and seeds, so the difference is
+    paired image by image (``toy_eval.paired_difference``: per-tag means, GenEval's unweighted overall, its SE)."""
+    from flowalign.evaluation.toy_eval import paired_difference
+
+    def keyed(row):
+        return [{**image, "image_index": 0} for image in row["images"]]
+
+    plain = next(r for r in rows if r["method"] == "none")
+    for row in rows:
+        overall = paired_difference(keyed(plain), keyed(row))["overall"]
+        row["gain"], row["gain_se"] = overall["diff"], overall["se"]
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| method | budget (NFE/prompt) | mean NFE | toy GenEval overall | images correct | mean guide reward |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| method | budget (NFE/prompt) | mean NFE | toy GenEval overall | paired gain over plain | SE | "
+             "images correct | mean guide reward |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {r['budget']} | {r['mean_nfe']:.1f} | {r['overall']:.3f} | "
-                     f"{r['images_correct']:.3f} | {r['mean_reward']:.3f} |")
+        lines.append(f"| {r['method']} | {r['budget']} | {r['mean_nfe']:.1f} | {r['overall']:.3f} | {r['gain']:+.3f} | "
+                     f"{r['gain_se']:.3f} | {r['images_correct']:.3f} | {r['mean_reward']:.3f} |")
     return "\n".join(lines)
 
 
@@ -120,7 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(REPO / "assets/toy-sd3"))
     parser.add_argument("--prompts", default=str(REPO / "assets/prompts/test.jsonl"))
-    parser.add_argument("--max-prompts", type=int, default=64)
+    parser.add_argument("--max-prompts", type=int, default=66, help="the first M held-out prompts")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="samples per prompt, each with its own seed (66 x 8 = 528 images per method and budget)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
@@ -130,7 +149,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
     args = parser.parse_args()
 
-    metadata = load_metadata(args.prompts)[: args.max_prompts]
+    metadata = load_metadata(args.prompts)[: args.max_prompts] * args.repeats
     model = load_flow_model(args.model)
     model.transformer.requires_grad_(False)
     reward_fn = ToyGenEvalReward(partial_credit=True)
@@ -159,6 +178,7 @@ def main() -> None:
             if budget >= args.steps:
                 record(method, budget)
 
+    add_paired_gains(rows)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"settings": vars(args), "prompts": len(metadata), "rows": rows, "targets": check_targets(rows),

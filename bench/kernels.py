@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 # This file is named kernels.py: keep its folder off sys.path, so that nothing in this process finds it as a top-level

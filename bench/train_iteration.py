@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = {preset: run_preset(preset, args.iterations, args.overrides) for preset in PRESETS}
     base = rows["flow_grpo"]["time/total"]
-    print(f"| preset | rollout s | reward s | train s | total s | total vs flow_grpo | NFE/iter | peak MiB |")
+    print("| preset | rollout s | reward s | train s | total s | total vs flow_grpo | NFE/iter | peak MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for preset, row in rows.items():
         row["total_ratio"] = row["time/total"] / base

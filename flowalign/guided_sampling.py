@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from flowalign.devices import resolve_device
 from flowalign.samplers.guided import GUIDANCE, GuidedResult
 from flowalign.seeding import generator as seeded_generator
 
@@ -176,7 +177,7 @@ def run_sample(config: SampleConfig) -> dict:
 
     reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
     reward_fn = build_reward(config.reward, **reward_kwargs)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(config.device))
     model = load_flow_model(model_path, device=device)
     model.transformer.requires_grad_(False)
     if config.registers is not None:

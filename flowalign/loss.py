@@ -81,25 +81,16 @@ def transition_grpo_loss(
     old_log_prob: Tensor,
     advantages: Tensor,
     *,
-    kind: str,
-    noise_level: Tensor,
-    noise_scale: float | Tensor = 1.0,
-    reduce: str = "mean",
     clip_range: float,
-    weights: Tensor | None = None,
-    v_ref: Tensor | None = None,
-    beta: float = 0.0,
-    kl: str = "latent_mean",
-    backend: str | None = None,
+    **transition,
 ) -> tuple[Tensor, dict[str, float]]:
     """``grpo_loss`` straight from the policy velocity: the log-prob of ``x_t -> x_next``, the KL to ``v_ref`` and the
-    clipped loss in one op (``flowalign.kernels.grpo_transition_loss``: fused Triton forward and backward on CUDA,
-    the torch reference elsewhere). Same loss (``mean_n (w_n L_n + beta KL_n)``) and stats as ``grpo_loss``."""
-    rows = grpo_transition_loss(
-        v, x_t, x_next, sigma, sigma_next, old_log_prob, advantages, kind=kind, noise_level=noise_level,
-        noise_scale=noise_scale, reduce=reduce, clip_range=clip_range, weights=weights, v_ref=v_ref, beta=beta, kl=kl,
-        backend=backend,
-    )
+    clipped loss in one op (``flowalign.kernels.grpo_transition_loss``, whose keywords ``transition`` passes on: the
+    SDE ``kind``, ``noise_level``, ``weights``, ``v_ref``, ``beta``, ``kl``, ``backend``...; fused Triton forward and
+    backward on CUDA, the torch reference elsewhere). Same loss (``mean_n (w_n L_n + beta KL_n)``) and stats as
+    ``grpo_loss``."""
+    rows = grpo_transition_loss(v, x_t, x_next, sigma, sigma_next, old_log_prob, advantages, clip_range=clip_range,
+                                **transition)
     loss = rows.loss.mean()
     log_ratio = rows.log_prob.detach() - old_log_prob.detach().float()
     return loss, loss_stats(loss, rows.policy.mean(), rows.kl.mean(), log_ratio, clip_range)

@@ -19,9 +19,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from flowalign.devices import resolve_device
 
 __all__ = ["RegisterTrainConfig", "collect_states", "evaluate_registers", "train_registers"]
 
@@ -183,7 +184,7 @@ def train_registers(config: RegisterTrainConfig) -> dict:
     eval_meta = load_metadata(config.eval_prompts or default_prompts_path())[: config.eval_prompt_count]
     kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
     reward_fn = build_reward(config.reward, **kwargs)
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(config.device))
     model = load_flow_model(resolve_model_path(config.model), device=device)
     model.transformer.requires_grad_(False)
     torch.manual_seed(config.seed)

@@ -363,8 +363,8 @@ class StepRewardConfig:
         "terminal",
         "terminal: every transition gets its trajectory's reward; dense: R_{t+1} - R_t of the clean estimates "
         "(DenseGRPO); return_to_go: R_T - R_t; turning_point: TP-GRPO's incremental rewards with aggregated rewards "
-        "at turning points; registers: the change of the latent-register score across the transition (one "
-        "reference-model forward per state, step_reward.registers). Non-terminal estimators normalise per step "
+        "at turning points; registers: the change of the latent-register score across the transition "
+        "(step_reward.registers, read as step_reward.register_pass says). Non-terminal estimators normalise per step "
         "within each group",
     )
     clean: Literal["ode", "x0"] = option(
@@ -374,6 +374,13 @@ class StepRewardConfig:
     balanced: bool = option(False, "turning_point: keep as many positive as negative turning points per group")
     registers: str | None = option(
         None, "estimator 'registers': the register checkpoint (`flowalign registers train`) trained on this model"
+    )
+    register_pass: Literal["reference", "policy"] = option(
+        "reference",
+        "estimator 'registers': reference = one extra forward of the reference model (LoRA off, the transformer the "
+        "registers were trained on) per state, T + 1 NFEs per sample; policy = read the registers off the rollout's "
+        "own policy passes and spend one forward on the final state only, 1 NFE per sample (the LoRA shifts the "
+        "features the heads read; identical to reference while the LoRA is zero)",
     )
 
     def validate(self) -> None:
@@ -388,6 +395,11 @@ class StepRewardConfig:
             self.registers is None or Path(self.registers).is_file(),
             "step_reward.registers",
             f"= {self.registers!r} does not exist",
+        )
+        _check(
+            self.register_pass == "reference" or self.estimator == "registers",
+            "step_reward.register_pass",
+            "only applies to step_reward.estimator = 'registers'",
         )
         _check(
             not self.balanced or self.estimator == "turning_point",

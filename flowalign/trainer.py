@@ -78,6 +78,7 @@ class Chunk:
     cond: Cond
     advantages: Tensor | None = None
     weights: Tensor | None = None
+    register_scores: Tensor | None = None  # [B, T] register scores read off the rollout's passes (register_pass policy)
 
 
 @dataclass
@@ -163,7 +164,6 @@ class GRPOTrainer:
     @torch.no_grad()
     def collect(self, iteration: int, prompts: list[dict]) -> list[Chunk]:
         cfg, seed = self.config, self.config.train.seed
-        group_size = cfg.data.group_size
         progress = min(1.0, iteration / max(1, cfg.train.iterations - 1))
         levels = self.schedule.levels(cfg.sampling.num_steps, progress=progress, generator=generator(seed, iteration, _WINDOW))
         sigmas = self.model.sigmas(cfg.sampling.num_steps, cfg.sampling.image_size)
@@ -186,13 +186,46 @@ class GRPOTrainer:
             len(ids), cfg.sampling.image_size, generator=[generator(seed, iteration, k, _INIT_NOISE) for k in noise_keys]
         )
         chunk_cond = cond.index(rows)
-        result = rollout(
-            self.model.velocity_fn(chunk_cond, cfg.sampling.guidance_scale), x_init, sigmas, levels,
-            kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
-            generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
-            group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
-        )
-        return Chunk(result, ids, chunk_cond)
+        with self.policy_register_read(self.model.velocity_fn(chunk_cond, cfg.sampling.guidance_scale)) as (velocity,
+                                                                                                          scores):
+            result = rollout(
+                velocity, x_init, sigmas, levels, kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
+                generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
+                group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
+            )
+        return Chunk(result, ids, chunk_cond, register_scores=None if scores is None else torch.stack(scores, dim=1))
+
+    @contextmanager
+    def policy_register_read(self, velocity):
+        """The rollout's velocity, and with ``step_reward.register_pass = policy`` a list that collects the register
+        score (heads summed, ``[B]``) of every pass in call order: one per step of a chain rollout, read off the
+        policy's own forward (the registers' hooks only read, so the velocity is unchanged). Otherwise ``None``."""
+        cfg = self.config.step_reward
+        if cfg.estimator != "registers" or cfg.register_pass != "policy":
+            yield velocity, None
+            return
+        registers, scores = self.step_registers(), []
+
+        def reading(x: Tensor, sigma: Tensor) -> Tensor:
+            v, read = registers.read(velocity, x, sigma)
+            scores.append(read.sum(dim=1).double().cpu())
+            return v
+
+        reading.evals_per_sample = velocity.evals_per_sample
+        registers.attach(self.model.transformer)
+        try:
+            yield reading, scores
+        finally:
+            registers.detach()
+
+    def step_registers(self):
+        """The latent registers of ``step_reward.registers``, loaded once (checked against this transformer)."""
+        from .reward_models.registers import load_registers
+
+        if getattr(self, "registers", None) is None:
+            self.registers = load_registers(self.config.step_reward.registers, dict(self.model.transformer.config))
+            self.registers.to(self.model.device)
+        return self.registers
 
     def _grow_trees(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
         """One BranchGRPO tree per prompt of the chunk; its leaves are the prompt's ``group_size`` samples."""
@@ -351,7 +384,6 @@ class GRPOTrainer:
         from .step_rewards import dense_increments, return_to_go, turning_point_rewards
 
         cfg = self.config
-        t = chunk.rollout.transitions
         num_steps = cfg.sampling.num_steps
         estimator = cfg.step_reward.estimator
         if estimator == "registers":
@@ -386,30 +418,34 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def register_rewards(self, chunk: Chunk) -> tuple[Tensor, int]:
-        """``R [B, T + 1]``: the latent-register score (heads summed) of every state of a chain chunk, read in one
-        forward per state of the reference model (LoRA off: the transformer the registers were trained on)."""
-        from .reward_models.registers import load_registers
+        """``R [B, T + 1]``: the latent-register score (heads summed) of every state of a chain chunk, and the NFEs.
 
+        ``register_pass = reference``: one forward per state of the reference model (LoRA off: the transformer the
+        registers were trained on). ``policy``: states ``0..T-1`` were read during the rollout (``chunk.
+        register_scores``), so only the final state costs a forward, of the policy like the others.
+        """
         cfg = self.config
-        if getattr(self, "registers", None) is None:
-            self.registers = load_registers(cfg.step_reward.registers, dict(self.model.transformer.config))
-            self.registers.to(self.model.device)
+        registers = self.step_registers()
         t = chunk.rollout.transitions
         batch, num_steps = len(chunk.sample_ids), cfg.sampling.num_steps
         sigmas = self.model.sigmas(num_steps, cfg.sampling.image_size)
         velocity, rows = self._per_row_velocity(chunk.cond), torch.arange(batch)
         rewards = torch.empty(batch, num_steps + 1, dtype=torch.float64)
-        reference = self.model.reference() if self.model.has_lora else nullcontext()
-        self.registers.attach(self.model.transformer)
+        positions = range(num_steps + 1)
+        context = self.model.reference() if self.model.has_lora else nullcontext()
+        if chunk.register_scores is not None:
+            rewards[:, :num_steps] = chunk.register_scores
+            positions, context = [num_steps], nullcontext()
+        registers.attach(self.model.transformer)
         try:
-            with reference, self.accelerator.autocast():
-                for k in range(num_steps + 1):
+            with context, self.accelerator.autocast():
+                for k in positions:
                     states = t.states[k * batch: (k + 1) * batch]  # node id = step * batch + row
-                    _, scores = self.registers.read(velocity, states, sigmas[k].expand(batch), rows)
+                    _, scores = registers.read(velocity, states, sigmas[k].expand(batch), rows)
                     rewards[:, k] = scores.sum(dim=1).double().cpu()
         finally:
-            self.registers.detach()
-        return rewards, (num_steps + 1) * batch * velocity.evals_per_sample
+            registers.detach()
+        return rewards, len(positions) * batch * velocity.evals_per_sample
 
     def tree_credit(self, iteration: int, chunk: Chunk, combined: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Per-node advantages (clipped) and per-node 'the edge into it is trained' masks of a chunk's trees.
@@ -481,12 +517,9 @@ class GRPOTrainer:
         """RG-OPD (on-policy distillation of RGS): per-state velocity targets ``v_ref + delta / dt`` where ``delta``
         is the RGS correction from the register heads' gradients at ``x`` (``samplers.rgs.rgs_velocity_target``), all
         on the reference model (LoRA off). Detached."""
-        from .reward_models.registers import load_registers
         from .samplers.rgs import rgs_velocity_target
 
-        if getattr(self, "registers", None) is None:
-            self.registers = load_registers(self.config.step_reward.registers, dict(self.model.transformer.config))
-            self.registers.to(self.model.device)
+        self.step_registers()
         scale = self.config.sampling.guidance_scale
         self.registers.attach(self.model.transformer)
         try:

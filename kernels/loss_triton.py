@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor
 
 from .loss_reference import TransitionLoss
 from . import sde_triton

@@ -14,25 +14,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..devices import DTYPES, resolve_device, resolve_dtype
 from .images import as_image_batch
 
 __all__ = ["DTYPES", "RewardModel", "resolve_device", "resolve_dtype"]
-
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
-          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    return torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-
 
 class RewardModel:
     """Base class: subclasses set ``name`` and implement ``forward``; ``differentiable`` says if gradients flow."""

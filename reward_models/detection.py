@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from .base import resolve_device, resolve_dtype
 from .images import as_image_batch

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import torch
 from torch import Tensor
 
 from .base import RewardModel

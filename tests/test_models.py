@@ -4,14 +4,13 @@ import json
 
 import pytest
 import torch
-from diffusers import FluxPipeline, StableDiffusion3Pipeline
+from diffusers import FluxPipeline
 
 from flowalign.models import Cond, FluxModel, SD3Model, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.rollouts import sample_groups
 from flowalign.samplers import rollout, sde_step
 
-from conftest import WORDS
 
 PROMPTS = ["a photo of a red circle", "two blue squares left of a triangle"]
 

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from flowalign.config import load_config
@@ -66,7 +67,7 @@ EXPECTED = {
     "tempflow_grpo": (9, 2 * 7 + 2 * 2 * (9 + 7 + 5 + 3)),
     "dense_grpo": (9, 2 * 2 * (10 + 55)),
     "tp_grpo": (9, 2 * 2 * (10 + 55)),
-    "register_grpo": (9, 2 * 2 * (10 + 11)),
+    "register_grpo": (9, 2 * 2 * (10 + 1)),
 }
 
 
@@ -122,3 +123,28 @@ def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny
         tiny_paths["flux"], tmp_path, **{"model.gradient_checkpointing": "false"}))
     history = GRPOTrainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
+
+
+def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_at_zero_lora(tiny_paths, tmp_path):
+    """step_reward.register_pass = policy reads the registers off the rollout's own forwards: with the LoRA still
+    zero (iteration 0) it gives the reference pass's step rewards, for 1 NFE per sample instead of T + 1."""
+    from diffusers import SD3Transformer2DModel
+    from flowalign.reward_models.registers import LatentRegisters
+
+    transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
+    checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
+    rewards, nfes = {}, {}
+    for register_pass in ("reference", "policy"):
+        config = load_config(TrainConfig, REPO / "configs/methods/register_grpo.yaml", small_run(
+            tiny_paths["sd3"], tmp_path / register_pass, **{"step_reward.registers": str(checkpoint),
+                                                            "step_reward.register_pass": register_pass,
+                                                            "sampling.batch_size": 4}))
+        trainer = GRPOTrainer(config)
+        (chunk,) = trainer.collect(0, trainer.prompts_for(0))
+        assert (chunk.register_scores is None) == (register_pass == "reference")
+        rewards[register_pass], nfes[register_pass] = trainer.register_rewards(chunk)
+    batch = 2 * 2
+    assert nfes == {"reference": batch * 11, "policy": batch}
+    assert rewards["policy"].shape == (batch, 11)
+    assert torch.allclose(rewards["policy"], rewards["reference"], atol=1e-6, rtol=0)
+    assert rewards["policy"].std() > 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,7 +300,7 @@ def test_imagereward_end_to_end_on_a_small_blip(tmp_path, monkeypatch):
     """The package's own model class with a 1-layer BERT and a 1-layer ViT (its ViT-L is too big for CI): saved,
     loaded through ImageRewardModel, and scored against the package's own ``score_gard`` and ``score``."""
     _require_image_reward()
-    from flowalign.reward_models.imagereward import ImageRewardModel, _local_tokenizer_factory, install_shim
+    from flowalign.reward_models.imagereward import _local_tokenizer_factory, install_shim
 
     install_shim()
     from ImageReward.ImageReward import ImageReward

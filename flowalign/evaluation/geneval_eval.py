@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import GenEvalError, format_table, judge, load_metadata, summarize, validate_metadata
 from flowalign.evaluation.images import to_uint8
 from flowalign.evaluation.toy_eval import _rows, _sample_batch, check_sampling_args, initial_noise
@@ -170,7 +171,7 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
         if not Path(config.metadata).is_file():
             raise FileNotFoundError(f"GenEval metadata file {config.metadata!r} does not exist")
         metadata = load_metadata(config.metadata)[: config.max_prompts]
-        device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = str(resolve_device(config.device))
         model = load_flow_model(resolve_model_path(config.model), dtype=config.dtype, device=device)
         generate_folder(model, metadata, folder, steps=config.steps, images_per_prompt=config.images_per_prompt,
                         guidance_scale=config.guidance_scale, seed=config.seed, batch_size=config.batch_size,

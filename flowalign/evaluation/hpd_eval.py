@@ -19,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from flowalign.devices import resolve_device
+
 __all__ = ["HPD_STYLES", "HPDRunConfig", "chunk_stats", "format_hpd_table", "hpd_summary", "load_hpd_prompts",
            "run_hpd"]
 
@@ -153,7 +155,7 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
     prompts = load_hpd_prompts(config.prompts)
     if config.max_prompts is not None:
         prompts = {style: values[: config.max_prompts] for style, values in prompts.items()}
-    device = config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = str(resolve_device(config.device))
     if scorer is None:
         from flowalign.reward_models.hps import HPSv2
 

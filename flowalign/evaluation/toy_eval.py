@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
 from flowalign.seeding import mixed_seed
@@ -372,10 +373,6 @@ def resolve_model_path(model: str) -> str:
     return model  # a hub id: load_flow_model fetches it or explains why it cannot
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
     n_images, n_prompts = summary["n_images"], summary["n_prompts"]
     images_ok = round(summary["images_correct"] * n_images)
@@ -417,7 +414,7 @@ def run_eval(config: EvalConfig) -> dict:
     if not metadata:
         raise ValueError(f"prompt file {str(prompts_path)!r} has no prompts")
     model_path = resolve_model_path(config.model)
-    model = load_flow_model(model_path, dtype=config.dtype, device=config.device or _default_device())
+    model = load_flow_model(model_path, dtype=config.dtype, device=str(resolve_device(config.device)))
 
     counts = images_per_tag(metadata, config.images_per_tag) if config.images_per_tag else config.images_per_prompt
     results, summary, images = evaluate(

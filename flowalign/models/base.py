@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 

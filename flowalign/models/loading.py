@@ -7,24 +7,13 @@ from pathlib import Path
 
 import torch
 
+from ..devices import resolve_dtype
 from .base import FlowModel
 from .flux import FluxModel
 from .sd3 import SD3Model
 
 ADAPTERS: dict[str, type[FlowModel]] = {"sd3": SD3Model, "flux": FluxModel}
 _BY_PIPELINE = {adapter.pipeline_class_name: adapter for adapter in ADAPTERS.values()}
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
 def _unsupported(class_name: str, where: str) -> ValueError:
     return ValueError(
         f"pipeline class {class_name!r} ({where}) is neither SD3 nor FLUX: flowalign supports "

@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ..models.tiny import tiny_sd3_pipeline
 from .prompts import split_prompts
-from .scenes import IMAGE_SIZE, render, scene_for
+from .scenes import render, scene_for
 
 
 @dataclass
