@@ -132,6 +132,7 @@ def main() -> None:
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.guided_sampling import SampleConfig
     from flowalign.models.loading import load_flow_model
+    from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -160,13 +161,34 @@ def main() -> None:
         registers = load_registers(args.registers, dict(model.transformer.config))
         register_report = read_checkpoint(args.registers)["extra"].get("held_out")
 
+    # Finished rows are kept in <out>.partial.jsonl and reused when the settings match, so a long run can resume.
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial, settings = out.with_suffix(".partial.jsonl"), {k: v for k, v in vars(args).items() if k != "methods"}
+    done = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            row = json.loads(line)
+            if row.pop("settings") == settings:
+                done[(row["method"], row["budget"])] = row
     rows = []
 
     def record(method, budget):
+        if (method, budget) in done:
+            rows.append(done[(method, budget)])
+            print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
+            return
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
                               batch_prompts=args.batch_prompts, registers=args.registers)
-        row = {"method": method, "budget": budget, **run_method(model, metadata, config, reward_fn, registers)}
+        try:
+            result = run_method(model, metadata, config, reward_fn, registers)
+        except BudgetTooSmall as error:
+            print(f"{method:>4} budget {budget:>4}: skipped ({error})", flush=True)
+            return
+        row = {"method": method, "budget": budget, **result}
         rows.append(row)
+        with partial.open("a") as handle:
+            handle.write(json.dumps({**row, "settings": settings}) + "\n")
         print(f"{method:>4} budget {budget:>4}: overall {row['overall']:.3f}, mean NFE {row['mean_nfe']:.1f}", flush=True)
 
     record("none", args.steps)
@@ -179,8 +201,6 @@ def main() -> None:
                 record(method, budget)
 
     add_paired_gains(rows)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = {"settings": vars(args), "prompts": len(metadata), "rows": rows, "targets": check_targets(rows),
               "register_accuracy": register_report}
     out.write_text(json.dumps(result, indent=1))

@@ -31,6 +31,7 @@ from .rollout import count_nfe
 from .sde import check_kind, check_noise_level, check_sigmas, ode_step, sde_step, standard_normal
 
 __all__ = [
+    "BudgetTooSmall",
     "GUIDANCE",
     "GuidedResult",
     "best_of_n",
@@ -61,12 +62,17 @@ def trajectory_nfe(velocity: GuidedVelocity, num_steps: int) -> int:
     return num_steps * count_nfe(velocity, 1)
 
 
+class BudgetTooSmall(ValueError):
+    """The NFE budget cannot pay for one trajectory of the method."""
+
+
 def check_budget(budget: int, per_trajectory: int, method: str) -> int:
-    """``budget`` as an int, or a ValueError when it cannot pay for one trajectory of ``method``."""
+    """``budget`` as an int, or a ``BudgetTooSmall`` (a ValueError) when it cannot pay for one trajectory of
+    ``method``."""
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise ValueError(f"budget must be an integer number of NFEs per prompt, got {budget!r}")
     if budget < per_trajectory:
-        raise ValueError(
+        raise BudgetTooSmall(
             f"budget={budget} NFEs per prompt is smaller than one {method} trajectory ({per_trajectory} NFEs): "
             f"raise the budget to at least {per_trajectory} or sample with fewer steps"
         )
