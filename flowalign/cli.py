@@ -29,7 +29,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -82,10 +82,32 @@ def non_negative_float(text: str) -> float:
 # ---------------------------------------------------------------------------------------------- commands
 
 
+def _add_sampling_args(parser, defaults) -> None:
+    """The options of ``SamplingRun`` (shared by every ``eval`` command), with ``defaults``' values."""
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="ODE steps")
+    parser.add_argument("--images-per-prompt", type=positive_int, default=defaults.images_per_prompt)
+    parser.add_argument("--guidance", type=non_negative_float, default=defaults.guidance_scale,
+                        help="guidance scale (CFG with negative prompt '' when > 1)")
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    parser.add_argument("--resolution", type=positive_int, default=None, help="image size (default: the model's)")
+    parser.add_argument("--max-prompts", type=positive_int, default=None,
+                        help="evaluate only the first M prompts (of each style for HPD)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=defaults.dtype)
+    parser.add_argument("--out", default=defaults.out_dir, help="output directory")
+
+
+def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``SamplingRun``'s fields from the options ``_add_sampling_args`` added."""
+    return dict(steps=args.steps, images_per_prompt=args.images_per_prompt, guidance_scale=args.guidance,
+                seed=args.seed, batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts,
+                device=args.device, dtype=args.dtype, out_dir=args.out)
+
+
 def _add_eval_toy(group) -> None:
     from flowalign.evaluation.toy_eval import EvalConfig  # its defaults are the CLI defaults
 
-    defaults = EvalConfig()
     parser = group.add_parser(
         "toy",
         help="GenEval-style evaluation on the toy world",
@@ -93,43 +115,25 @@ def _add_eval_toy(group) -> None:
         "results.json, summary.md and grid.png to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
+    parser.add_argument("--model", default=EvalConfig().model, help="diffusers pipeline directory")
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
-    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="ODE steps")
-    parser.add_argument("--images-per-prompt", type=positive_int, default=defaults.images_per_prompt)
     parser.add_argument("--images-per-tag", type=positive_int, default=None,
                         help="tag-balanced: this many images per tag, split evenly over its prompts (replaces "
                         "--images-per-prompt; equal tag sizes minimise the standard error of GenEval's overall)")
-    parser.add_argument("--guidance", type=non_negative_float, default=defaults.guidance_scale,
-                        help="guidance scale (CFG with negative prompt '' when > 1)")
-    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
-    parser.add_argument("--max-prompts", type=positive_int, default=None, help="evaluate only the first M prompts")
-    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--out", default=defaults.out_dir, help="output directory")
+    _add_sampling_args(parser, EvalConfig())
     parser.set_defaults(handler=_run_eval_toy)
 
 
 def _run_eval_toy(args: argparse.Namespace) -> None:
     from flowalign.evaluation.toy_eval import EvalConfig, run_eval
 
-    config = EvalConfig(
-        model=args.model,
-        prompts=args.prompts,
-        steps=args.steps,
-        images_per_prompt=args.images_per_prompt,
-        images_per_tag=args.images_per_tag,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_prompts=args.max_prompts,
-        out_dir=args.out,
-        device=args.device,
-    )
-    run_eval(config)
+    run_eval(EvalConfig(model=args.model, prompts=args.prompts, images_per_tag=args.images_per_tag,
+                        **_sampling_settings(args)))
 
 
 def _add_eval_geneval(group) -> None:
+    from flowalign.evaluation.geneval_eval import GenEvalRunConfig
+
     parser = group.add_parser(
         "geneval",
         help="GenEval: generate into GenEval's folder layout (or score an existing folder) and judge",
@@ -147,16 +151,7 @@ def _add_eval_geneval(group) -> None:
     parser.add_argument("--clip-weights", default="openai",
                         help="colour classifier's CLIP ViT-L-14 weights: a local file or the open_clip tag 'openai'")
     parser.add_argument("--class-names", default=None, help="GenEval's object_names.txt (label id order)")
-    parser.add_argument("--images-per-prompt", type=positive_int, default=4)
-    parser.add_argument("--steps", type=positive_int, default=28, help="ODE steps")
-    parser.add_argument("--guidance", type=non_negative_float, default=1.0, help="guidance scale (CFG when > 1)")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--resolution", type=positive_int, default=None, help="image size (default: the model's)")
-    parser.add_argument("--max-prompts", type=positive_int, default=None)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    parser.add_argument("--out", default="outputs/eval-geneval", help="output directory")
+    _add_sampling_args(parser, GenEvalRunConfig(metadata=""))
     parser.set_defaults(handler=_run_eval_geneval)
 
 
@@ -168,13 +163,13 @@ def _run_eval_geneval(args: argparse.Namespace) -> None:
     run_geneval(GenEvalRunConfig(
         metadata=args.metadata, model=args.model, images=args.images, detector=args.detector,
         detector_model=args.detector_model, clip_weights=args.clip_weights, class_names=args.class_names,
-        images_per_prompt=args.images_per_prompt, steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
-        batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts, out_dir=args.out,
-        device=args.device, dtype=args.dtype,
+        **_sampling_settings(args),
     ))
 
 
 def _add_eval_hpd(group) -> None:
+    from flowalign.evaluation.hpd_eval import HPDRunConfig
+
     parser = group.add_parser(
         "hpd",
         help="HPD v2: HPS v2.1 of generated images, per style (mean of 10 chunk means, std) and Average",
@@ -186,29 +181,16 @@ def _add_eval_hpd(group) -> None:
     parser.add_argument("--prompts", required=True, help="directory with the four style JSON files")
     parser.add_argument("--hps-checkpoint", default=None,
                         help="HPS_v2.1_compressed.pt (default: download from the hub repository xswu/HPSv2)")
-    parser.add_argument("--images-per-prompt", type=positive_int, default=1)
-    parser.add_argument("--steps", type=positive_int, default=28, help="ODE steps")
-    parser.add_argument("--guidance", type=non_negative_float, default=1.0, help="guidance scale (CFG when > 1)")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--batch-size", type=positive_int, default=8)
-    parser.add_argument("--resolution", type=positive_int, default=None, help="image size (default: the model's)")
-    parser.add_argument("--max-prompts", type=positive_int, default=None, help="first M prompts of each style")
     parser.add_argument("--save-images", action="store_true", help="also save the images under <out>/images")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
-    parser.add_argument("--out", default="outputs/eval-hpd", help="output directory")
+    _add_sampling_args(parser, HPDRunConfig(model="", prompts=""))
     parser.set_defaults(handler=_run_eval_hpd)
 
 
 def _run_eval_hpd(args: argparse.Namespace) -> None:
     from flowalign.evaluation.hpd_eval import HPDRunConfig, run_hpd
 
-    run_hpd(HPDRunConfig(
-        model=args.model, prompts=args.prompts, hps_checkpoint=args.hps_checkpoint,
-        images_per_prompt=args.images_per_prompt, steps=args.steps, guidance_scale=args.guidance, seed=args.seed,
-        batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts,
-        save_images=args.save_images, out_dir=args.out, device=args.device, dtype=args.dtype,
-    ))
+    run_hpd(HPDRunConfig(model=args.model, prompts=args.prompts, hps_checkpoint=args.hps_checkpoint,
+                         save_images=args.save_images, **_sampling_settings(args)))
 
 
 def _add_train(commands) -> None:

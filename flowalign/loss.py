@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .kernels import clipped_policy_loss, grpo_transition_loss
-from .kernels.loss_reference import latent_mean_kl, velocity_mse_kl
+from .kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
 
 __all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "transition_grpo_loss", "velocity_mse_kl"]
 
@@ -44,12 +44,7 @@ def grpo_loss(
     ``0.5 (log_prob - old_log_prob)^2``, ``clip_frac`` = fraction with ``|ratio - 1| > eps``, ``ratio_mean`` and
     ``ratio_max``.
     """
-    if not clip_range > 0:
-        raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
-    if not beta >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta!r}")
-    if beta > 0 and kl is None:
-        raise ValueError(f"beta={beta} needs a per-transition kl tensor")
+    check_loss_settings(clip_range, beta, kl_given=kl is not None, kl_source="a per-transition kl tensor")
     if log_prob.ndim != 1 or log_prob.numel() == 0:
         raise ValueError(f"log_prob must be a non-empty 1-D tensor [N], got shape {tuple(log_prob.shape)}")
     n = log_prob.shape

@@ -483,6 +483,9 @@ class OptimConfig:
     minibatches: int = option(1, "optimizer steps per inner epoch: the transitions are split into this many parts")
     ema_decay: float = option(0.9, "EMA of the LoRA weights (used for sampling grids and eval); 0 = no EMA")
     warmup_iterations: int = option(0, "linear learning-rate warmup, in iterations")
+    lr_schedule: Literal["constant", "cosine"] = option(
+        "constant", "after the warmup: a constant rate, or a cosine decay to min_lr_ratio x lr at train.iterations")
+    min_lr_ratio: float = option(0.0, "the cosine schedule's final rate as a fraction of lr, in [0, 1]")
 
     def validate(self) -> None:
         _finite("optim.lr", self.lr, 0.0, strict=True)
@@ -496,6 +499,7 @@ class OptimConfig:
         _at_least("optim.minibatches", self.minibatches, 1)
         _check(0.0 <= self.ema_decay < 1.0, "optim.ema_decay", f"must be in [0, 1), got {self.ema_decay:g}")
         _at_least("optim.warmup_iterations", self.warmup_iterations, 0)
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio:g}")
 
 
 @dataclass

@@ -43,6 +43,7 @@ from .config import diff_configs, to_dict
 from .evaluation.geneval import load_metadata
 from .kernels import use_backend
 from .loss import noise_aware_weights, transition_grpo_loss
+from .lr_schedule import learning_rate_scale
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
 from .rewards import build_reward, combine_rewards, score_all
@@ -579,9 +580,10 @@ class GRPOTrainer:
         return summary
 
     def set_learning_rate(self, iteration: int) -> None:
-        """Linear warmup over ``optim.warmup_iterations``, then constant."""
-        warmup = self.config.optim.warmup_iterations
-        scale = min(1.0, (iteration + 1) / warmup) if warmup else 1.0
+        """Linear warmup over ``optim.warmup_iterations``, then ``optim.lr_schedule`` (``flowalign.lr_schedule``)."""
+        optim = self.config.optim
+        scale = learning_rate_scale(iteration, self.config.train.iterations, warmup=optim.warmup_iterations,
+                                    schedule=optim.lr_schedule, floor=optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.optim.lr * scale
 

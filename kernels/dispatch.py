@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .backend import check_latent, check_same_dtype, resolve_backend, row_values
-from .loss_reference import KL_FORMS, TransitionLoss, grpo_transition_loss_reference
+from .loss_reference import KL_FORMS, TransitionLoss, check_loss_settings, grpo_transition_loss_reference
 from .sde_reference import StepOutput, check_kind, check_noise_level, check_reduce, check_step, sde_step_reference
 
 
@@ -98,12 +98,7 @@ def grpo_transition_loss(
             raise ValueError(f"{name} requires grad, but the loss differentiates only v: pass {name}.detach()")
     if kl not in KL_FORMS:
         raise ValueError(f"unknown kl {kl!r}: expected one of {', '.join(KL_FORMS)}")
-    if not clip_range > 0:
-        raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
-    if not beta >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta!r}")
-    if beta > 0 and v_ref is None:
-        raise ValueError(f"beta={beta} needs the reference velocity v_ref")
+    check_loss_settings(clip_range, beta, kl_given=v_ref is not None, kl_source="the reference velocity v_ref")
     rows = tuple(row_values(name, value, v) for name, value in (
         ("sigma", sigma), ("sigma_next", sigma_next), ("noise_level", noise_level), ("noise_scale", noise_scale)))
     check_noise_level(noise_level, kind)

@@ -34,6 +34,17 @@ class TransitionLoss(NamedTuple):
     kl: Tensor
 
 
+def check_loss_settings(clip_range: float, beta: float, *, kl_given: bool, kl_source: str) -> None:
+    """The PPO clip range must be > 0 and the KL coefficient >= 0; ``beta > 0`` needs the KL's input
+    (``kl_source`` names it in the message)."""
+    if not clip_range > 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range!r}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if beta > 0 and not kl_given:
+        raise ValueError(f"beta={beta} needs {kl_source}")
+
+
 def clipped_policy_loss(log_ratio: Tensor, advantages: Tensor, clip_range: float) -> Tensor:
     """PPO's clipped surrogate per transition, ``-min(A ratio, A clip(ratio, 1 - eps, 1 + eps))``, unweighted."""
     ratio = torch.exp(log_ratio)

@@ -23,26 +23,20 @@ import triton.language as tl
 
 from .loss_reference import TransitionLoss
 from . import sde_triton
-from .sde_triton import KIND_CODES, load_row_coefficients, row_log_prob, row_sum
+from .sde_triton import KIND_CODES, load_block, load_row_coefficients, row_log_prob, row_sum
 
 
 @triton.jit
 def _loss_forward_kernel(x_ptr, x_next_ptr, v_ptr, v_ref_ptr, squares_ptr, ref_squares_ptr,
                          sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, num_chunks,
                          KIND: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < D
-    base = row.to(tl.int64) * D
-    c_x, c_v, _ = load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, KIND)
-    x = tl.load(x_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
-    x_next = tl.load(x_next_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+    row, chunk, offsets, mask, c_x, c_v, _, x, v = load_block(
+        x_ptr, v_ptr, sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, KIND, BLOCK)
+    x_next = tl.load(x_next_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     residual = tl.where(mask, x_next - (c_x * x + c_v * v), 0.0)
     tl.store(squares_ptr + row * num_chunks + chunk, tl.sum(residual * residual, axis=0))
     if HAS_REF:
-        v_ref = tl.load(v_ref_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_ref = tl.load(v_ref_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         difference = tl.where(mask, v - v_ref, 0.0)
         tl.store(ref_squares_ptr + row * num_chunks + chunk, tl.sum(difference * difference, axis=0))
 
@@ -92,21 +86,15 @@ def _loss_finish_kernel(squares_ptr, ref_squares_ptr, old_log_prob_ptr, advantag
 def _loss_backward_kernel(grad_loss_ptr, grad_q_ptr, grad_r_ptr, x_ptr, x_next_ptr, v_ptr, v_ref_ptr, grad_v_ptr,
                           sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D,
                           KIND: tl.constexpr, HAS_REF: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < D
-    base = row.to(tl.int64) * D
-    c_x, c_v, _ = load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, KIND)
+    row, chunk, offsets, mask, c_x, c_v, _, x, v = load_block(
+        x_ptr, v_ptr, sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, KIND, BLOCK)
     grad_loss = tl.load(grad_loss_ptr + row)
-    x = tl.load(x_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
-    x_next = tl.load(x_next_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+    x_next = tl.load(x_next_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     grad_v = (grad_loss * tl.load(grad_q_ptr + row)) * (x_next - (c_x * x + c_v * v))
     if HAS_REF:
-        v_ref = tl.load(v_ref_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+        v_ref = tl.load(v_ref_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         grad_v += (grad_loss * tl.load(grad_r_ptr + row)) * (v - v_ref)
-    tl.store(grad_v_ptr + base + offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_v_ptr + offsets, grad_v.to(grad_v_ptr.dtype.element_ty), mask=mask)
 
 
 class FusedTransitionLoss(torch.autograd.Function):

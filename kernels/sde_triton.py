@@ -71,6 +71,22 @@ def load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, 
 
 
 @triton.jit
+def load_block(x_ptr, v_ptr, sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, KIND: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """This program's block of its row (grid ``(rows, chunks)``): ``(row, chunk, offsets, mask, c_x, c_v, std, x, v)``
+    with ``offsets`` absolute in the flat tensor and ``x``, ``v`` in fp32 (0 past the row's end)."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    within = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = within < D
+    offsets = row.to(tl.int64) * D + within
+    c_x, c_v, std = load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, KIND)
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return row, chunk, offsets, mask, c_x, c_v, std, x, v
+
+
+@triton.jit
 def row_sum(partial_ptr, row, num_chunks, FINISH: tl.constexpr):
     """The sum of a row's ``num_chunks`` partial sums, always added in the same order."""
     total = tl.zeros([FINISH], dtype=tl.float32)
@@ -96,24 +112,18 @@ def row_log_prob(squares, std, n, MEAN: tl.constexpr):
 def _sde_step_kernel(x_ptr, v_ptr, noise_ptr, sample_ptr, mean_ptr, partial_ptr,
                      sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, num_chunks,
                      KIND: tl.constexpr, DRAW: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    offsets = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < D
-    base = row.to(tl.int64) * D
-    c_x, c_v, std = load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, KIND)
-    x = tl.load(x_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+    row, chunk, offsets, mask, c_x, c_v, std, x, v = load_block(
+        x_ptr, v_ptr, sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, D, KIND, BLOCK)
     mean = c_x * x + c_v * v
-    tl.store(mean_ptr + base + offsets, mean, mask=mask)
+    tl.store(mean_ptr + offsets, mean, mask=mask)
     if DRAW:
-        noise = tl.load(noise_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+        noise = tl.load(noise_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         # Score the sample as stored (rounded to x's dtype), so re-scoring it later gives the same log-prob.
         sample = (mean + std * noise).to(sample_ptr.dtype.element_ty)
-        tl.store(sample_ptr + base + offsets, sample, mask=mask)
+        tl.store(sample_ptr + offsets, sample, mask=mask)
         sample = sample.to(tl.float32)
     else:
-        sample = tl.load(sample_ptr + base + offsets, mask=mask, other=0.0).to(tl.float32)
+        sample = tl.load(sample_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     residual = tl.where(mask, sample - mean, 0.0)
     tl.store(partial_ptr + row * num_chunks + chunk, tl.sum(residual * residual, axis=0))
 

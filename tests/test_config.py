@@ -210,6 +210,7 @@ RANGE_ERRORS = [
     (["optim.betas=[0.9]"], "optim.betas must hold two numbers"),
     (["optim.minibatches=0"], "optim.minibatches must be >= 1, got 0"),
     (["optim.warmup_iterations=500"], "optim.warmup_iterations = 500 exceeds train.iterations = 300"),
+    (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio must be in [0, 1], got 1.5"),
     (["data.group_size=1"], "data.group_size must be >= 2"),
     (["data.prompts_per_iteration=0"], "data.prompts_per_iteration must be >= 1"),
     (["model.lora_rank=0"], "model.lora_rank must be >= 1"),

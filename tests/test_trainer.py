@@ -1,6 +1,7 @@
 """The GRPO trainer end to end on a tiny random SD3 pipeline: ratios, resume, 2 processes, signals, bad input."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -123,6 +124,13 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     ema_a = load_file(str(tmp_path / "full" / "checkpoint-000004" / "ema.safetensors"))
     ema_b = load_file(str(tmp_path / "split" / "checkpoint-000004" / "ema.safetensors"))
     assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
+
+
+def test_cosine_schedule_sets_each_iterations_learning_rate(tiny_model, tmp_path):
+    extra = {"train.iterations": 3, "optim.lr_schedule": "cosine", "optim.min_lr_ratio": 0.1, "optim.lr": 1e-3}
+    history = make_trainer(tiny_model, tmp_path / "run", **extra).train()
+    expected = [1e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 3))) for k in range(3)]
+    assert [m["lr"] for m in history] == pytest.approx(expected)
 
 
 def test_resume_refuses_a_different_config(tiny_model, tmp_path):

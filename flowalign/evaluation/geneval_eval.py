@@ -33,7 +33,7 @@ from PIL import Image
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import GenEvalError, format_table, judge, load_metadata, summarize, validate_metadata
 from flowalign.evaluation.images import to_uint8
-from flowalign.evaluation.toy_eval import _rows, _sample_batch, check_sampling_args, initial_noise
+from flowalign.evaluation.toy_eval import SamplingRun, _rows, _sample_batch, check_sampling_args, initial_noise
 
 __all__ = ["GenEvalRunConfig", "generate_folder", "read_folder", "run_geneval", "score_folder"]
 
@@ -132,8 +132,8 @@ def score_folder(folder: str | Path, detections) -> tuple[list[dict], dict]:
     return results, summarize(results)
 
 
-@dataclass
-class GenEvalRunConfig:
+@dataclass(kw_only=True)
+class GenEvalRunConfig(SamplingRun):
     """Settings of ``flowalign eval geneval``; with ``model`` None, ``images`` must be an existing folder to score."""
 
     metadata: str
@@ -143,16 +143,7 @@ class GenEvalRunConfig:
     detector_model: str | None = None
     clip_weights: str = "openai"
     class_names: str | None = None
-    images_per_prompt: int = 4
-    steps: int = 28
-    guidance_scale: float = 1.0
-    seed: int = 0
-    batch_size: int = 8
-    resolution: int | None = None
-    max_prompts: int | None = None
     out_dir: str = "outputs/eval-geneval"
-    device: str | None = None
-    dtype: str = "fp32"
 
 
 def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
@@ -162,6 +153,7 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
     """
     from flowalign.reward_models.geneval import GenEvalDetections
 
+    config.validate()
     out = Path(config.out_dir)
     folder = Path(config.images) if config.images else out / "images"
     if config.model is not None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from flowalign.devices import resolve_device
+from flowalign.evaluation.toy_eval import SamplingRun
 
 __all__ = ["HPD_STYLES", "HPDRunConfig", "chunk_stats", "format_hpd_table", "hpd_summary", "load_hpd_prompts",
            "run_hpd"]
@@ -93,24 +94,16 @@ def format_hpd_table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-@dataclass
-class HPDRunConfig:
+@dataclass(kw_only=True)
+class HPDRunConfig(SamplingRun):
     """Settings of ``flowalign eval hpd``."""
 
     model: str
     prompts: str
     hps_checkpoint: str | None = None
     images_per_prompt: int = 1
-    steps: int = 28
-    guidance_scale: float = 1.0
-    seed: int = 0
-    batch_size: int = 8
-    resolution: int | None = None
-    max_prompts: int | None = None
     save_images: bool = False
     out_dir: str = "outputs/eval-hpd"
-    device: str | None = None
-    dtype: str = "fp32"
 
 
 def score_style(model, scorer, prompts: Sequence[str], *, style_index: int, config: HPDRunConfig,
@@ -147,11 +140,10 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
 
     ``scorer`` (an ``HPSv2``-like reward model) overrides the HPS v2.1 model built from ``hps_checkpoint``.
     """
-    from flowalign.evaluation.toy_eval import check_sampling_args, resolve_model_path
+    from flowalign.evaluation.toy_eval import resolve_model_path
     from flowalign.models.loading import load_flow_model
 
-    check_sampling_args(steps=config.steps, images_per_prompt=config.images_per_prompt,
-                        guidance_scale=config.guidance_scale, seed=config.seed, batch_size=config.batch_size)
+    config.validate()
     prompts = load_hpd_prompts(config.prompts)
     if config.max_prompts is not None:
         prompts = {style: values[: config.max_prompts] for style, values in prompts.items()}

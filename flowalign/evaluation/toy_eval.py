@@ -60,25 +60,22 @@ def default_prompts_path() -> Path:
     return Path(PROMPT_ASSET_DIR) / "test.jsonl"
 
 
-@dataclass
-class EvalConfig:
-    """Settings of one toy evaluation (``flowalign eval toy``).
+@dataclass(kw_only=True)
+class SamplingRun:
+    """What every evaluation command shares: ODE samples per prompt, their seed, batching, size and device.
 
-    ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``; ``max_prompts`` keeps its first prompts.
-    ``images_per_tag``, when set, replaces ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``).
-    ``device`` defaults to CUDA when available.
+    ``EvalConfig``, ``GenEvalRunConfig`` and ``HPDRunConfig`` extend it and change the defaults; ``resolution``
+    None is the model's default image size, ``max_prompts`` keeps the first prompts (of each style for HPD).
     """
 
-    model: str = DEFAULT_MODEL
-    prompts: str | None = None
-    steps: int = 10
+    steps: int = 28
     images_per_prompt: int = 4
-    images_per_tag: int | None = None
     guidance_scale: float = 1.0
     seed: int = 0
-    batch_size: int = 64
+    batch_size: int = 8
+    resolution: int | None = None
     max_prompts: int | None = None
-    out_dir: str = "outputs/eval-toy"
+    out_dir: str = "outputs/eval"
     device: str | None = None
     dtype: str = "fp32"
 
@@ -91,10 +88,31 @@ class EvalConfig:
             seed=self.seed,
             batch_size=self.batch_size,
         )
+        for name in ("resolution", "max_prompts"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
+
+
+@dataclass(kw_only=True)
+class EvalConfig(SamplingRun):
+    """Settings of one toy evaluation (``flowalign eval toy``).
+
+    ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``. ``images_per_tag``, when set, replaces
+    ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``).
+    """
+
+    model: str = DEFAULT_MODEL
+    prompts: str | None = None
+    images_per_tag: int | None = None
+    steps: int = 10
+    batch_size: int = 64
+    out_dir: str = "outputs/eval-toy"
+
+    def validate(self) -> None:
+        super().validate()
         if self.images_per_tag is not None and (not _is_int(self.images_per_tag) or self.images_per_tag < 1):
             raise ValueError(f"images_per_tag must be an integer >= 1 (or None), got {self.images_per_tag!r}")
-        if self.max_prompts is not None and (not _is_int(self.max_prompts) or self.max_prompts < 1):
-            raise ValueError(f"max_prompts must be an integer >= 1 (or None for all), got {self.max_prompts!r}")
 
 
 def _is_int(value: Any) -> bool:
@@ -425,6 +443,7 @@ def run_eval(config: EvalConfig) -> dict:
         guidance_scale=config.guidance_scale,
         seed=config.seed,
         batch_size=config.batch_size,
+        image_size=config.resolution,
     )
 
     out = Path(config.out_dir)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from ..lr_schedule import learning_rate_scale
 from ..models.tiny import tiny_sd3_pipeline
 from .prompts import split_prompts
 from .scenes import render, scene_for
@@ -113,17 +114,11 @@ class SceneStream:
         return captions, pixels
 
 
-def cosine_with_warmup(step: int, total: int, warmup: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def train_vae(vae, stream: SceneStream, config: PretrainConfig, log: dict) -> None:
     optimizer = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, config.vae_steps, min(100, config.vae_steps // 10 + 1))
+        optimizer, lambda s: learning_rate_scale(s, config.vae_steps, warmup=min(100, config.vae_steps // 10 + 1),
+                                      schedule="cosine")
     )
     vae.train()
     bar = tqdm(range(config.vae_steps), desc="vae", dynamic_ncols=True)
@@ -172,7 +167,7 @@ def train_flow(pipe, stream: SceneStream, config: PretrainConfig, log: dict) -> 
     ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99))
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, config.steps, config.warmup_steps)
+        optimizer, lambda s: learning_rate_scale(s, config.steps, warmup=config.warmup_steps, schedule="cosine")
     )
     vae = pipe.vae
     generator = torch.Generator().manual_seed(config.seed + 1)
