@@ -353,6 +353,10 @@ def _add_registers_train(group) -> None:
     parser.add_argument("--prompts", default=None, help="training metadata jsonl (default: assets/prompts/train.jsonl)")
     parser.add_argument("--eval-prompts", default=None, help="held-out metadata jsonl (default: test.jsonl)")
     parser.add_argument("--eval-prompt-count", type=positive_int, default=defaults.eval_prompt_count)
+    parser.add_argument("--val-prompt-count", type=non_negative_int, default=defaults.val_prompt_count,
+                        help="training prompts held back to pick the best iteration (0: keep the last)")
+    parser.add_argument("--eval-every", type=positive_int, default=defaults.eval_every,
+                        help="validate every this many iterations (and at the last)")
     parser.add_argument("--reward", default=defaults.reward)
     parser.add_argument("--iterations", type=positive_int, default=defaults.iterations)
     parser.add_argument("--prompts-per-iteration", type=positive_int, default=defaults.prompts_per_iteration)
@@ -360,6 +364,7 @@ def _add_registers_train(group) -> None:
     parser.add_argument("--steps", type=positive_int, default=defaults.steps)
     parser.add_argument("--updates-per-iteration", type=positive_int, default=defaults.updates_per_iteration)
     parser.add_argument("--lr", type=non_negative_float, default=defaults.lr)
+    parser.add_argument("--weight-decay", type=non_negative_float, default=defaults.weight_decay)
     parser.add_argument("--num-registers", type=positive_int, default=defaults.num_registers)
     parser.add_argument("--taps", type=non_negative_int, nargs="+", default=None,
                         help="block indices to read (default: 3 evenly spaced)")
@@ -375,7 +380,8 @@ def _run_registers_train(args: argparse.Namespace) -> None:
 
     config = RegisterTrainConfig(
         model=args.model, prompts=args.prompts, eval_prompts=args.eval_prompts,
-        eval_prompt_count=args.eval_prompt_count, reward=args.reward, iterations=args.iterations,
+        eval_prompt_count=args.eval_prompt_count, val_prompt_count=args.val_prompt_count,
+        eval_every=args.eval_every, weight_decay=args.weight_decay, reward=args.reward, iterations=args.iterations,
         prompts_per_iteration=args.prompts_per_iteration, samples_per_prompt=args.samples_per_prompt,
         steps=args.steps, updates_per_iteration=args.updates_per_iteration, lr=args.lr,
         num_registers=args.num_registers, taps=args.taps, baseline_x0=not args.no_baseline, seed=args.seed,

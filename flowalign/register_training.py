@@ -13,6 +13,7 @@ reward of an intermediate state), on the same pairs.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -47,6 +48,9 @@ class RegisterTrainConfig:
     width: int = 128
     taps: list[int] | None = None
     eval_prompt_count: int = 16
+    val_prompt_count: int = 16
+    eval_every: int = 5
+    weight_decay: float = 0.0
     baseline_x0: bool = True
     seed: int = 0
     out: str = "outputs/registers/registers.pt"
@@ -61,6 +65,12 @@ class RegisterTrainConfig:
         if self.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 (pairs are formed within a prompt), got "
                              f"{self.samples_per_prompt}")
+        for name in ("val_prompt_count", "weight_decay"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if not (isinstance(self.eval_every, int) and self.eval_every >= 1):
+            raise ValueError(f"eval_every must be an integer >= 1, got {self.eval_every!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.noise_level < 0:
@@ -157,6 +167,13 @@ def evaluate_registers(registers, batch: StateBatch) -> dict:
     return out
 
 
+def selection_score(accuracy: dict[str, dict]) -> float:
+    """The validation score that picks the kept iteration: the unweighted mean of the bands' pairwise accuracies
+    (so the high-noise bands, where pairs are hardest, count as much as the clean ones)."""
+    values = [entry["accuracy"] for entry in accuracy.values() if not math.isnan(entry["accuracy"])]
+    return sum(values) / len(values) if values else math.nan
+
+
 def format_accuracy(report: dict) -> str:
     from flowalign.reward_models.registers import SIGMA_BANDS
 
@@ -182,6 +199,12 @@ def train_registers(config: RegisterTrainConfig) -> dict:
     config.validate()
     train_meta = load_metadata(config.prompts or Path(PROMPT_ASSET_DIR) / "train.jsonl")
     eval_meta = load_metadata(config.eval_prompts or default_prompts_path())[: config.eval_prompt_count]
+    if config.val_prompt_count >= len(train_meta):
+        raise ValueError(f"val_prompt_count = {config.val_prompt_count} leaves no training prompts out of "
+                         f"{len(train_meta)}; lower it (0 keeps the last iteration without validation)")
+    held = set(numpy_rng(config.seed, 11).choice(len(train_meta), size=config.val_prompt_count, replace=False).tolist())
+    val_meta = [m for i, m in enumerate(train_meta) if i in held]
+    train_meta = [m for i, m in enumerate(train_meta) if i not in held]
     kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
     reward_fn = build_reward(config.reward, **kwargs)
     device = str(resolve_device(config.device))
@@ -191,32 +214,51 @@ def train_registers(config: RegisterTrainConfig) -> dict:
     registers = LatentRegisters.for_transformer(model.transformer, heads=[config.reward], taps=config.taps,
                                                 num_registers=config.num_registers, width=config.width).to(device)
     registers.attach(model.transformer)
-    optimizer = torch.optim.AdamW(registers.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(registers.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     collect = dict(samples_per_prompt=config.samples_per_prompt, steps=config.steps, noise_level=config.noise_level)
-    history = []
+
+    def states(metadata, seed_key, baseline_x0=False) -> StateBatch:
+        batch = collect_states(model, registers, metadata, reward_fn, seed_key=seed_key, baseline_x0=baseline_x0,
+                               **collect)
+        batch.features = [f.to(device) for f in batch.features]
+        batch.sigma = batch.sigma.to(device)
+        return batch
+
+    validation = states(val_meta, (config.seed, 10**6 + 1)) if val_meta else None
+    history, best = [], None  # best: (score, iteration, weights)
     for iteration in range(config.iterations):
         rng = numpy_rng(config.seed, iteration, 7)
         pick = rng.choice(len(train_meta), size=min(config.prompts_per_iteration, len(train_meta)), replace=False)
-        batch = collect_states(model, registers, [train_meta[i] for i in pick], reward_fn,
-                               seed_key=(config.seed, iteration), **collect)
-        batch.features = [f.to(device) for f in batch.features]
-        batch.sigma = batch.sigma.to(device)
+        batch = states([train_meta[i] for i in pick], (config.seed, iteration))
         for _ in range(config.updates_per_iteration):
             loss = register_loss(registers, batch)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-        history.append({"iteration": iteration, "loss": float(loss.detach()), "reward": float(batch.final_rewards.mean())})
-        print(f"registers iteration {iteration}: thurstone loss {float(loss.detach()):.4f}", flush=True)
-    held_out = collect_states(model, registers, eval_meta, reward_fn, seed_key=(config.seed, 10**6),
-                              baseline_x0=config.baseline_x0, **collect)
-    held_out.features = [f.to(device) for f in held_out.features]
-    held_out.sigma = held_out.sigma.to(device)
+        record = {"iteration": iteration, "loss": float(loss.detach()), "reward": float(batch.final_rewards.mean())}
+        last = iteration == config.iterations - 1
+        if validation is not None and ((iteration + 1) % config.eval_every == 0 or last):
+            record["val_score"] = selection_score(evaluate_registers(registers, validation)["registers"])
+            if best is None or record["val_score"] > best[0]:
+                best = (record["val_score"], iteration, copy.deepcopy(registers.state_dict()))
+        history.append(record)
+        shown = f", validation {record['val_score']:.3f}" if "val_score" in record else ""
+        print(f"registers iteration {iteration}: thurstone loss {record['loss']:.4f}{shown}", flush=True)
+    if best is not None:
+        registers.load_state_dict(best[2])
+    selected = best[1] if best is not None else config.iterations - 1
+    held_out = states(eval_meta, (config.seed, 10**6), baseline_x0=config.baseline_x0)
     report = evaluate_registers(registers, held_out)
     registers.detach()
-    out = registers.save(config.out, extra={"config": asdict(config), "held_out": report, "history": history})
+    summary = {"held_out": report, "selected_iteration": selected, "history": history}
+    out = registers.save(config.out, extra={"config": asdict(config), **summary})
     table = format_accuracy(report)
-    (out.parent / "report.json").write_text(json.dumps({"held_out": report, "history": history}, indent=1))
-    (out.parent / "report.md").write_text("# Register pairwise accuracy on held-out prompts\n\n" + table + "\n")
+    (out.parent / "report.json").write_text(json.dumps(summary, indent=1))
+    chosen = (f"Weights of iteration {selected} (best validation score on {len(val_meta)} held-back training "
+              f"prompts, evaluated every {config.eval_every} iterations)." if best is not None else
+              f"Weights of the last iteration ({selected}).")
+    (out.parent / "report.md").write_text("# Register pairwise accuracy on held-out prompts\n\n" + table + "\n\n"
+                                          + chosen + "\n")
     print(table)
-    return {"held_out": report, "history": history, "checkpoint": str(out)}
+    print(chosen)
+    return {**summary, "checkpoint": str(out)}

@@ -119,14 +119,34 @@ def test_registers_train_then_rgs_sampling_through_the_cli(tmp_path):
     from flowalign.cli import main
 
     checkpoint = tmp_path / "reg" / "registers.pt"
-    assert main(["registers", "train", "--iterations", "1", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
+    assert main(["registers", "train", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
                  "--steps", "3", "--updates-per-iteration", "2", "--eval-prompt-count", "2", "--num-registers", "4",
-                 "--out", str(checkpoint)]) == 0
-    report = json.loads((checkpoint.parent / "report.json").read_text())["held_out"]
+                 "--iterations", "3", "--eval-every", "2", "--val-prompt-count", "3", "--out", str(checkpoint)]) == 0
+    summary = json.loads((checkpoint.parent / "report.json").read_text())
+    report = summary["held_out"]
     assert set(report) == {"registers", "x0_projection"}
     assert set(report["registers"]) == {"sigma>0.8", "0.5-0.8", "0.2-0.5", "sigma<0.2"}
+    # Validated after iterations 1 and 2 (the last); the kept weights are those of the better score.
+    validated = {h["iteration"]: h["val_score"] for h in summary["history"] if "val_score" in h}
+    assert set(validated) == {1, 2}
+    assert summary["selected_iteration"] == max(validated, key=lambda k: (validated[k], -k))
     out = tmp_path / "rgs"
     assert main(["sample", "--guidance", "rgs", "--registers", str(checkpoint), "--budget", "6", "--steps", "3",
                  "--max-prompts", "2", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())["results"]
     assert [r["nfe"] for r in results] == [5, 5]  # 3 forwards + 2 backwards (sigmas 1, 0.5 > 0.2; 0.001 unguided)
+
+
+def test_selection_score_is_the_mean_over_bands_with_pairs():
+    from flowalign.register_training import selection_score
+
+    accuracy = {"sigma>0.8": {"accuracy": 0.6, "pairs": 10}, "0.5-0.8": {"accuracy": 0.8, "pairs": 3},
+                "0.2-0.5": {"accuracy": math.nan, "pairs": 0}, "sigma<0.2": {"accuracy": 1.0, "pairs": 1}}
+    assert selection_score(accuracy) == pytest.approx(0.8)
+
+
+def test_registers_train_refuses_a_validation_split_that_takes_every_prompt(tmp_path):
+    from flowalign.register_training import RegisterTrainConfig, train_registers
+
+    with pytest.raises(ValueError, match="val_prompt_count = 174 leaves no training prompts"):
+        train_registers(RegisterTrainConfig(val_prompt_count=174, out=str(tmp_path / "r.pt")))
