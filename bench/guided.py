@@ -130,6 +130,7 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 
 def main() -> None:
     from flowalign.evaluation.geneval import load_metadata
+    from flowalign.cli import sigma_band
     from flowalign.guided_sampling import SampleConfig
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.guided import BudgetTooSmall
@@ -145,6 +146,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
+    parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=SampleConfig().rgs_bands,
+                        metavar="SIGMA:SCALE", help="RGS correction scale above each sigma, highest first")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
@@ -179,7 +182,7 @@ def main() -> None:
             print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
             return
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
-                              batch_prompts=args.batch_prompts, registers=args.registers)
+                              batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands)
         try:
             result = run_method(model, metadata, config, reward_fn, registers)
         except BudgetTooSmall as error:

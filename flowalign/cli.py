@@ -79,6 +79,17 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def sigma_band(text: str) -> tuple[float, float]:
+    """``SIGMA:SCALE`` (e.g. ``0.8:0.3``) as a pair of finite numbers."""
+    try:
+        sigma, scale = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SIGMA:SCALE such as 0.8:0.3, got {text!r}") from None
+    if not (math.isfinite(sigma) and math.isfinite(scale)):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    return sigma, scale
+
+
 # ---------------------------------------------------------------------------------------------- commands
 
 
@@ -312,6 +323,8 @@ def _add_sample(commands) -> None:
     parser.add_argument("--max-children", type=_int_at_least(2), default=defaults.max_children,
                         help="DTS children per node")
     parser.add_argument("--dts-soft", action="store_true", help="DTS (Boltzmann selection) instead of DTS*")
+    parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=defaults.rgs_bands, metavar="SIGMA:SCALE",
+                        help="RGS correction scale above each sigma, highest first (no gradient below the last)")
     parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
     parser.add_argument("--max-prompts", type=positive_int, default=None)
     parser.add_argument("--batch-prompts", type=positive_int, default=defaults.batch_prompts)
@@ -327,7 +340,7 @@ def _run_sample(args: argparse.Namespace) -> None:
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
         noise_level=args.noise_level, lam=args.lam, potential=args.potential, max_children=args.max_children,
-        dts_soft=args.dts_soft, max_prompts=args.max_prompts, batch_prompts=args.batch_prompts, out_dir=args.out,
+        dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts, batch_prompts=args.batch_prompts, out_dir=args.out,
         device=args.device,
     )
     summary = run_sample(config)

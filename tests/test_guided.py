@@ -311,6 +311,21 @@ def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidan
         assert result.nfe.tolist() == [expected, expected] and counter.rows == 2 * expected
 
 
+def test_rgs_bands_choose_the_guided_steps_and_their_cost(toy):
+    """Only the band above sigma 0.8 guided: of the 3 steps (sigmas 1, 0.5, 0.001) one is, so 3 + 1 NFEs."""
+    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    model, metadata = toy
+    config = SampleConfig(guidance="rgs", budget=7, steps=3, registers="unused", rgs_bands=[(0.8, 0.3)])
+    config.validate()
+    torch.manual_seed(0)
+    registers = LatentRegisters.for_transformer(model.transformer, num_registers=4, width=32)
+    result = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True), registers=registers)
+    assert result.nfe.tolist() == [4, 4] and result.info["guided_steps"] == 1
+
+
 def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
     from flowalign.cli import main
 
@@ -328,6 +343,8 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
     [
         (["--guidance", "bon", "--budget", "5", "--steps", "10"], "smaller than one trajectory"),
         (["--guidance", "rgs", "--budget", "40"], "needs a differentiable reward"),
+        (["--guidance", "rgs", "--registers", "r.pt", "--rgs-bands", "0.2:0.1", "0.8:0.3"], "strictly decreasing"),
+        (["--guidance", "bon", "--rgs-bands", "high"], "expected SIGMA:SCALE"),
     ],
 )
 def test_flowalign_sample_bad_input_fails_before_loading(tmp_path, capsys, argv, message):
