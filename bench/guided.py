@@ -129,8 +129,8 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 
 
 def main() -> None:
-    from flowalign.evaluation.geneval import load_metadata
     from flowalign.cli import sigma_band
+    from flowalign.evaluation.geneval import load_metadata
     from flowalign.guided_sampling import SampleConfig
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.guided import BudgetTooSmall
