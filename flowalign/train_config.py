@@ -481,7 +481,8 @@ class OptimConfig:
     max_grad_norm: float = option(1.0, "clip the gradient norm to this")
     inner_epochs: int = option(1, "passes over each rollout's transitions")
     minibatches: int = option(1, "optimizer steps per inner epoch: the transitions are split into this many parts")
-    ema_decay: float = option(0.9, "EMA of the LoRA weights (used for sampling grids and eval); 0 = no EMA")
+    ema_decay: float = option(
+        0.99, "EMA of the LoRA weights, updated every optimizer step (used for sampling grids and eval); 0 = no EMA")
     warmup_iterations: int = option(0, "linear learning-rate warmup, in iterations")
     lr_schedule: Literal["constant", "cosine"] = option(
         "constant", "after the warmup: a constant rate, or a cosine decay to min_lr_ratio x lr at train.iterations")

@@ -45,7 +45,7 @@ def test_defaults_are_the_toy_run_and_valid():
     assert TrainConfig().optim.betas is not TrainConfig().optim.betas  # mutable defaults are not shared
     # Flow-GRPO-Fast's random 2-step window in the high-noise half, LoRA r8 (the measured toy default)
     assert config.sampling.stochastic_steps() == 2 and config.sampling.window_start == "random"
-    assert (config.model.lora_rank, config.optim.lr, config.optim.ema_decay) == (8, 5e-4, 0.9)
+    assert (config.model.lora_rank, config.optim.lr, config.optim.ema_decay) == (8, 5e-4, 0.99)
     assert config.data.prompt_sampling == "uniform"
     fast = load(path=REPO / "configs/methods/flow_grpo_fast.yaml")
     assert fast.sampling == config.sampling  # the default run is the flow_grpo_fast preset
