@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def check_targets(rows: list[dict]) -> dict:
                 if r["method"] == method and r["max_nfe"] <= target["budget"] / 2 and r["overall"] >= target["overall"]:
                     matches.append({"method": method, "budget": r["budget"], "bon_budget": target["budget"]})
     plain = by.get(("none", min((r["budget"] for r in rows if r["method"] == "none"), default=0)))
+    # "Improves" means a paired gain of at least two standard errors, not just a higher mean.
     rgs_ok = [r for r in rows if r["method"] == "rgs" and plain and r["max_nfe"] <= 1.5 * plain["max_nfe"]
-              and r["overall"] > plain["overall"]]
+              and r.get("gain", 0.0) > 2 * r.get("gain_se", math.inf)]
     return {"dts_or_fk_matches_bon_at_half_nfe": bool(matches), "matches": matches,
             "rgs_beats_plain_within_1.5x": bool(rgs_ok) if any(r["method"] == "rgs" for r in rows) else None}
 
