@@ -6,6 +6,10 @@ registers' read hooks during the sampling passes themselves, so the features cos
 states of two trajectories of the same prompt at the same step whose final rewards differ; the registers minimise
 the pairwise Thurstone loss over them (``reward_models.registers.thurstone_loss``) for a few updates per batch.
 
+A validation split of the training prompts (``val_prompt_count``; never the held-out ones) is scored every
+``eval_every`` iterations with the mean band accuracy (``selection_score``), and the checkpoint keeps the weights of
+the best score: registers fit a batch's pairs long before they generalise, so the last weights are rarely the best.
+
 Evaluation on held-out prompts reports the pairwise accuracy of the register scores per sigma band, next to the
 accuracy of the one-step projection baseline ``R(decode(x0_hat))`` with ``x0_hat = x_t - s v`` (the cheapest image
 reward of an intermediate state), on the same pairs.
@@ -65,12 +69,13 @@ class RegisterTrainConfig:
         if self.samples_per_prompt < 2:
             raise ValueError(f"samples_per_prompt must be >= 2 (pairs are formed within a prompt), got "
                              f"{self.samples_per_prompt}")
-        for name in ("val_prompt_count", "weight_decay"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if isinstance(self.val_prompt_count, bool) or not isinstance(self.val_prompt_count, int) or \
+                self.val_prompt_count < 0:
+            raise ValueError(f"val_prompt_count must be an integer >= 0, got {self.val_prompt_count!r}")
         if not (isinstance(self.eval_every, int) and self.eval_every >= 1):
             raise ValueError(f"eval_every must be an integer >= 1, got {self.eval_every!r}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if self.noise_level < 0:
@@ -239,8 +244,9 @@ def train_registers(config: RegisterTrainConfig) -> dict:
         last = iteration == config.iterations - 1
         if validation is not None and ((iteration + 1) % config.eval_every == 0 or last):
             record["val_score"] = selection_score(evaluate_registers(registers, validation)["registers"])
-            if best is None or record["val_score"] > best[0]:
-                best = (record["val_score"], iteration, copy.deepcopy(registers.state_dict()))
+            score = -math.inf if math.isnan(record["val_score"]) else record["val_score"]  # no pairs: never preferred
+            if best is None or score > best[0]:
+                best = (score, iteration, copy.deepcopy(registers.state_dict()))
         history.append(record)
         shown = f", validation {record['val_score']:.3f}" if "val_score" in record else ""
         print(f"registers iteration {iteration}: thurstone loss {record['loss']:.4f}{shown}", flush=True)
