@@ -119,6 +119,7 @@ def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
 def _add_eval_toy(group) -> None:
     from flowalign.evaluation.toy_eval import EvalConfig  # its defaults are the CLI defaults
 
+    defaults = EvalConfig()
     parser = group.add_parser(
         "toy",
         help="GenEval-style evaluation on the toy world",
@@ -126,12 +127,12 @@ def _add_eval_toy(group) -> None:
         "results.json, summary.md and grid.png to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=EvalConfig().model, help="diffusers pipeline directory")
+    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--images-per-tag", type=positive_int, default=None,
                         help="tag-balanced: this many images per tag, split evenly over its prompts (replaces "
                         "--images-per-prompt; equal tag sizes minimise the standard error of GenEval's overall)")
-    _add_sampling_args(parser, EvalConfig())
+    _add_sampling_args(parser, defaults)
     parser.set_defaults(handler=_run_eval_toy)
 
 
@@ -340,8 +341,8 @@ def _run_sample(args: argparse.Namespace) -> None:
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
         noise_level=args.noise_level, lam=args.lam, potential=args.potential, max_children=args.max_children,
-        dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts, batch_prompts=args.batch_prompts, out_dir=args.out,
-        device=args.device,
+        dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts,
+        batch_prompts=args.batch_prompts, out_dir=args.out, device=args.device,
     )
     summary = run_sample(config)
     line = f"{summary['prompts']} prompts, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from flowalign.devices import resolve_device
 from flowalign.samplers.guided import GUIDANCE, GuidedResult
-from flowalign.samplers.rgs import DEFAULT_BANDS
+from flowalign.samplers.rgs import DEFAULT_BANDS, check_bands
 from flowalign.seeding import generator as seeded_generator
 
 __all__ = ["SampleConfig", "latent_reward", "run_guided", "run_sample"]
@@ -47,7 +47,7 @@ class SampleConfig:
     potential: str = "max"
     max_children: int = 3
     dts_soft: bool = False
-    rgs_bands: list[tuple[float, float]] = field(default_factory=lambda: [tuple(b) for b in DEFAULT_BANDS])
+    rgs_bands: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_BANDS))
     max_prompts: int | None = None
     batch_prompts: int = 16
     out_dir: str = "outputs/sample"
@@ -76,11 +76,7 @@ class SampleConfig:
             raise ValueError(f"guidance {self.guidance!r} needs noise_level > 0 (SDE particles), got {self.noise_level}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 (or None for all), got {self.max_prompts!r}")
-        thresholds = [float(threshold) for threshold, _ in self.rgs_bands]
-        if any(b >= a for a, b in zip(thresholds, thresholds[1:])) or any(not 0 <= t < 1 for t in thresholds) or any(
-                not float(scale) >= 0 for _, scale in self.rgs_bands):
-            raise ValueError(f"rgs_bands must be (sigma, scale) pairs with sigmas in [0, 1) strictly decreasing and "
-                             f"scales >= 0, e.g. [(0.8, 0.3), (0.2, 0.05)]; got {self.rgs_bands!r}")
+        check_bands(self.rgs_bands)
 
 
 def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64):
@@ -149,7 +145,7 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
     try:
         return reward_guided_sampling(registers.guide(velocity), sigmas, shape, generators, config.budget,
                                       head_weights=[1.0] * len(registers.head_names), final_reward=reward,
-                                      bands=[tuple(b) for b in config.rgs_bands], **common)
+                                      bands=config.rgs_bands, **common)
     finally:
         registers.detach()
 

@@ -43,13 +43,27 @@ from .guided import (
 from .rollout import count_nfe
 from .sde import predict_x0
 
-__all__ = ["DEFAULT_BANDS", "band_scale", "check_differentiable", "reward_guided_sampling", "rgs_correction",
+__all__ = ["DEFAULT_BANDS", "band_scale", "check_bands", "check_differentiable", "reward_guided_sampling", "rgs_correction",
            "rgs_velocity_target", "unit_rms", "x0_guide"]
 
 # (sigma above which the band starts, scale), highest band first.
 DEFAULT_BANDS = ((0.8, 0.30), (0.2, 0.05))
 
 Guide = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
+
+
+def check_bands(bands: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``bands`` as ``(sigma, scale)`` float pairs; ValueError unless the sigmas lie in [0, 1) and strictly decrease
+    (``band_scale`` takes the first band whose sigma is exceeded) and every scale is >= 0."""
+    try:
+        pairs = [(float(threshold), float(scale)) for threshold, scale in bands]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or any(b >= a for (a, _), (b, _) in zip(pairs, pairs[1:])) or any(
+            not (0 <= t < 1 and scale >= 0) for t, scale in pairs):
+        raise ValueError(f"RGS bands must be (sigma, scale) pairs with sigmas in [0, 1) strictly decreasing and "
+                         f"scales >= 0, e.g. [(0.8, 0.3), (0.2, 0.05)]; got {bands!r}")
+    return pairs
 
 
 def band_scale(sigma: float, bands: Sequence[tuple[float, float]] = DEFAULT_BANDS) -> float:
@@ -146,6 +160,7 @@ def reward_guided_sampling(
     chosen latents, their ``final_reward`` (NaN without one) and the NFEs spent.
     """
     sigmas = check_sampling(sigmas, kind, noise_level, generators)
+    bands = check_bands(bands)
     num_steps = sigmas.numel() - 1
     heads = len(head_weights)
     if heads < 1:

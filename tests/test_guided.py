@@ -368,3 +368,12 @@ def test_flowalign_sample_refuses_registers_of_another_transformer(tmp_path, cap
     assert exit_info.value.code == 2
     assert "different transformer config" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_rgs_bands_are_checked_by_the_sampler():
+    from flowalign.samplers.rgs import check_bands
+
+    assert check_bands([[0.8, 0.3], (0.2, 0.05)]) == [(0.8, 0.3), (0.2, 0.05)]
+    for bad in ([(0.2, 0.1), (0.8, 0.3)], [(1.0, 0.3)], [(0.8, -0.1)], [(0.8,)]):
+        with pytest.raises(ValueError, match="strictly decreasing"):
+            check_bands(bad)
