@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of latents and velocities")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print torch.profiler's table of the Triton loss (forward and backward) at SD3.5 size")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/kernels[_check].json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -47,11 +49,17 @@ def main() -> None:
         report = interpreter_check()
         out = Path(args.out or REPO / "bench/results/kernels_check.json")
     else:
-        report = gpu_benchmark(args)
         out = Path(args.out or REPO / "bench/results/kernels.json")
+        report = gpu_benchmark(args, out)
+        if args.profile:
+            profile_loss(args)
+    write_report(out, report)
+    print(f"wrote {out}")
+
+
+def write_report(out: Path, report: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
 
 
 # ------------------------------------------------------------------------------------------------ the ops
@@ -76,8 +84,9 @@ def make_inputs(batch: int, shape: tuple[int, ...], dtype: torch.dtype, device: 
     v = (v_old.float() + 0.02 * normal(batch, *shape)).to(dtype)
     v_ref = (v_old.float() - 0.02 * normal(batch, *shape)).to(dtype)
     advantages = normal(batch).clamp(-5, 5)
+    kernel_rows = (rows["sigma"], rows["sigma_next"], rows["noise_level"], torch.ones(batch, device=device))
     return dict(x=x, v=v, v_ref=v_ref, noise=noise, x_next=step.prev_sample, old_log_prob=step.log_prob,
-                advantages=advantages, weights=torch.ones(batch, device=device), **rows)
+                advantages=advantages, weights=torch.ones(batch, device=device), rows=kernel_rows, **rows)
 
 
 def sde_op(backend: str | None, compiled: bool = False):
@@ -90,6 +99,11 @@ def sde_op(backend: str | None, compiled: bool = False):
     fn = torch.compile(reference) if compiled else reference
 
     def run(t):
+        if backend == "kernel":
+            from flowalign.kernels.sde_triton import sde_step_triton
+
+            out = sde_step_triton(t["x"], t["v"], t["rows"], kind="flow_grpo", reduce="mean", noise=t["noise"])
+            return out.prev_sample, out.mean, out.log_prob
         if backend == "triton":
             out = sde_transition(t["x"], t["v"], t["sigma"], t["sigma_next"], kind="flow_grpo",
                                  noise_level=t["noise_level"], noise=t["noise"], backend="triton")
@@ -113,7 +127,14 @@ def loss_op(backend: str | None, compiled: bool = False):
 
     def run(t):
         v = t["v"].detach().requires_grad_()
-        if backend == "triton":
+        if backend == "kernel":
+            from flowalign.kernels.loss_triton import grpo_transition_loss_triton
+
+            out = grpo_transition_loss_triton(v, t["x"], t["x_next"], t["v_ref"], t["rows"], t["old_log_prob"],
+                                              t["advantages"], t["weights"], kind="flow_grpo", reduce="mean",
+                                              clip_range=1e-4, beta=0.01, kl="latent_mean")
+            loss, log_prob = out.loss, out.log_prob
+        elif backend == "triton":
             out = grpo_transition_loss(v, t["x"], t["x_next"], t["sigma"], t["sigma_next"], t["old_log_prob"],
                                        t["advantages"], kind="flow_grpo", noise_level=t["noise_level"],
                                        clip_range=1e-4, weights=t["weights"], v_ref=t["v_ref"], beta=0.01,
@@ -191,18 +212,31 @@ def measure(run, inputs, repeats: int) -> tuple[float, float, object]:
     return statistics.median(times), peak, result
 
 
-def gpu_benchmark(args) -> dict:
+def gpu_benchmark(args, out: Path) -> dict:
+    """Time every op and size; the report is rewritten after each row, so a run cut short keeps what it measured."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    impls = [("eager", None, False)] + ([] if args.no_compile else [("compile", None, True)]) + [("triton", "triton",
-                                                                                                   False)]
+    # triton: through flowalign.kernels' dispatch (input checks included), as the trainer calls it; kernel: the
+    # launches alone, on inputs the dispatch already prepared (what the checks cost is the difference).
+    impls = [("eager", None, False)] + ([] if args.no_compile else [("compile", None, True)]) + [
+        ("triton", "triton", False), ("kernel", "kernel", False)]
     results = []
+    report = {"device": torch.cuda.get_device_name(), "timed": True, "batch": args.batch, "dtype": args.dtype,
+              "repeats": args.repeats, "torch": torch.__version__, "triton": triton_version(), "targets": TARGETS,
+              "results": results}
     for size, shape in SIZES.items():
         inputs = make_inputs(args.batch, shape, dtype, "cuda")
         for op_name, op in (("sde_step", sde_op), ("loss", loss_op)):
             row = {"size": size, "latent": list(shape), "op": op_name}
             reference = None
             for impl, backend, compiled in impls:
-                ms, mib, result = measure(op(backend, compiled), inputs, args.repeats)
+                try:
+                    ms, mib, result = measure(op(backend, compiled), inputs, args.repeats)
+                except Exception as error:  # noqa: BLE001 -- torch.compile's own failures: report them, go on
+                    if impl != "compile":
+                        raise
+                    row[impl] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+                    torch._dynamo.reset()
+                    continue
                 row[impl] = {"ms": ms, "peak_mib": mib}
                 if impl == "eager":
                     reference = result
@@ -215,17 +249,43 @@ def gpu_benchmark(args) -> dict:
             row["meets_target"] = row["speedup_vs_eager"] >= speed and (
                 memory is None or row["memory_reduction_vs_eager"] >= memory)
             results.append(row)
+            write_report(out, report)
             torch.cuda.empty_cache()
     names = [impl for impl, _, _ in impls]
     print(f"batch {args.batch}, {args.dtype} latents, median of {args.repeats}; peak = MiB above the inputs")
     print("| size | op | " + " | ".join(f"{n} ms | {n} MiB" for n in names) + " | speed-up | memory saved | target |")
     print("|---|---|" + "---|---|" * len(names) + "---|---|---|")
     for row in results:
-        cells = " | ".join(f"{row[n]['ms']:.3f} | {row[n]['peak_mib']:.0f}" for n in names)
+        cells = " | ".join(f"{row[n]['ms']:.3f} | {row[n]['peak_mib']:.0f}" if "ms" in row[n] else "failed | -"
+                           for n in names)
         print(f"| {row['size']} | {row['op']} | {cells} | {row['speedup_vs_eager']:.2f}x | "
               f"{100 * row['memory_reduction_vs_eager']:.0f}% | {'met' if row['meets_target'] else 'NOT met'} |")
-    return {"device": torch.cuda.get_device_name(), "timed": True, "batch": args.batch, "dtype": args.dtype,
-            "repeats": args.repeats, "torch": torch.__version__, "targets": TARGETS, "results": results}
+    return report
+
+
+def profile_loss(args) -> None:
+    """Where a call of the fused loss spends its time, host and device (the ``kernel`` and ``triton`` columns)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    inputs = make_inputs(args.batch, SIZES["sd35_512"], dtype, "cuda")
+    for backend in ("kernel", "triton"):
+        run = loss_op(backend)
+        for _ in range(3):
+            run(inputs)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                run(inputs)
+            torch.cuda.synchronize()
+        print(f"--- profile of 20 calls, {backend} path")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 if __name__ == "__main__":

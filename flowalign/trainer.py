@@ -321,11 +321,15 @@ class GRPOTrainer:
         group. Trees: an edge gets the depth-wise advantage of the node it leads to
         (``flowalign.credit.tree_advantages``), and pruning zeroes the weights of some edges. Returns the NFEs spent
         on intermediate completions.
+
+        Scores and credit are computed on the CPU; the per-transition advantages and weights live with the
+        transitions (on the latents' device), where the loss reads them.
         """
         steps = self.trained_steps(iteration, chunks)
         offset, nfe = 0, 0
         for chunk in chunks:
             t = chunk.rollout.transitions
+            device = t.step.device
             count = len(chunk.sample_ids)
             advantages = scores.advantages[offset: offset + count]
             combined, valid = scores.combined[offset: offset + count], scores.valid[offset: offset + count]
@@ -333,14 +337,14 @@ class GRPOTrainer:
             weights = self.step_weights(chunk, steps)
             if self.config.rollout.shape == "tree":
                 node_advantages, keep = self.tree_credit(iteration, chunk, combined, valid)
-                chunk.advantages = node_advantages[t.dst].float()
-                chunk.weights = weights * keep[t.dst].float()
+                chunk.advantages = node_advantages.to(device)[t.dst].float()
+                chunk.weights = weights * keep.to(device)[t.dst].float()
             elif self.config.step_reward.estimator != "terminal":
                 chunk.advantages, keep, spent = self.step_credit(prompts, chunk, steps, combined, valid)
                 chunk.weights = weights * keep.float()
                 nfe += spent
             else:
-                chunk.advantages = advantages[t.sample_id]
+                chunk.advantages = advantages.to(device)[t.sample_id]
                 chunk.weights = weights
         return nfe
 
@@ -411,8 +415,8 @@ class GRPOTrainer:
         """Step rewards ``values [B, T]`` as per-transition advantages normalised per (group, step)."""
         cfg = self.config
         t = chunk.rollout.transitions
-        per_transition = values[t.sample_id, t.step]  # chain transitions are (step, row) pairs
-        finite = torch.isfinite(per_transition) & torch.isin(t.step, torch.tensor(steps))
+        per_transition = values.to(t.step.device)[t.sample_id, t.step]  # chain transitions are (step, row) pairs
+        finite = torch.isfinite(per_transition) & torch.isin(t.step, torch.tensor(steps, device=t.step.device))
         groups = t.group_id * cfg.sampling.num_steps + t.step
         advantages, _ = group_normalize(torch.where(finite, per_transition, 0.0).float(), groups, finite)
         return advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip), finite, nfe
@@ -457,14 +461,14 @@ class GRPOTrainer:
         cfg = self.config
         result = chunk.rollout
         tree = Tree(result.parents)
-        leaf_tree = result.tree_of_node[result.leaf_nodes]
+        leaf_tree = result.tree_of_node[result.leaf_nodes].cpu()
         rewards = combined.double().clone()
         for r in leaf_tree.unique():
             members = leaf_tree == r
             good = members & valid
             rewards[members & ~valid] = rewards[good].mean() if good.any() else 0.0
         edge_log_probs = torch.zeros(len(tree), dtype=torch.float64)
-        edge_log_probs[result.transitions.dst] = result.transitions.log_prob.double()
+        edge_log_probs[result.transitions.dst.cpu()] = result.transitions.log_prob.double().cpu()
         _, advantages = tree_advantages(tree, rewards, fusion=cfg.rollout.fusion, edge_log_probs=edge_log_probs)
         advantages = advantages.clamp(-cfg.advantage.clip, cfg.advantage.clip)
         keep = torch.tensor([p is not None for p in tree.parents])
@@ -477,7 +481,7 @@ class GRPOTrainer:
             if cfg.rollout.depth_prune_sliding:
                 progress = min(1.0, iteration / max(1, cfg.train.iterations - 1))
                 drop = sliding_prune_steps(drop, progress, last_step=cfg.sampling.num_steps - 2)
-            keep &= depth_prune_mask(result.node_step, drop)
+            keep &= depth_prune_mask(result.node_step.cpu(), drop)
         return advantages, keep
 
     # ------------------------------------------------------------------------------------------------- train
@@ -540,7 +544,7 @@ class GRPOTrainer:
         Noise-aware weights use the SDE's own std, without a tree's split-noise scale.
         """
         t = chunk.rollout.transitions
-        trained = torch.isin(t.step, torch.tensor(steps))
+        trained = torch.isin(t.step, torch.tensor(steps, device=t.step.device))
         if self.config.loss.step_weighting == "noise_aware":
             return noise_aware_weights(t.std / t.noise_scale, trained)
         return trained.float()
@@ -575,6 +579,8 @@ class GRPOTrainer:
             summary["rg_opd"] = sum(r["rg_opd"] for r in records) / len(records)
         summary["first_ratio_max"] = records[0]["ratio_max"]
         summary["first_ratio_mean"] = records[0]["ratio_mean"]
+        summary["first_approx_kl"] = records[0]["approx_kl"]  # > 0 when training recomputes other log-probs
+        summary["first_clip_frac"] = records[0]["clip_frac"]
         summary["grad_norm"] = sum(r["grad_norm"] for r in records if "grad_norm" in r) / max(
             1, sum("grad_norm" in r for r in records))
         return summary

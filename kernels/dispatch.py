@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .backend import check_latent, check_same_dtype, resolve_backend, row_values
 from .loss_reference import KL_FORMS, TransitionLoss, check_loss_settings, grpo_transition_loss_reference
-from .sde_reference import StepOutput, check_kind, check_noise_level, check_reduce, check_step, sde_step_reference
+from .sde_reference import StepOutput, check_kind, check_reduce, check_step_values, sde_step_reference
 
 
 def sde_transition(
@@ -101,10 +101,7 @@ def grpo_transition_loss(
     check_loss_settings(clip_range, beta, kl_given=v_ref is not None, kl_source="the reference velocity v_ref")
     rows = tuple(row_values(name, value, v) for name, value in (
         ("sigma", sigma), ("sigma_next", sigma_next), ("noise_level", noise_level), ("noise_scale", noise_scale)))
-    check_noise_level(noise_level, kind)
-    check_step(sigma, sigma_next)
-    if not (rows[3] > 0).all():
-        raise ValueError("noise_scale must be > 0")
+    check_step_values(*rows, kind=kind)
     old = row_values("old_log_prob", old_log_prob, v, scalar_ok=False)
     adv = row_values("advantages", advantages, v, scalar_ok=False)
     weight = row_values("weights", 1.0 if weights is None else weights, v, scalar_ok=weights is None)

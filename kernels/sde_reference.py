@@ -112,6 +112,30 @@ def check_step(sigma: float | Tensor, sigma_next: float | Tensor) -> None:
         )
 
 
+def check_step_values(
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    noise_level: float | Tensor,
+    noise_scale: float | Tensor = 1.0,
+    kind: str | None = None,
+) -> None:
+    """``check_step`` and ``check_noise_level``, and noise scales > 0, for scalars or ``[batch]`` tensors, at the cost
+    of at most one device sync: the conditions are reduced where the values live, those on an accelerator are combined
+    and read once, and the messages are built only when one fails (a loss or step called every iteration on CUDA
+    would otherwise wait for the device once per condition)."""
+    s, s_next, level, scale = (torch.as_tensor(v) for v in (sigma, sigma_next, noise_level, noise_scale))
+    failed = [(s_next >= s).any(), (s > 1).any(), (s_next < 0).any(), (~(level >= 0)).any(), (~(scale > 0)).any()]
+    if kind == "cps":
+        failed.append((level > 1).any())
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for flag in failed:
+        by_device.setdefault(flag.device, []).append(flag)
+    if any(bool(torch.stack(flags).any()) for flags in by_device.values()):
+        check_noise_level(noise_level, kind)
+        check_step(sigma, sigma_next)
+        raise ValueError(f"noise_scale must be > 0, got {show_values(noise_scale)}")
+
+
 def show_values(value: float | Tensor) -> str:
     if isinstance(value, Tensor):
         return str([round(x, 6) for x in value.detach().float().flatten()[:8].tolist()]) if value.ndim else f"{value.item():.6g}"

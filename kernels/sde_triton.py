@@ -25,13 +25,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .backend import interpreter_enabled
 from .sde_reference import StepOutput
 
 KIND_CODES = {"flow_grpo": 0, "dance": 1, "cps": 2}
 # Read at each launch (the tests shrink them to cover many chunks with small latents).
 BLOCK = 1024  # elements per program; a row of D elements is cdiv(D, BLOCK) programs
 FINISH_BLOCK = 256  # chunk partial sums a finishing program adds per iteration
-INTERPRETED = triton.knobs.runtime.interpret  # read once, when the kernels below are decorated
+INTERPRETED = interpreter_enabled()  # read once, as triton does when it decorates the kernels below
 
 LOG_SQRT_2PI: tl.constexpr = tl.constexpr(0.5 * math.log(2 * math.pi))
 HALF_PI: tl.constexpr = tl.constexpr(0.5 * math.pi)

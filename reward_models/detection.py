@@ -92,7 +92,7 @@ class Mask2FormerDetector:
     @torch.no_grad()
     def __call__(self, images: Any) -> list[list[dict]]:
         batch = as_image_batch(images)
-        pixels = (batch * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        pixels = (batch * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
         found: list[list[dict]] = []
         for start in range(0, len(pixels), self.batch_size):
             chunk = list(pixels[start : start + self.batch_size])

@@ -36,10 +36,10 @@ from ..kernels.sde_reference import (  # the step math is pure tensor math: it l
     check_kind,
     check_noise_level,
     check_reduce,
+    check_step_values,
     gaussian_log_prob,
     sde_mean_std,
 )
-from ..kernels.sde_reference import check_step as _check_decreasing
 from ..kernels.sde_reference import per_sample as _per_sample
 from ..kernels.sde_reference import show_values as _show
 
@@ -109,10 +109,7 @@ def sde_step(
     """
     check_kind(kind)
     check_reduce(reduce)
-    check_noise_level(noise_level, kind)
-    _check_decreasing(sigma, sigma_next)
-    if not (_per_sample(noise_scale, x) > 0).all():
-        raise ValueError(f"noise_scale must be > 0, got {_show(noise_scale)}")
+    check_step_values(sigma, sigma_next, noise_level, noise_scale, kind)
     if prev_sample is None:
         if noise is None:
             noise = standard_normal(x.shape, generator, x.device)

@@ -1,4 +1,5 @@
-"""The Triton kernels against their torch references, on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+"""The Triton kernels against their torch references: on CPU through Triton's interpreter (TRITON_INTERPRET=1), or
+compiled for real on a CUDA machine.
 
 triton chooses between compiling and interpreting when it is imported and when it decorates a kernel, so the
 interpreter must be on from the start of the process. Run this file as
@@ -6,6 +7,9 @@ interpreter must be on from the start of the process. Run this file as
 ``tests/test_kernels_interpreter.py`` runs it in a process of its own, so no other test module sees the variable.
 The fixture shrinks the block sizes, so the small odd latents here still span several chunks per row and several
 finishing iterations.
+
+On a machine with CUDA and without the interpreter, the same tests run the compiled kernels on CUDA tensors:
+``python -m pytest tests/test_kernels.py`` there (``bench/device_check.sh`` does it on a lent GPU).
 """
 
 import os
@@ -13,9 +17,11 @@ import os
 import pytest
 import torch
 
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("needs TRITON_INTERPRET=1 from the start of the process: tests/test_kernels_interpreter.py runs it",
-                allow_module_level=True)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("needs CUDA, or TRITON_INTERPRET=1 from the start of the process: tests/test_kernels_interpreter.py "
+                "runs it", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
 from flowalign.config import ConfigError, load_config  # noqa: E402
@@ -40,7 +46,7 @@ SHAPE = (6, 3, 5, 7)  # 105 elements per row: 4 chunks of 32, the last one parti
 def small_blocks():
     from flowalign.kernels import sde_triton
 
-    assert sde_triton.INTERPRETED, "triton was imported before TRITON_INTERPRET=1 was set"
+    assert sde_triton.INTERPRETED == INTERPRETED, "triton was imported before TRITON_INTERPRET=1 was set"
     saved = sde_triton.BLOCK, sde_triton.FINISH_BLOCK, os.environ.pop("FLOWALIGN_KERNELS", None)
     sde_triton.BLOCK, sde_triton.FINISH_BLOCK = 32, 2
     yield
@@ -59,7 +65,8 @@ def step_inputs(kind, seed=0, dtype=torch.float32):
     sigma_next = torch.tensor([0.95, 0.8, 0.6, 0.45, 0.1, 0.5])
     level = torch.tensor([0.7, 0.9, 0.5, 0.0, 1.0 if kind == "cps" else 1.2, 0.3])
     scale = torch.tensor([1.0, 1.0, 2.0, 1.0, 1.0, 1.5])
-    return x, v, noise, dict(sigma=sigma, sigma_next=sigma_next, noise_level=level, noise_scale=scale)
+    rows = dict(sigma=sigma, sigma_next=sigma_next, noise_level=level, noise_scale=scale)
+    return x.to(DEVICE), v.to(DEVICE), noise.to(DEVICE), {k: r.to(DEVICE) for k, r in rows.items()}
 
 
 def call_step(x, v, rows, backend, **kwargs):
@@ -104,8 +111,11 @@ def test_samplers_sde_step_runs_the_kernel_in_a_triton_block(monkeypatch):
     launch = sde_triton.sde_step_triton
     monkeypatch.setattr(sde_triton, "sde_step_triton", lambda *a, **k: launches.append(1) or launch(*a, **k))
     x, v, noise, _ = step_inputs("dance")
-    ref = sde_step(x, v, 0.7, 0.6, kind="dance", noise_level=0.8, noise=noise)
-    assert not launches  # auto on CPU: the reference
+    sde_step(x, v, 0.7, 0.6, kind="dance", noise_level=0.8, noise=noise)
+    assert len(launches) == (DEVICE == "cuda")  # auto: the kernel for CUDA tensors, the reference for CPU ones
+    with use_backend("torch"):
+        ref = sde_step(x, v, 0.7, 0.6, kind="dance", noise_level=0.8, noise=noise)
+    launches.clear()
     with use_backend("triton"):
         out = sde_step(x, v, 0.7, 0.6, kind="dance", noise_level=0.8, noise=noise)
     assert len(launches) == 1
@@ -117,17 +127,17 @@ def test_samplers_sde_step_runs_the_kernel_in_a_triton_block(monkeypatch):
 
 # Per row: log-prob offset (ratio = exp(offset)) and advantage. With clip 0.05, rows 0 and 3 sit on the clipped side
 # of the min (no policy gradient), rows 1 and 2 outside the range on the unclipped side, rows 4 and 5 inside it.
-OFFSETS = torch.tensor([0.2, 0.2, -0.2, -0.2, 0.01, -0.01])
-ADVANTAGES = torch.tensor([1.5, -1.0, 2.0, -0.5, 1.0, -3.0])
-WEIGHTS = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.25, 1.5])
+OFFSETS = torch.tensor([0.2, 0.2, -0.2, -0.2, 0.01, -0.01], device=DEVICE)
+ADVANTAGES = torch.tensor([1.5, -1.0, 2.0, -0.5, 1.0, -3.0], device=DEVICE)
+WEIGHTS = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.25, 1.5], device=DEVICE)
 
 
 def loss_inputs(kind, reduce, seed=1):
     x, v, noise, rows = step_inputs(kind, seed)
     rows["noise_level"] = rows["noise_level"].clamp_min(0.2)  # every row stochastic
     step = call_step(x, v, rows, "torch", kind=kind, noise=noise, reduce=reduce)
-    v_policy = v + 0.05 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed + 7))
-    v_ref = v - 0.03 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed + 8))
+    v_policy = v + 0.05 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed + 7)).to(DEVICE)
+    v_ref = v - 0.03 * torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed + 8)).to(DEVICE)
     with torch.no_grad():
         current = grpo_transition_loss_reference(v_policy, x, step.prev_sample, rows["sigma"], rows["sigma_next"],
                                                  step.log_prob, ADVANTAGES, kind=kind, noise_level=rows["noise_level"],
@@ -143,7 +153,7 @@ def run_loss(backend, v, x, x_next, rows, old, *, kind, reduce, kl, v_ref, beta=
                                clip_range=0.05, weights=WEIGHTS, v_ref=v_ref if kl else None,
                                beta=beta if kl else 0.0, kl=kl or "latent_mean", backend=backend)
     # A non-uniform upstream gradient checks that each row's gradient is scaled by its own grad_output.
-    (out.loss * torch.arange(1.0, 7.0)).sum().backward()
+    (out.loss * torch.arange(1.0, 7.0, device=DEVICE)).sum().backward()
     return out, v.grad
 
 
@@ -194,7 +204,7 @@ def test_an_optimizer_step_through_the_fused_loss_equals_the_reference_step():
 
     def train(backend):
         torch.manual_seed(3)
-        model = torch.nn.Conv2d(3, 3, 3, padding=1)
+        model = torch.nn.Conv2d(3, 3, 3, padding=1).to(DEVICE)
         sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         records = []
         for optimizer in (sgd, torch.optim.AdamW(model.parameters(), lr=1e-3)):
@@ -210,7 +220,7 @@ def test_an_optimizer_step_through_the_fused_loss_equals_the_reference_step():
         return [p.detach().clone() for p in model.parameters()], records
 
     torch.manual_seed(3)
-    initial = [p.detach().clone() for p in torch.nn.Conv2d(3, 3, 3, padding=1).parameters()]
+    initial = [p.detach().clone().to(DEVICE) for p in torch.nn.Conv2d(3, 3, 3, padding=1).parameters()]
     ref_params, ref_stats = train("torch")
     params, stats = train("triton")
     for p, q, p0 in zip(params, ref_params, initial):
@@ -244,6 +254,7 @@ def test_non_contiguous_inputs_give_the_same_results():
 def test_backend_choice_follows_argument_then_block_then_environment(monkeypatch):
     cpu = torch.zeros(2, 3)
     assert resolve_backend(cpu) == "torch"  # auto: CPU tensors take the reference
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # triton on CPU tensors needs the interpreter (read at each call)
     monkeypatch.setenv("FLOWALIGN_KERNELS", "triton")
     assert resolve_backend(cpu) == "triton"
     assert resolve_backend(cpu, "torch") == "torch"
@@ -285,7 +296,7 @@ def test_bad_inputs_are_named_before_any_kernel_runs():
     with pytest.raises(ValueError, match=r"advantages must be a \[batch=6\] tensor, got shape \(5,\)"):
         loss(advantages=ADVANTAGES[:5])
     with pytest.raises(ValueError, match=r"sigma_next must be a scalar or a \[batch=6\] tensor, got shape \(2,\)"):
-        loss(sigma_next=torch.tensor([0.5, 0.4]))
+        loss(sigma_next=torch.tensor([0.5, 0.4], device=DEVICE))
     with pytest.raises(ValueError, match=r"x_t requires grad.*x_t.detach\(\)"):
         loss(x_t=x.clone().requires_grad_())
     with pytest.raises(ValueError, match=r"beta=0.1 needs the reference velocity v_ref"):

@@ -126,6 +126,26 @@ def test_non_decreasing_sigmas_are_rejected():
         rollout(lambda x, s: x, torch.zeros(2, 3), torch.tensor([0.0, 0.5, 1.0]), torch.zeros(2))
 
 
+def test_step_values_are_checked_together_with_each_message_kept():
+    """``check_step_values`` reduces every condition first (one device sync on CUDA) and then names the failed one."""
+    from flowalign.kernels.sde_reference import check_step_values
+
+    rows = torch.tensor([0.9, 0.5]), torch.tensor([0.8, 0.4]), torch.tensor([0.7, 0.0]), torch.tensor([1.0, 2.0])
+    check_step_values(*rows, kind="flow_grpo")  # per-row tensors, a deterministic row: fine
+    check_step_values(1.0, 0.9, 1.0, kind="cps")
+    with pytest.raises(ValueError, match=r"noise_level must be >= 0.*nan"):
+        check_step_values(0.5, 0.4, float("nan"))
+    with pytest.raises(ValueError, match=r"'cps' must lie in \[0, 1\]"):
+        check_step_values(*rows[:2], torch.tensor([0.5, 1.2]), kind="cps")
+    with pytest.raises(ValueError, match=r"1 >= sigma > sigma_next >= 0.*sigma=\[0.9, 0.5\].*sigma_next=\[0.8, 0.6\]"):
+        check_step_values(rows[0], torch.tensor([0.8, 0.6]), 0.7)
+    with pytest.raises(ValueError, match=r"noise_scale must be > 0, got \[1.0, 0.0\]"):
+        check_step_values(*rows[:3], torch.tensor([1.0, 0.0]))
+    x, v = batch()
+    with pytest.raises(ValueError, match=r"noise_scale must be > 0, got -1"):
+        sde_step(x, v, 0.5, 0.4, kind="dance", noise_level=0.5, noise_scale=-1.0)
+
+
 def test_bad_reduction_and_shapes_are_rejected():
     x, v = batch()
     with pytest.raises(ValueError, match=r"reduction 'max'.*mean, sum"):

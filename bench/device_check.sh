@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU checks of the fused kernels in one run, for a machine with CUDA (DESIGN.md §7: ratios measured in one run).
+#
+#   OUT=bench/results/device bash bench/device_check.sh
+#
+# 1. flowalign (editable, no dependencies) into that machine's python; wheels in .whl/, if any, first (an offline
+#    machine without diffusers, say).
+# 2. tests/test_kernels.py with the kernels compiled for real on CUDA tensors (on CPU it needs the interpreter).
+# 3. bench/kernels.py: Triton against eager torch and torch.compile with bf16 latents (and fp32, without compile).
+# 4. bench/mixed_precision.py: does training re-score a rollout with the stored log-probs, in fp32 and bf16?
+# 5. bench/train_iteration.py: every method preset for two iterations on CUDA in bf16 (time split, peak memory).
+# Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
+# fails or hangs still leaves the others' results.
+set -u
+OUT=${OUT:-bench/results/device}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+LOG="$OUT/all.log"
+: >"$LOG"
+
+stage() {  # stage SECONDS NAME COMMAND...
+  local limit=$1 name=$2 start=$SECONDS
+  shift 2
+  echo "=== $name" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+  local status=${PIPESTATUS[0]}
+  echo "=== $name: exit $status after $((SECONDS - start)) s" | tee -a "$LOG"
+  return "$status"
+}
+
+set -o pipefail
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee -a "$LOG"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  stage 60 "install carried wheels" "$PY" -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+fi
+stage 60 "install flowalign" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+"$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
+'device', torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
+
+stage 120 "kernel tests on CUDA" "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs
+stage 120 "kernel benchmark, bf16" "$PY" bench/kernels.py --dtype bf16 --out "$OUT/kernels_bf16.json"
+stage 200 "trainer log-probs in fp32 and bf16" "$PY" bench/mixed_precision.py --iterations 2 \
+  --out "$OUT/mixed_precision.json"
+stage 60 "kernel benchmark, fp32" "$PY" bench/kernels.py --dtype fp32 --no-compile --profile \
+  --out "$OUT/kernels_fp32.json"
+stage "${PRESETS_LIMIT:-150}" "every method preset on CUDA, bf16" "$PY" bench/train_iteration.py --iterations 2 \
+  --out "$OUT/train_iteration.json" model.mixed_precision=bf16
