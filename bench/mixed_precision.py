@@ -15,11 +15,10 @@ the default toy run in each configuration (a process each) and reports the first
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from pathlib import Path
 
-from train_iteration import REPO, run_config
+from train_iteration import REPO, print_table, run_config, run_each
 
 SETTINGS = {  # name: overrides
     "fp32 / torch": ["model.kernels=torch"],
@@ -53,30 +52,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench/results/mixed_precision.json"))
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
-    rows = {}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for name in args.settings:
-        try:
-            rows[name] = summarize(run_config(None, args.iterations, SETTINGS[name] + args.overrides))
-        except RuntimeError as error:  # e.g. triton on a machine without CUDA: report it, run the rest
-            rows[name] = {"error": str(error).splitlines()[-1], "log": str(error)[-1500:]}
-        write(out, args, rows)  # a run cut short keeps the settings it finished
-    print("| setting | device | first ratio max | first |log ratio| rms | first clip frac | s / iteration | peak MiB |")
-    print("|---|---|---|---|---|---|---|")
-    for name, row in rows.items():
-        if "error" in row:
-            print(f"| {name} | failed: {row['error']} |||||")
-            continue
-        print(f"| {name} | {row['device']} | {row['first_ratio_max']:.7f} | {row['first_log_ratio_rms']:.2e} | "
-              f"{row['first_clip_frac']:.3f} | {row['seconds_per_iteration']:.2f} | {row['peak_mib']:.0f} |")
-    write(out, args, rows)
+    out, header = Path(args.out), {"iterations": args.iterations, "overrides": args.overrides}
+    # A setting that fails (triton on a machine without CUDA, say) is reported and the others still run.
+    rows = run_each(args.settings, lambda name: summarize(
+        run_config(None, args.iterations, SETTINGS[name] + args.overrides)), out, header)
+    print_table("setting", ["device", "first ratio max", "first |log ratio| rms", "first clip frac", "s / iteration",
+                            "peak MiB"], rows,
+                lambda row: [row["device"], f"{row['first_ratio_max']:.7f}", f"{row['first_log_ratio_rms']:.2e}",
+                             f"{row['first_clip_frac']:.3f}", f"{row['seconds_per_iteration']:.2f}",
+                             f"{row['peak_mib']:.0f}"])
     print(f"wrote {out}")
-
-
-def write(out: Path, args, rows: dict) -> None:
-    out.write_text(json.dumps({"iterations": args.iterations, "overrides": args.overrides, "rows": rows}, indent=1)
-                   + "\n")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,33 @@ def run_config(config: str | None, iterations: int, extra: list[str]) -> dict:
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
+def run_each(names: list[str], run, out: Path, header: dict) -> dict[str, dict]:
+    """``run(name)`` for each name in order. A failure (RuntimeError) becomes that row's ``error`` and the rest still
+    run; the JSON at ``out`` is rewritten after each, so a benchmark cut short keeps the rows it finished."""
+    rows: dict[str, dict] = {}
+    for name in names:
+        try:
+            rows[name] = run(name)
+        except RuntimeError as error:
+            rows[name] = {"error": str(error).splitlines()[-1], "log": str(error)[-1500:]}
+            print(f"{name}: FAILED\n{rows[name]['log']}", flush=True)
+        write_rows(out, header, rows)
+    return rows
+
+
+def write_rows(out: Path, header: dict, rows: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
+
+
+def print_table(first: str, columns: list[str], rows: dict[str, dict], cells) -> None:
+    """A markdown table of ``rows``: ``cells(row)`` gives a row's cells; a failed row shows its error instead."""
+    print(f"| {first} | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for name, row in rows.items():
+        print(f"| {name} | " + (f"failed: {row['error']}" if "error" in row else " | ".join(cells(row))) + " |")
+
+
 def run_preset(preset: str, iterations: int, extra: list[str]) -> dict:
     result = run_config(str(REPO / "configs/methods" / f"{preset}.yaml"), iterations, extra)
     timed = result["history"][1:] or result["history"]
@@ -63,29 +90,18 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench/results/train_iteration.json"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    rows: dict[str, dict] = {}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for preset in args.presets:  # a failed preset is reported and the others still run; the JSON grows as they do
-        try:
-            rows[preset] = run_preset(preset, args.iterations, args.overrides)
-        except RuntimeError as error:
-            rows[preset] = {"error": str(error)[-1500:]}
-            print(f"{preset}: FAILED\n{rows[preset]['error']}", flush=True)
-        out.write_text(json.dumps({"iterations": args.iterations, "overrides": args.overrides, "rows": rows},
-                                  indent=1))
+    out, header = Path(args.out), {"iterations": args.iterations, "overrides": args.overrides}
+    rows = run_each(args.presets, lambda preset: run_preset(preset, args.iterations, args.overrides), out, header)
     base = rows.get("flow_grpo", {}).get("time/total")
-    print("| preset | rollout s | reward s | train s | total s | total vs flow_grpo | NFE/iter | peak MiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for preset, row in rows.items():
-        if "error" in row:
-            print(f"| {preset} | failed |||||||")
-            continue
-        row["total_ratio"] = row["time/total"] / base if base else None
-        ratio = f"{row['total_ratio']:.2f}" if base else "-"
-        print(f"| {preset} | {row['time/rollout']:.2f} | {row['time/reward']:.2f} | {row['time/train']:.2f} | "
-              f"{row['time/total']:.2f} | {ratio} | {row['nfe']:.0f} | {row['peak_mib']:.0f} |")
-    out.write_text(json.dumps({"iterations": args.iterations, "overrides": args.overrides, "rows": rows}, indent=1))
+    for row in rows.values():
+        if "error" not in row:
+            row["total_ratio"] = row["time/total"] / base if base else None
+    print_table("preset", ["rollout s", "reward s", "train s", "total s", "total vs flow_grpo", "NFE/iter", "peak MiB"],
+                rows, lambda row: [f"{row['time/rollout']:.2f}", f"{row['time/reward']:.2f}",
+                                   f"{row['time/train']:.2f}", f"{row['time/total']:.2f}",
+                                   f"{row['total_ratio']:.2f}" if base else "-", f"{row['nfe']:.0f}",
+                                   f"{row['peak_mib']:.0f}"])
+    write_rows(out, header, rows)
 
 if __name__ == "__main__":
     main()
