@@ -150,6 +150,11 @@ def main() -> None:
     parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
     parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=SampleConfig().rgs_bands,
                         metavar="SIGMA:SCALE", help="RGS correction scale above each sigma, highest first")
+    parser.add_argument("--noise-level", type=float, default=SampleConfig().noise_level, help="FK / DTS SDE noise")
+    parser.add_argument("--lam", type=float, default=SampleConfig().lam, help="FK / DTS inverse temperature")
+    parser.add_argument("--potential", default=SampleConfig().potential, help="FK potential")
+    parser.add_argument("--fk-resample-start", type=int, default=SampleConfig().fk_resample_start,
+                        help="first step at which FK may resample")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
@@ -184,7 +189,10 @@ def main() -> None:
             print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
             return
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
-                              batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands)
+                              batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands,
+                              noise_level=args.noise_level, lam=args.lam, potential=args.potential,
+                              fk_resample_start=args.fk_resample_start)
+        config.validate()
         try:
             result = run_method(model, metadata, config, reward_fn, registers)
         except BudgetTooSmall as error:

@@ -321,6 +321,8 @@ def _add_sample(commands) -> None:
                         help="SDE noise level of FK particles and tree search")
     parser.add_argument("--lam", type=non_negative_float, default=defaults.lam, help="FK / DTS inverse temperature")
     parser.add_argument("--potential", choices=POTENTIALS, default=defaults.potential, help="FK potential")
+    parser.add_argument("--fk-resample-start", type=non_negative_int, default=defaults.fk_resample_start,
+                        help="first step at which FK scores x0_hat and may resample (then every step but the last)")
     parser.add_argument("--max-children", type=_int_at_least(2), default=defaults.max_children,
                         help="DTS children per node")
     parser.add_argument("--dts-soft", action="store_true", help="DTS (Boltzmann selection) instead of DTS*")
@@ -340,7 +342,8 @@ def _run_sample(args: argparse.Namespace) -> None:
     config = SampleConfig(
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
-        noise_level=args.noise_level, lam=args.lam, potential=args.potential, max_children=args.max_children,
+        noise_level=args.noise_level, lam=args.lam, potential=args.potential,
+        fk_resample_start=args.fk_resample_start, max_children=args.max_children,
         dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts,
         batch_prompts=args.batch_prompts, out_dir=args.out, device=args.device,
     )

@@ -45,6 +45,7 @@ class SampleConfig:
     noise_level: float = 0.7
     lam: float = 10.0
     potential: str = "max"
+    fk_resample_start: int = 0
     max_children: int = 3
     dts_soft: bool = False
     rgs_bands: list[tuple[float, float]] = field(default_factory=lambda: list(DEFAULT_BANDS))
@@ -74,6 +75,9 @@ class SampleConfig:
             )
         if self.guidance in ("fk", "dts") and not self.noise_level > 0:
             raise ValueError(f"guidance {self.guidance!r} needs noise_level > 0 (SDE particles), got {self.noise_level}")
+        if not (isinstance(self.fk_resample_start, int) and 0 <= self.fk_resample_start < self.steps - 1):
+            raise ValueError(f"fk_resample_start must be a step in 0..{self.steps - 2} (FK scores x0_hat from that step "
+                             f"on, every step but the last), got {self.fk_resample_start!r}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 (or None for all), got {self.max_prompts!r}")
         check_bands(self.rgs_bands)
@@ -134,7 +138,8 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
         return best_of_n(velocity, reward, sigmas, shape, generators, config.budget, **common)
     if g == "fk":
         return fk_steering(velocity, reward, sigmas, shape, generators, config.budget, potential_kind=config.potential,
-                           lam=config.lam, noise_level=config.noise_level, **common)
+                           lam=config.lam, noise_level=config.noise_level,
+                           resample_steps=range(config.fk_resample_start, config.steps - 1), **common)
     if g == "dts":
         return diffusion_tree_search(velocity, reward, sigmas, shape, generators, config.budget,
                                      greedy=not config.dts_soft, lam=config.lam, max_children=config.max_children,

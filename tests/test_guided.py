@@ -134,6 +134,9 @@ def test_fk_steering_resamples_at_every_check_where_ess_is_low():
     assert len(events) == 3 * 5  # every step but the last, for each prompt
     assert all(fired == (ess < 8 / 2) for _, _, ess, fired in events)
     assert any(fired for *_, fired in events) and result.info["resamples"] == sum(e[3] for e in events)
+    late = fk_steering(CountingVelocity(3), mean_reward, sigmas(6), SHAPE, generators(3), 48, lam=30.0,
+                       resample_steps=range(3, 5))
+    assert sorted({step for step, *_ in late.info["events"]}) == [3, 4]  # a later start: checks at steps 3 and 4 only
 
 
 def test_fk_potentials():
@@ -345,6 +348,7 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
         (["--guidance", "rgs", "--budget", "40"], "needs a differentiable reward"),
         (["--guidance", "rgs", "--registers", "r.pt", "--rgs-bands", "0.2:0.1", "0.8:0.3"], "strictly decreasing"),
         (["--guidance", "bon", "--rgs-bands", "high"], "expected SIGMA:SCALE"),
+        (["--guidance", "fk", "--steps", "10", "--fk-resample-start", "9"], "fk_resample_start must be a step in 0..8"),
     ],
 )
 def test_flowalign_sample_bad_input_fails_before_loading(tmp_path, capsys, argv, message):
