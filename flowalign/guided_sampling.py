@@ -44,7 +44,7 @@ class SampleConfig:
     registers: str | None = None
     noise_level: float = 0.7
     lam: float = 10.0
-    potential: str = "max"
+    potential: str = "add"
     fk_resample_start: int = 0
     max_children: int = 3
     dts_soft: bool = False

@@ -96,7 +96,7 @@ def fk_steering(
     generators: Sequence[torch.Generator],
     budget: int,
     *,
-    potential_kind: str = "max",
+    potential_kind: str = "add",
     lam: float = 10.0,
     resample_steps: Sequence[int] | None = None,
     ess_threshold: float = 0.5,
