@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of latents and velocities")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
     parser.add_argument("--profile", action="store_true",
-                        help="also print torch.profiler's table of the Triton loss (forward and backward) at SD3.5 size")
+                        help="also print torch.profiler's table of the Triton loss (forward, backward), SD3.5 size")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/kernels[_check].json)")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -18,7 +18,7 @@ import argparse
 import math
 from pathlib import Path
 
-from train_iteration import REPO, print_table, run_config, run_each
+from train_iteration import REPO, iteration_cost, print_table, run_config, run_each
 
 SETTINGS = {  # name: overrides
     "fp32 / torch": ["model.kernels=torch"],
@@ -31,7 +31,6 @@ SETTINGS = {  # name: overrides
 
 def summarize(result: dict) -> dict:
     history = result["history"]
-    timed = history[1:] or history
     worst = max(history, key=lambda m: m["first_approx_kl"])
     return {
         "device": result["device"],
@@ -40,7 +39,7 @@ def summarize(result: dict) -> dict:
         "first_log_ratio_rms": math.sqrt(2 * worst["first_approx_kl"]),
         "first_clip_frac": max(m["first_clip_frac"] for m in history),
         "reward": [m["reward"] for m in history],
-        "seconds_per_iteration": sum(m["time/rollout"] + m["time/reward"] + m["time/train"] for m in timed) / len(timed),
+        "seconds_per_iteration": iteration_cost(history)["time/total"],
         "peak_mib": result["peak_bytes"] / 2**20,
     }
 

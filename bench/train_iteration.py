@@ -72,12 +72,17 @@ def print_table(first: str, columns: list[str], rows: dict[str, dict], cells) ->
         print(f"| {name} | " + (f"failed: {row['error']}" if "error" in row else " | ".join(cells(row))) + " |")
 
 
+def iteration_cost(history: list[dict]) -> dict[str, float]:
+    """Mean rollout / reward / train seconds, their total and NFEs per iteration; the first (warm-up) is dropped."""
+    timed = history[1:] or history
+    row = {key: sum(m[key] for m in timed) / len(timed) for key in ("time/rollout", "time/reward", "time/train", "nfe")}
+    row["time/total"] = row["time/rollout"] + row["time/reward"] + row["time/train"]
+    return row
+
+
 def run_preset(preset: str, iterations: int, extra: list[str]) -> dict:
     result = run_config(str(REPO / "configs/methods" / f"{preset}.yaml"), iterations, extra)
-    timed = result["history"][1:] or result["history"]
-    mean = lambda key: sum(m[key] for m in timed) / len(timed)  # noqa: E731
-    row = {key: mean(key) for key in ("time/rollout", "time/reward", "time/train", "nfe")}
-    row["time/total"] = row["time/rollout"] + row["time/reward"] + row["time/train"]
+    row = iteration_cost(result["history"])
     row["peak_mib"] = result["peak_bytes"] / 2**20
     row["device"] = result["device"]
     return row

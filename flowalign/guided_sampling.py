@@ -76,8 +76,8 @@ class SampleConfig:
         if self.guidance in ("fk", "dts") and not self.noise_level > 0:
             raise ValueError(f"guidance {self.guidance!r} needs noise_level > 0 (SDE particles), got {self.noise_level}")
         if not (isinstance(self.fk_resample_start, int) and 0 <= self.fk_resample_start < self.steps - 1):
-            raise ValueError(f"fk_resample_start must be a step in 0..{self.steps - 2} (FK scores x0_hat from that step "
-                             f"on, every step but the last), got {self.fk_resample_start!r}")
+            raise ValueError(f"fk_resample_start must be a step in 0..{self.steps - 2} (FK scores x0_hat from that "
+                             f"step on, every step but the last), got {self.fk_resample_start!r}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 (or None for all), got {self.max_prompts!r}")
         check_bands(self.rgs_bands)

@@ -43,8 +43,8 @@ from .guided import (
 from .rollout import count_nfe
 from .sde import predict_x0
 
-__all__ = ["DEFAULT_BANDS", "band_scale", "check_bands", "check_differentiable", "reward_guided_sampling", "rgs_correction",
-           "rgs_velocity_target", "unit_rms", "x0_guide"]
+__all__ = ["DEFAULT_BANDS", "band_scale", "check_bands", "check_differentiable", "reward_guided_sampling",
+           "rgs_correction", "rgs_velocity_target", "unit_rms", "x0_guide"]
 
 # (sigma above which the band starts, scale), highest band first.
 DEFAULT_BANDS = ((0.8, 0.30), (0.2, 0.05))
