@@ -507,7 +507,7 @@ class OptimConfig:
 class RunConfig:
     """Length of the run, logging, checkpoints and the final evaluation."""
 
-    iterations: int = option(300, "training iterations (one rollout and its optimizer steps each)")
+    iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
     out_dir: str = option("outputs/train", "where logs, sample grids, checkpoints and the resolved config go")
     log_every: int = option(1, "log metrics every this many iterations")

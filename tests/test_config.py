@@ -46,7 +46,7 @@ def test_defaults_are_the_toy_run_and_valid():
     # Flow-GRPO-Fast's random 2-step window in the high-noise half, LoRA r8 (the measured toy default)
     assert config.sampling.stochastic_steps() == 2 and config.sampling.window_start == "random"
     assert (config.model.lora_rank, config.optim.lr, config.optim.ema_decay) == (8, 5e-4, 0.99)
-    assert config.data.prompt_sampling == "uniform"
+    assert config.data.prompt_sampling == "uniform" and config.train.iterations == 330
     fast = load(path=REPO / "configs/methods/flow_grpo_fast.yaml")
     assert fast.sampling == config.sampling  # the default run is the flow_grpo_fast preset
     assert load(path=REPO / "configs/methods/flow_grpo.yaml").sampling.stochastic_steps() == 9
@@ -209,7 +209,7 @@ RANGE_ERRORS = [
     (["optim.ema_decay=1"], "optim.ema_decay must be in [0, 1), got 1"),
     (["optim.betas=[0.9]"], "optim.betas must hold two numbers"),
     (["optim.minibatches=0"], "optim.minibatches must be >= 1, got 0"),
-    (["optim.warmup_iterations=500"], "optim.warmup_iterations = 500 exceeds train.iterations = 300"),
+    (["optim.warmup_iterations=500"], "optim.warmup_iterations = 500 exceeds train.iterations = 330"),
     (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio must be in [0, 1], got 1.5"),
     (["data.group_size=1"], "data.group_size must be >= 2"),
     (["data.prompts_per_iteration=0"], "data.prompts_per_iteration must be >= 1"),
