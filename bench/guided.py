@@ -2,9 +2,10 @@
 
 Every method samples the held-out prompts (assets/prompts/test.jsonl) with the same per-prompt randomness, guided by
 the toy verifier with partial credit (``toy_geneval``), and its chosen images are judged with the binary GenEval
-rules. Plain ODE sampling (``none``, T NFEs) is the reference. RGS needs a register checkpoint
-(``--registers``; trained with ``flowalign registers train``) and is skipped without one; its stored held-out pairwise
-accuracy by sigma band is copied into the results.
+rules. Plain ODE sampling (``none``, T NFEs) is the reference. RGS needs a gradient source, a register checkpoint
+(``--registers``; trained with ``flowalign registers train``; its stored held-out pairwise accuracy by sigma band is
+copied into the results) or a differentiable image reward (``--rgs-reward toy_geneval_soft``, with ``--rgs-gradient
+full|x0``), and is skipped without one.
 
 Writes JSON (``--out``), a markdown table (same name, ``.md``) and a PNG plot (``.png``; drawn with PIL), and prints
 the table. The targets of issue 7 are checked and reported, met or not:
@@ -13,6 +14,8 @@ the table. The targets of issue 7 are checked and reported, met or not:
 * RGS beats plain sampling at <= 1.5x its NFEs.
 
     python bench/guided.py --repeats 8 --steps 10 --budgets 10 20 40 80 [--registers outputs/registers/registers.pt]
+    python bench/guided.py --methods fk rgs --fk-guided --rgs-reward toy_geneval_soft --rgs-gradient x0 \
+        --rgs-bands 0.2:1.0 --budgets 10 20 40 80     # RGS on the differentiable toy reward, FK with RGS proposals
     python bench/guided.py --max-prompts 2 --repeats 1 --steps 3 --budgets 3 6     # smoke size
 
 Each held-out prompt is sampled ``--repeats`` times with its own seeds; every method sees the same seeds, so each
@@ -33,13 +36,14 @@ COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), 
           "rgs": (214, 39, 40)}
 
 
-def run_method(model, metadata, config, reward_fn, registers) -> dict:
+def run_method(model, metadata, config, reward_fn, registers, guide_reward=None) -> dict:
     from flowalign.evaluation.geneval import summarize
     from flowalign.guided_sampling import sample_prompts
     from flowalign.toy.reward import ToyGenEvalReward
 
     start_time = time.perf_counter()
-    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers)
+    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers,
+                                           guide_reward=guide_reward)
     correct = ToyGenEvalReward()(images, [m["prompt"] for m in metadata], list(metadata))
     rows = [{"prompt_id": p, "prompt": m["prompt"], "tag": m["tag"], "correct": bool(c)}
             for p, (m, c) in enumerate(zip(metadata, correct.tolist()))]
@@ -133,7 +137,7 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.guided_sampling import SampleConfig
+    from flowalign.guided_sampling import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
@@ -148,6 +152,12 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
+    parser.add_argument("--rgs-reward", default=None,
+                        help="differentiable image reward for RGS's gradient on x0_hat (e.g. toy_geneval_soft)")
+    parser.add_argument("--rgs-gradient", choices=RGS_GRADIENTS, default="full",
+                        help="--rgs-reward's gradient through the velocity (full) or on x0_hat alone (x0)")
+    parser.add_argument("--fk-guided", action="store_true",
+                        help="FK with RGS-guided proposals from --rgs-reward (needs --rgs-gradient x0)")
     parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=SampleConfig().rgs_bands,
                         metavar="SIGMA:SCALE", help="RGS correction scale above each sigma, highest first")
     parser.add_argument("--noise-level", type=float, default=SampleConfig().noise_level, help="FK / DTS SDE noise")
@@ -165,6 +175,7 @@ def main() -> None:
     model.transformer.requires_grad_(False)
     reward_fn = ToyGenEvalReward(partial_credit=True)
     registers, register_report = None, None
+    guide_reward = build_guide_reward(args.rgs_reward) if args.rgs_reward else None
     if args.registers:
         from flowalign.reward_models.registers import load_registers, read_checkpoint
 
@@ -188,13 +199,16 @@ def main() -> None:
             rows.append(done[(method, budget)])
             print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
             return
+        guided = method == "rgs" or (method == "fk" and args.fk_guided)
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
                               batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands,
+                              rgs_reward=args.rgs_reward if guided else None,
+                              rgs_gradient=args.rgs_gradient if guided else "full",
                               noise_level=args.noise_level, lam=args.lam, potential=args.potential,
                               fk_resample_start=args.fk_resample_start)
         config.validate()
         try:
-            result = run_method(model, metadata, config, reward_fn, registers)
+            result = run_method(model, metadata, config, reward_fn, registers, guide_reward if guided else None)
         except BudgetTooSmall as error:
             print(f"{method:>4} budget {budget:>4}: skipped ({error})", flush=True)
             return
@@ -206,8 +220,8 @@ def main() -> None:
 
     record("none", args.steps)
     for method in args.methods:
-        if method == "rgs" and registers is None:
-            print("rgs: skipped (no --registers)")
+        if method == "rgs" and registers is None and guide_reward is None:
+            print("rgs: skipped (no --registers or --rgs-reward)")
             continue
         for budget in args.budgets:
             if budget >= args.steps:

@@ -16,6 +16,7 @@ Commands:
 * ``flowalign eval geneval``: GenEval on any model or image folder (``flowalign.evaluation.geneval_eval``).
 * ``flowalign eval hpd``: the HPD v2 benchmark with HPS v2.1 (``flowalign.evaluation.hpd_eval``).
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
+* ``flowalign toy segmenter``: train the shape segmenter of the differentiable toy reward (``flowalign.toy.segmenter``).
 * ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
   (``flowalign.calibrate``), written as a config for ``flowalign train``.
 * ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE``: reward-guided sampling
@@ -296,8 +297,39 @@ def _run_toy_pretrain(args: argparse.Namespace) -> None:
     pretrain_main(args)
 
 
+def _add_toy_segmenter(group) -> None:
+    from flowalign.toy.segmenter import SegmenterConfig
+
+    defaults = SegmenterConfig()
+    parser = group.add_parser(
+        "segmenter",
+        help="train the toy shape segmenter behind the differentiable toy_geneval_soft reward",
+        description="Train the per-pixel shape segmenter (flowalign.toy.segmenter) on random rendered scenes and save "
+        "model.safetensors and config.json (settings and held-out pixel accuracy) to --out.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--out", default="assets/toy-segmenter", help="output directory")
+    parser.add_argument("--seed", type=non_negative_int, default=defaults.seed)
+    parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="training steps")
+    parser.add_argument("--batch-size", type=positive_int, default=defaults.batch_size)
+    parser.add_argument("--threads", type=positive_int, default=defaults.threads, help="torch CPU threads")
+    parser.set_defaults(handler=_run_toy_segmenter)
+
+
+def _run_toy_segmenter(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from flowalign.toy.segmenter import SegmenterConfig, train_segmenter
+
+    config = SegmenterConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, threads=args.threads)
+    train_segmenter(config, args.out)
+    report = json.loads((Path(args.out) / "config.json").read_text())["held_out"]
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in report.items()))
+
+
 def _add_sample(commands) -> None:
-    from flowalign.guided_sampling import SampleConfig
+    from flowalign.guided_sampling import RGS_GRADIENTS, SampleConfig
     from flowalign.samplers.fk import POTENTIALS
     from flowalign.samplers.guided import GUIDANCE
 
@@ -316,7 +348,13 @@ def _add_sample(commands) -> None:
     parser.add_argument("--steps", type=positive_int, default=defaults.steps, help="sampler steps per trajectory")
     parser.add_argument("--reward", default=defaults.reward, help="registered image reward that scores samples")
     parser.add_argument("--binary-reward", action="store_true", help="toy_geneval without partial credit")
-    parser.add_argument("--registers", default=None, help="register checkpoint (needed by --guidance rgs)")
+    parser.add_argument("--registers", default=None, help="register checkpoint: RGS's gradient from register heads")
+    parser.add_argument("--rgs-reward", default=None,
+                        help="differentiable image reward for RGS's gradient on the decoded x0_hat (e.g. "
+                        "toy_geneval_soft); instead of --registers")
+    parser.add_argument("--rgs-gradient", choices=RGS_GRADIENTS, default=defaults.rgs_gradient,
+                        help="--rgs-reward's gradient: through the velocity (full, one backward NFE per guided step) "
+                        "or on x0_hat alone (x0, no extra NFE)")
     parser.add_argument("--noise-level", type=non_negative_float, default=defaults.noise_level,
                         help="SDE noise level of FK particles and tree search")
     parser.add_argument("--lam", type=non_negative_float, default=defaults.lam, help="FK / DTS inverse temperature")
@@ -342,6 +380,7 @@ def _run_sample(args: argparse.Namespace) -> None:
     config = SampleConfig(
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
+        rgs_reward=args.rgs_reward, rgs_gradient=args.rgs_gradient,
         noise_level=args.noise_level, lam=args.lam, potential=args.potential,
         fk_resample_start=args.fk_resample_start, max_children=args.max_children,
         dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts,
@@ -432,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     toy_group = _group(commands, "toy", "toy-world tools")
     _add_toy_pretrain(toy_group)
+    _add_toy_segmenter(toy_group)
 
     _add_sample(commands)
     registers_group = _group(commands, "registers", "latent reward registers")

@@ -6,8 +6,10 @@ guidance method for every prompt, and returns the chosen latents, their rewards 
 adds loading, checks and outputs (``images/*.png``, ``grid.png``, ``results.json``, ``summary.md``).
 
 Guidance methods (``--guidance``): ``none`` (one ODE sample), ``bon`` (best-of-N ODE samples), ``fk`` (Feynman-Kac
-steering), ``dts`` (DTS*, greedy tree search; ``--dts-soft`` for DTS), ``rgs`` (reward-gradient guidance on register
-heads, ``--registers CKPT``). The budget is per prompt. Every check on the settings runs before the model loads.
+steering), ``dts`` (DTS*, greedy tree search; ``--dts-soft`` for DTS), ``rgs`` (reward-gradient guidance: on register
+heads, ``--registers CKPT``, or on a differentiable image reward of the decoded ``x0_hat``, ``--rgs-reward NAME``, with
+the gradient through the velocity or, ``--rgs-gradient x0``, on ``x0_hat`` alone at no NFE cost). The budget is per
+prompt. Every check on the settings runs before the model loads.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from flowalign.samplers.guided import GUIDANCE, GuidedResult
 from flowalign.samplers.rgs import DEFAULT_BANDS, check_bands
 from flowalign.seeding import generator as seeded_generator
 
-__all__ = ["SampleConfig", "latent_reward", "run_guided", "run_sample"]
+__all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "latent_reward", "run_guided", "run_sample"]
+
+# Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
+# step) or on x0_hat alone (free); see samplers.rgs.x0_guide.
+RGS_GRADIENTS = ("full", "x0")
 
 
 @dataclass
@@ -42,6 +48,8 @@ class SampleConfig:
     reward: str = "toy_geneval"
     partial_credit: bool = True
     registers: str | None = None
+    rgs_reward: str | None = None
+    rgs_gradient: str = "full"
     noise_level: float = 0.7
     lam: float = 10.0
     potential: str = "add"
@@ -67,12 +75,25 @@ class SampleConfig:
                 f"budget={self.budget} NFEs per prompt is smaller than one trajectory of {self.steps} steps "
                 f"({self.steps} NFEs): raise --budget to at least {self.steps} or lower --steps"
             )
-        if self.guidance == "rgs" and self.registers is None:
+        if self.guidance == "rgs" and self.registers is None and self.rgs_reward is None:
             raise ValueError(
                 "guidance 'rgs' needs a differentiable reward, and the image reward "
                 f"{self.reward!r} is not (it scores decoded images without gradients): pass --registers CKPT "
-                "(trained with `flowalign registers train`) or use --guidance bon|fk|dts"
+                "(trained with `flowalign registers train`), or --rgs-reward NAME with a differentiable image reward "
+                "(e.g. toy_geneval_soft), or use --guidance bon|fk|dts"
             )
+        if self.registers is not None and self.rgs_reward is not None:
+            raise ValueError("pass either --registers or --rgs-reward as RGS's gradient source, not both")
+        if self.rgs_gradient not in RGS_GRADIENTS:
+            raise ValueError(f"rgs_gradient must be one of {', '.join(RGS_GRADIENTS)}, got {self.rgs_gradient!r}")
+        if self.rgs_gradient != "full" and self.rgs_reward is None:
+            raise ValueError(f"rgs_gradient {self.rgs_gradient!r} applies to --rgs-reward only (register heads read "
+                             "x_t itself, so their gradient always runs through the transformer)")
+        if self.rgs_reward is not None and self.guidance not in ("rgs", "fk"):
+            raise ValueError(f"--rgs-reward guides --guidance rgs (and FK's proposals), not {self.guidance!r}")
+        if self.rgs_reward is not None and self.guidance == "fk" and self.rgs_gradient != "x0":
+            raise ValueError("FK's RGS-guided proposals take the gradient on x0_hat only (no extra NFE): pass "
+                             "--rgs-gradient x0 with --guidance fk --rgs-reward")
         if self.guidance in ("fk", "dts") and not self.noise_level > 0:
             raise ValueError(f"guidance {self.guidance!r} needs noise_level > 0 (SDE particles), got {self.noise_level}")
         if not (isinstance(self.fk_resample_start, int) and 0 <= self.fk_resample_start < self.steps - 1):
@@ -83,25 +104,33 @@ class SampleConfig:
         check_bands(self.rgs_bands)
 
 
-def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64):
+def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64,
+                  differentiable: bool = False):
     """``reward(x0, rows) -> [n]``: decode latents and score them with an image reward for prompts ``rows``.
 
-    Not differentiable (``differentiable = False``): image rewards are scored without gradients.
+    By default scored without gradients, float64 on the CPU (``differentiable = False``). With ``differentiable``
+    (for an image reward that declares ``differentiable = True``), decoding and scoring keep the autograd graph, so
+    ``d reward / d x0`` flows back through the VAE decoder; scores stay float32 on the model's device.
     """
+    if differentiable and getattr(reward_fn, "differentiable", False) is not True:
+        raise ValueError(f"reward {getattr(reward_fn, 'name', reward_fn)!r} is not differentiable (it does not "
+                         "declare differentiable = True): RGS needs a reward with a gradient, e.g. toy_geneval_soft")
 
-    @torch.no_grad()
     def reward(x0: Tensor, rows: Tensor) -> Tensor:
         scores = []
         for start in range(0, x0.shape[0], chunk):
             part = rows[start : start + chunk].tolist()
             images = model.decode(x0[start : start + chunk])
             out = reward_fn(images, [prompts[r] for r in part], [metadata[r] for r in part])
-            scores.append(torch.as_tensor(out, dtype=torch.float64).flatten().cpu())
+            if differentiable:
+                scores.append(out.float().flatten())
+            else:
+                scores.append(torch.as_tensor(out, dtype=torch.float64).flatten().cpu())
         return torch.cat(scores)
 
-    reward.differentiable = False
+    reward.differentiable = differentiable
     reward.name = getattr(reward_fn, "name", "reward")
-    return reward
+    return reward if differentiable else torch.no_grad()(reward)
 
 
 def prompt_velocity(model, cond):
@@ -115,9 +144,10 @@ def prompt_velocity(model, cond):
 
 
 def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_fn, registers=None,
-               prompt_offset: int = 0) -> GuidedResult:
+               guide_reward=None, prompt_offset: int = 0) -> GuidedResult:
     """One guidance method over ``metadata`` (one batch of prompts). Prompt ``p``'s randomness comes from the
-    generator keyed ``(seed, prompt_offset + p)``."""
+    generator keyed ``(seed, prompt_offset + p)``. RGS takes its gradient from ``registers`` or from the
+    differentiable image reward ``guide_reward``."""
     from flowalign.samplers.dts import diffusion_tree_search
     from flowalign.samplers.fk import fk_steering
     from flowalign.samplers.guided import best_of_n
@@ -137,15 +167,29 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
     if g == "bon":
         return best_of_n(velocity, reward, sigmas, shape, generators, config.budget, **common)
     if g == "fk":
+        corrector = None
+        if guide_reward is not None:  # RGS-guided proposals
+            from flowalign.samplers.rgs import x0_gradient_correction
+
+            corrector = x0_gradient_correction(
+                latent_reward(model, guide_reward, prompts, metadata, differentiable=True), config.rgs_bands)
         return fk_steering(velocity, reward, sigmas, shape, generators, config.budget, potential_kind=config.potential,
-                           lam=config.lam, noise_level=config.noise_level,
+                           lam=config.lam, noise_level=config.noise_level, corrector=corrector,
                            resample_steps=range(config.fk_resample_start, config.steps - 1), **common)
     if g == "dts":
         return diffusion_tree_search(velocity, reward, sigmas, shape, generators, config.budget,
                                      greedy=not config.dts_soft, lam=config.lam, max_children=config.max_children,
                                      noise_level=config.noise_level, **common)
+    if guide_reward is not None:
+        from flowalign.samplers.rgs import x0_guide
+
+        through = config.rgs_gradient == "full"
+        guide = x0_guide(velocity, latent_reward(model, guide_reward, prompts, metadata, differentiable=True),
+                         through_velocity=through)
+        return reward_guided_sampling(guide, sigmas, shape, generators, config.budget, final_reward=reward,
+                                      bands=config.rgs_bands, backward_nfe=int(through), **common)
     if registers is None:
-        raise ValueError("guidance 'rgs' needs register heads (a differentiable reward): pass registers=")
+        raise ValueError("guidance 'rgs' needs a differentiable reward: pass registers= or guide_reward=")
     registers.attach(model.transformer)
     try:
         return reward_guided_sampling(registers.guide(velocity), sigmas, shape, generators, config.budget,
@@ -153,6 +197,18 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
                                       bands=config.rgs_bands, **common)
     finally:
         registers.detach()
+
+
+def build_guide_reward(name: str):
+    """The registered image reward ``name`` as RGS's gradient source; ValueError unless it declares
+    ``differentiable = True`` (checked before any model loads)."""
+    from flowalign.rewards import build_reward
+
+    reward = build_reward(name)
+    if getattr(reward, "differentiable", False) is not True:
+        raise ValueError(f"--rgs-reward {name!r} is not differentiable (it scores images without gradients): RGS "
+                         "needs a reward that declares differentiable = True, e.g. toy_geneval_soft, or --registers")
+    return reward
 
 
 def read_transformer_config(model_path: str) -> dict | None:
@@ -167,6 +223,7 @@ def run_sample(config: SampleConfig) -> dict:
     from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
 
     config.validate()
+    guide_reward = build_guide_reward(config.rgs_reward) if config.rgs_reward is not None else None
     model_path = resolve_model_path(config.model)
     metadata = load_metadata(config.prompts or default_prompts_path())
     if config.max_prompts is not None:
@@ -192,17 +249,20 @@ def run_sample(config: SampleConfig) -> dict:
     if config.registers is not None:
         registers = load_registers(config.registers, dict(model.transformer.config)).to(device)
 
-    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers)
+    images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers,
+                                           guide_reward=guide_reward)
     return write_outputs(config, metadata, images, rewards, nfes)
 
 
-def sample_prompts(model, metadata, config, *, reward_fn, registers=None) -> tuple[Tensor, Tensor, Tensor]:
+def sample_prompts(model, metadata, config, *, reward_fn, registers=None,
+                   guide_reward=None) -> tuple[Tensor, Tensor, Tensor]:
     """``run_guided`` over the prompts, ``config.batch_prompts`` at a time: decoded images ``[P, 3, H, W]`` on the CPU,
     the chosen samples' rewards ``[P]`` and the NFEs each prompt used ``[P]``."""
     finals, rewards, nfes = [], [], []
     for start in range(0, len(metadata), config.batch_prompts):
         batch = metadata[start : start + config.batch_prompts]
-        result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers, prompt_offset=start)
+        result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers,
+                            guide_reward=guide_reward, prompt_offset=start)
         finals.append(result.final.detach())
         rewards.append(result.reward)
         nfes.append(result.nfe)

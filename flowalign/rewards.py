@@ -61,6 +61,12 @@ def _toy_geneval(**kwargs: Any) -> Reward:
     return ToyGenEvalReward(**kwargs)
 
 
+def _toy_geneval_soft(**kwargs: Any) -> Reward:
+    from flowalign.toy.soft_reward import SoftToyGenEval  # a differentiable surrogate, for reward-gradient guidance
+
+    return SoftToyGenEval(**kwargs)
+
+
 class BrightnessReward:
     """Mean pixel intensity in [0, 1] (optionally of one channel): a cheap, dense, prompt-free smoke-test reward.
 
@@ -99,6 +105,7 @@ def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
 
 REWARDS: dict[str, Callable[..., Reward]] = {
     "toy_geneval": _toy_geneval,
+    "toy_geneval_soft": _toy_geneval_soft,
     "brightness": BrightnessReward,
     # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
     "pickscore": _lazy("pickscore", "PickScore"),

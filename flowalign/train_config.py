@@ -524,6 +524,10 @@ class RunConfig:
         None, "images per prompt in the final evaluation instead of train.eval_images_per_tag; null = per tag"
     )
     eval_steps: int = option(10, "ODE steps per image in the final evaluation")
+    eval_seed: int | None = option(
+        None, "seed of the final evaluation's samples; null = train.seed + 10000. With train.resume pointing at a "
+        "finished run's last checkpoint, only the evaluation runs: a re-reading on other seeds"
+    )
     tracker: Literal["tensorboard", "wandb", "none"] = option("tensorboard", "where metrics are logged")
     resume: str | None = option(None, "checkpoint directory to resume from; its config must match this one")
 
@@ -538,6 +542,7 @@ class RunConfig:
             ("eval_images_per_tag", 1),
             ("eval_images_per_prompt", 1),
             ("eval_steps", 1),
+            ("eval_seed", 0),
         ):
             _at_least(f"train.{name}", getattr(self, name), low)
 

@@ -62,7 +62,7 @@ from .train_config import TrainConfig
 _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
 # Keys that may change between a checkpoint and its resumption.
 RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
-                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
+                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps", "train.eval_seed",
                   "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir", "model.kernels")
 
 
@@ -758,16 +758,23 @@ class GRPOTrainer:
         metadata = load_metadata(cfg.data.eval_prompts)
         counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, cfg.train.eval_images_per_tag)
         kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts,
-                      seed=cfg.train.seed + 10_000, image_size=cfg.sampling.image_size)
+                      seed=self.eval_seed, image_size=cfg.sampling.image_size)
         self.model.transformer.eval()
         with self.model.reference():
             before, before_summary, before_images = evaluate(self.model, metadata, **kwargs)
         with self.ema_weights():
             after, after_summary, after_images = evaluate(self.model, metadata, **kwargs)
         report = write_before_after(self.out_dir / "eval", before, after, before_summary, after_summary,
-                                    paired_difference(before, after), before_images, after_images)
+                                    paired_difference(before, after), before_images, after_images,
+                                    seed=self.eval_seed)
         self.accelerator.wait_for_everyone()
         return report
+
+    @property
+    def eval_seed(self) -> int:
+        """The final evaluation's sample seed: ``train.eval_seed``, else ``train.seed + 10000``."""
+        seed = self.config.train.eval_seed
+        return self.config.train.seed + 10_000 if seed is None else seed
 
     @contextmanager
     def ema_weights(self):
@@ -799,8 +806,9 @@ def prompt_weights(prompts: list[dict], sampling: str) -> np.ndarray | None:
     return weights / weights.sum()
 
 
-def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images) -> dict:
-    """Write ``before_after.md`` / ``.json`` and the two grids; return the report."""
+def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images,
+                       *, seed: int | None = None) -> dict:
+    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed``: the evaluation's)."""
     from .evaluation.geneval import TAGS
     from .evaluation.images import save_grid
 
@@ -811,9 +819,9 @@ def write_before_after(out: Path, before, after, before_summary, after_summary, 
         lines.append(f"| {tag} | {entry['mean_a']:.3f} | {entry['mean_b']:.3f} | {entry['diff']:+.3f} | "
                      f"{entry['se']:.3f} | {entry['z']:.1f} |")
     n = len(before)
-    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after.")
+    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after (evaluation seed {seed}).")
     (out / "before_after.md").write_text("\n".join(lines) + "\n")
-    report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n}
+    report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n, "seed": seed}
     (out / "before_after.json").write_text(json.dumps(report, indent=1))
     for name, results, images in (("before", before, before_images), ("after", after, after_images)):
         captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:64]]

@@ -19,6 +19,12 @@ Weights are ``w_i = softmax_i(lambda phi_i)`` within a prompt's particles, and t
 state, velocity and reward history. As in the paper's implementation, the potential is applied afresh at each
 resampling step (not as a ratio to the previous one). At the end the particle with the highest final reward is
 returned. NFEs: exactly ``N * T`` per prompt with ``N = budget // T``.
+
+Guided proposals (optional ``corrector``, e.g. ``samplers.rgs.x0_gradient_correction``): each particle's SDE step is
+moved by a reward-gradient correction before the next potential is computed, the "FK steering with gradient guidance
+as the proposal" combination of Singhal et al. 2025. The importance weights are *not* corrected for the proposal
+(``p(x'|x) / q(x'|x)`` over a whole latent is far larger than the potentials and would leave one particle), so the
+particles steer the guided sampler's distribution, not the base model's.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ def fk_steering(
     ess_threshold: float = 0.5,
     noise_level: float = 0.7,
     kind: str = "flow_grpo",
+    corrector=None,
     device: str | torch.device = "cpu",
 ) -> GuidedResult:
     """FK steering with ``N = budget // T`` particles per prompt (module docstring).
@@ -141,12 +148,14 @@ def fk_steering(
             ancestors, fired, ess = resample(log_weights, generators, ess_threshold=ess_threshold)
             events += [(i, g, float(ess[g]), bool(fired[g])) for g in range(prompts)]
             x, v, history = x[ancestors.to(x.device)], v[ancestors.to(v.device)], history[ancestors]
-        x = step(x, v, sigma, sigmas[i + 1], kind=kind, noise_level=noise_level, generators=generators, rows=rows)
+        x_next = step(x, v, sigma, sigmas[i + 1], kind=kind, noise_level=noise_level, generators=generators, rows=rows)
+        x = x_next if corrector is None else corrector(x, v, sigma, x_next, rows)
     scores = as_scores(reward(x, rows), x.shape[0])
     pick = group_argmax(scores, prompts, n)
     return GuidedResult(
         final=x[pick],
         reward=scores[pick],
         nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
-        info={"particles": n, "events": events, "resamples": sum(e[3] for e in events)},
+        info={"particles": n, "events": events, "resamples": sum(e[3] for e in events),
+              "guided_proposals": corrector is not None},
     )

@@ -44,7 +44,7 @@ from .rollout import count_nfe
 from .sde import predict_x0
 
 __all__ = ["DEFAULT_BANDS", "band_scale", "check_bands", "check_differentiable", "reward_guided_sampling",
-           "rgs_correction", "rgs_velocity_target", "unit_rms", "x0_guide"]
+           "rgs_correction", "rgs_velocity_target", "unit_rms", "x0_gradient_correction", "x0_guide"]
 
 # (sigma above which the band starts, scale), highest band first.
 DEFAULT_BANDS = ((0.8, 0.30), (0.2, 0.05))
@@ -106,8 +106,13 @@ def rgs_velocity_target(x: Tensor, v: Tensor, grads: Sequence[Tensor], weights: 
     return v.float() + (rgs_correction(x.float(), x_base, grads, weights, scale) - x_base) / dt
 
 
-def x0_guide(velocity: GuidedVelocity, reward: LatentReward) -> Guide:
+def x0_guide(velocity: GuidedVelocity, reward: LatentReward, *, through_velocity: bool = True) -> Guide:
     """A guide from a velocity and a reward differentiable in the clean estimate ``x0_hat = x - s v``.
+
+    ``through_velocity``: the gradient ``d r / d x`` includes the velocity's Jacobian, ``(I - s dv/dx)^T grad r``
+    (one backward pass through the transformer: run RGS with ``backward_nfe=1``), or treats ``v`` as a constant, so
+    ``d r / d x = grad r(x0_hat)`` and the gradient costs no transformer pass (``backward_nfe=0``; the gradient taken
+    on the clean estimate without the denoiser's Jacobian, as in manifold-preserving guidance, He et al. 2024).
 
     A reward that declares ``differentiable = False`` is refused here, before any sampling; ``check_differentiable``
     probes one that declares nothing."""
@@ -115,12 +120,37 @@ def x0_guide(velocity: GuidedVelocity, reward: LatentReward) -> Guide:
         check_differentiable(reward, ())
 
     def guide(x: Tensor, sigma: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-        v = velocity(x, sigma, rows)
+        if through_velocity:
+            v = velocity(x, sigma, rows)
+        else:
+            with torch.no_grad():
+                v = velocity(x, sigma, rows)
         scores = reward(predict_x0(x, v, sigma), rows)
         return v, scores.reshape(x.shape[0], -1)
 
     guide.evals_per_sample = getattr(velocity, "evals_per_sample", 1)
     return guide
+
+
+def x0_gradient_correction(reward: LatentReward, bands: Sequence[tuple[float, float]] = DEFAULT_BANDS):
+    """RGS as a correction of another sampler's steps: ``correct(x, v, sigma, x_base, rows) -> x_next``.
+
+    The gradient of ``reward`` is taken on ``x0_hat = x - s v`` with ``v`` held fixed (no transformer pass, no NFE;
+    see ``x0_guide``), and ``x_base`` (the sampler's own ODE or SDE step from ``x``) is moved by ``rgs_correction`` at
+    ``band_scale(sigma)``; steps outside the bands are returned unchanged. FK steering uses it to propose its
+    particles' moves (``fk_steering(..., corrector=...)``)."""
+    bands = check_bands(bands)
+
+    def correct(x: Tensor, v: Tensor, sigma: Tensor, x_base: Tensor, rows: Tensor) -> Tensor:
+        scale = band_scale(float(sigma), bands)
+        if scale == 0:
+            return x_base
+        with torch.enable_grad():
+            x0 = predict_x0(x, v, sigma).detach().requires_grad_(True)
+            (grad,) = torch.autograd.grad(reward(x0, rows).sum(), x0)
+        return rgs_correction(x, x_base, [grad], [1.0], scale)
+
+    return correct
 
 
 def check_differentiable(reward: LatentReward, shape: Sequence[int], device="cpu") -> None:

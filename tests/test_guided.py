@@ -329,6 +329,73 @@ def test_rgs_bands_choose_the_guided_steps_and_their_cost(toy):
     assert result.nfe.tolist() == [4, 4] and result.info["guided_steps"] == 1
 
 
+@pytest.mark.parametrize("gradient,nfe", [("full", 5), ("x0", 3)])
+def test_rgs_on_a_differentiable_image_reward_runs_within_its_budget(toy, gradient, nfe):
+    """toy_geneval_soft on the decoded x0_hat: through the velocity, 3 forwards + 2 guided backwards (sigmas 1 and 0.5
+    are above 0.2); on x0_hat alone, the 3 forwards only."""
+    from flowalign.guided_sampling import SampleConfig, build_guide_reward, run_guided
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    model, metadata = toy
+    config = SampleConfig(guidance="rgs", budget=nfe, steps=3, rgs_reward="toy_geneval_soft", rgs_gradient=gradient)
+    config.validate()
+    counter = TransformerCounter(model.transformer)
+    try:
+        result = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True),
+                            guide_reward=build_guide_reward("toy_geneval_soft"))
+    finally:
+        counter.handle.remove()
+    assert result.nfe.tolist() == [nfe, nfe] and counter.rows == 2 * 3 and result.info["guided_steps"] == 2
+    plain = run_guided(model, metadata, SampleConfig(guidance="none", steps=3),
+                       reward_fn=ToyGenEvalReward(partial_credit=True))
+    assert not torch.equal(result.final, plain.final)  # the same noise, moved by the gradient
+
+
+def test_fk_with_rgs_guided_proposals_spends_the_same_nfes_and_moves_the_particles(toy):
+    from flowalign.guided_sampling import SampleConfig, build_guide_reward, run_guided
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    model, metadata = toy
+    results = {}
+    for guided in (False, True):
+        config = SampleConfig(guidance="fk", budget=6, steps=3, rgs_reward="toy_geneval_soft" if guided else None,
+                              rgs_gradient="x0" if guided else "full", rgs_bands=[(0.2, 1.0)])
+        config.validate()
+        counter = TransformerCounter(model.transformer)
+        try:
+            results[guided] = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True),
+                                         guide_reward=build_guide_reward("toy_geneval_soft") if guided else None)
+        finally:
+            counter.handle.remove()
+        assert results[guided].nfe.tolist() == [6, 6] and counter.rows == 2 * 6
+        assert results[guided].info["guided_proposals"] is guided
+    assert not torch.equal(results[True].final, results[False].final)
+
+
+def test_x0_gradient_correction_moves_only_the_steps_inside_its_bands():
+    from flowalign.samplers.rgs import x0_gradient_correction
+
+    correct = x0_gradient_correction(mean_reward, [(0.5, 0.3)])
+    x, v, x_base = torch.randn(2, *SHAPE), torch.randn(2, *SHAPE), torch.randn(2, *SHAPE)
+    rows = torch.arange(2)
+    assert torch.equal(correct(x, v, torch.tensor(0.4), x_base, rows), x_base)
+    moved = correct(x, v, torch.tensor(0.9), x_base, rows)
+    # mean_reward's gradient is uniform, so the correction is +0.3 RMS(step) on every element
+    size = (x_base - x).pow(2).flatten(1).mean(1).sqrt()
+    assert torch.allclose(moved - x_base, 0.3 * size[:, None].expand_as(x), atol=1e-5)
+
+
+def test_an_image_reward_without_a_gradient_is_refused_for_rgs(toy):
+    from flowalign.guided_sampling import build_guide_reward, latent_reward
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    with pytest.raises(ValueError, match="'toy_geneval' is not differentiable"):
+        build_guide_reward("toy_geneval")
+    model, metadata = toy
+    with pytest.raises(ValueError, match="not differentiable"):
+        latent_reward(model, ToyGenEvalReward(), ["p"], metadata, differentiable=True)
+
+
 def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
     from flowalign.cli import main
 
@@ -346,6 +413,11 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
     [
         (["--guidance", "bon", "--budget", "5", "--steps", "10"], "smaller than one trajectory"),
         (["--guidance", "rgs", "--budget", "40"], "needs a differentiable reward"),
+        (["--guidance", "rgs", "--rgs-reward", "toy_geneval"], "'toy_geneval' is not differentiable"),
+        (["--guidance", "rgs", "--rgs-reward", "toy_geneval_soft", "--registers", "r.pt"], "not both"),
+        (["--guidance", "bon", "--rgs-gradient", "x0"], "applies to --rgs-reward only"),
+        (["--guidance", "bon", "--rgs-reward", "toy_geneval_soft"], "not 'bon'"),
+        (["--guidance", "fk", "--rgs-reward", "toy_geneval_soft"], "pass --rgs-gradient x0"),
         (["--guidance", "rgs", "--registers", "r.pt", "--rgs-bands", "0.2:0.1", "0.8:0.3"], "strictly decreasing"),
         (["--guidance", "bon", "--rgs-bands", "high"], "expected SIGMA:SCALE"),
         (["--guidance", "fk", "--steps", "10", "--fk-resample-start", "9"], "fk_resample_start must be a step in 0..8"),

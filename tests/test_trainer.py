@@ -126,6 +126,27 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
     assert all(torch.equal(ema_a[k], ema_b[k]) for k in ema_a)
 
 
+def test_a_finished_run_resumed_only_reruns_its_evaluation_on_the_seed_asked_for(tiny_model, tmp_path):
+    evaluation = {"train.eval_at_end": "true", "train.eval_images_per_prompt": 1, "train.eval_steps": 2,
+                  "train.iterations": 1}
+    make_trainer(tiny_model, tmp_path / "run", **evaluation).train()
+    original = json.loads((tmp_path / "run" / "eval" / "before_after.json").read_text())
+    assert original["seed"] == 10_000 and original["samples"] == 66
+    checkpoint = final_checkpoint(tmp_path / "run")
+    for name, seed in (("same", None), ("other", 7)):
+        extra = {**evaluation, "train.resume": str(checkpoint), "train.out_dir": str(tmp_path / name)}
+        if seed is not None:
+            extra["train.eval_seed"] = seed
+        history = make_trainer(tiny_model, tmp_path / name, **extra).train()
+        report = json.loads((tmp_path / name / "eval" / "before_after.json").read_text())
+        assert len(history) == 1  # the checkpoint's one iteration; none ran
+        assert not list((tmp_path / name).glob("checkpoint-*"))
+        assert report["seed"] == (10_000 if seed is None else seed)
+        if seed is None:  # the same seeds reproduce the run's own evaluation exactly
+            assert report["paired"] == original["paired"]
+    assert "(evaluation seed 7)" in (tmp_path / "other" / "eval" / "before_after.md").read_text()
+
+
 def test_cosine_schedule_sets_each_iterations_learning_rate(tiny_model, tmp_path):
     extra = {"train.iterations": 3, "optim.lr_schedule": "cosine", "optim.min_lr_ratio": 0.1, "optim.lr": 1e-3}
     history = make_trainer(tiny_model, tmp_path / "run", **extra).train()
