@@ -461,13 +461,31 @@ class LossConfig:
     )
     rg_opd_weight: float = option(
         0.0, "RG-OPD: weight of the regression of the policy's velocity onto RGS targets v + delta/dt (register "
-        "gradients of step_reward.registers on the reference model) on trained steps with sigma > 0.2; 0 = off",
+        "gradients of step_reward.registers, or of loss.rg_opd_reward, on the reference model) on trained steps; 0 = off",
+    )
+    rg_opd_reward: str | None = option(
+        None, "RG-OPD's gradient source instead of registers: a differentiable image reward (e.g. toy_geneval_soft) "
+        "of the reference model's decoded x0_hat, its gradient taken on x0_hat (no backward through the transformer)"
+    )
+    rg_opd_bands: list[list[float]] = option(
+        [[0.8, 0.3], [0.2, 0.05]], "RG-OPD's RGS scale per sigma band, [sigma, scale] pairs, highest sigma first"
     )
 
     def validate(self) -> None:
         _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
         _finite("loss.beta", self.beta, 0.0)
         _finite("loss.rg_opd_weight", self.rg_opd_weight, 0.0)
+        from .samplers.rgs import check_bands
+
+        try:
+            check_bands(self.rg_opd_bands)
+        except ValueError as error:
+            raise ConfigError(f"loss.rg_opd_bands: {error}", key="loss.rg_opd_bands") from None
+        if self.rg_opd_reward is not None:
+            from .rewards import REWARDS
+
+            _check(self.rg_opd_reward in REWARDS, "loss.rg_opd_reward",
+                   f"= {self.rg_opd_reward!r} is not a registered reward; known: {', '.join(sorted(REWARDS))}")
 
 
 @dataclass
@@ -663,9 +681,15 @@ class TrainConfig:
         if self.step_reward.estimator != "terminal":
             self._validate_step_reward()
         _check(
-            self.loss.rg_opd_weight == 0 or self.step_reward.registers is not None,
+            self.loss.rg_opd_weight == 0 or self.step_reward.registers is not None or self.loss.rg_opd_reward is not None,
             "loss.rg_opd_weight",
-            "> 0 needs step_reward.registers (the register checkpoint whose gradients make the RGS targets)",
+            "> 0 needs step_reward.registers (the register checkpoint whose gradients make the RGS targets) or "
+            "loss.rg_opd_reward (a differentiable image reward such as toy_geneval_soft)",
+        )
+        _check(
+            self.loss.rg_opd_reward is None or self.loss.rg_opd_weight > 0,
+            "loss.rg_opd_reward",
+            "is set but loss.rg_opd_weight = 0: give RG-OPD a weight, or drop the reward",
         )
         if self.rollout.shape == "probe":
             stochastic = self.sampling.always_stochastic_steps()

@@ -80,6 +80,8 @@ class Chunk:
     advantages: Tensor | None = None
     weights: Tensor | None = None
     register_scores: Tensor | None = None  # [B, T] register scores read off the rollout's passes (register_pass policy)
+    prompt_index: Tensor | None = None  # the iteration prompt of each ``cond`` row
+    metadata: list[dict] | None = None  # that prompt's entry, per ``cond`` row (filled in by ``collect``)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class GRPOTrainer:
         self.prompts = load_metadata(config.data.train_prompts)
         self.prompt_weights = prompt_weights(self.prompts, config.data.prompt_sampling)
         self.rewards = [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        self.opd_reward = self.build_opd_reward() if config.loss.rg_opd_reward is not None else None
         torch.manual_seed(config.train.seed)  # the LoRA initialisation, identical on every process and layout
         self.model = self._load_model()
         if self.accelerator.num_processes > 1:  # wrap before building the optimizer, as FSDP needs
@@ -175,8 +178,11 @@ class GRPOTrainer:
         cond = self.model.encode(texts, negative_prompts=negatives)
         grow = {"group": self._sample_chains, "tree": self._grow_trees, "probe": self._probe_trunks}[cfg.rollout.shape]
         with self.accelerator.autocast(), use_backend(cfg.model.kernels):
-            return [grow(iteration, ids, cond, sigmas, levels)
-                    for ids in self.local_sample_ids().split(self.layout.rollout_batch_size)]
+            chunks = [grow(iteration, ids, cond, sigmas, levels)
+                      for ids in self.local_sample_ids().split(self.layout.rollout_batch_size)]
+        for chunk in chunks:
+            chunk.metadata = [prompts[i] for i in chunk.prompt_index.tolist()]
+        return chunks
 
     def _sample_chains(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
         """``len(ids)`` independent trajectories (Flow-GRPO, DanceGRPO, MixGRPO, ...)."""
@@ -194,7 +200,8 @@ class GRPOTrainer:
                 generator=[generator(seed, iteration, int(j), _SDE_NOISE) for j in ids],
                 group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
             )
-        return Chunk(result, ids, chunk_cond, register_scores=None if scores is None else torch.stack(scores, dim=1))
+        return Chunk(result, ids, chunk_cond, register_scores=None if scores is None else torch.stack(scores, dim=1),
+                     prompt_index=torch.tensor(rows))
 
     @contextmanager
     def policy_register_read(self, velocity):
@@ -241,7 +248,7 @@ class GRPOTrainer:
             reduce=cfg.sampling.log_prob_reduce, generator=[generator(seed, iteration, int(g), _SDE_NOISE) for g in groups],
             group_ids=groups, prompt_ids=torch.arange(len(groups)),
         )
-        return Chunk(result, ids, chunk_cond)
+        return Chunk(result, ids, chunk_cond, prompt_index=groups)
 
     def _probe_trunks(self, iteration: int, ids: Tensor, cond: Cond, sigmas: Tensor, levels: Tensor) -> Chunk:
         """One ODE trunk per prompt of the chunk, probed at ``rollout.probe_steps`` with ``group_size`` children."""
@@ -256,7 +263,7 @@ class GRPOTrainer:
             kind=cfg.sampling.kind, reduce=cfg.sampling.log_prob_reduce,
             generator=[generator(seed, iteration, int(p), _SDE_NOISE) for p in owners], prompt_ids=owners,
         )
-        return Chunk(result, ids, chunk_cond)
+        return Chunk(result, ids, chunk_cond, prompt_index=owners)
 
     def _per_row_velocity(self, cond: Cond):
         """``velocity(x, sigma, row)``: each state with the conditioning row ``row`` of ``cond`` (trees, probes)."""
@@ -500,10 +507,11 @@ class GRPOTrainer:
         x, sigma = t.states[sources], st.sigma[:1].expand(len(sources))
         with self.accelerator.autocast():
             v = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
-        v_ref = None
+        v_ref = v_ref_sources = None
         if cfg.loss.beta > 0 or cfg.loss.kl == "velocity_mse":
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
-                v_ref = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
+                v_ref_sources = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)
+            v_ref = v_ref_sources[inverse]
         # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
         loss, stats = transition_grpo_loss(
             v, st.x_t, st.x_next, st.sigma, st.sigma_next, st.log_prob, chunk.advantages[sel], kind=t.kind,
@@ -511,7 +519,12 @@ class GRPOTrainer:
             weights=chunk.weights[sel], v_ref=v_ref, beta=cfg.loss.beta, kl=cfg.loss.kl, backend=cfg.model.kernels,
         )
         if cfg.loss.rg_opd_weight > 0:
-            target = self.rg_opd_target(x, sigma, st.sigma_next[:1].expand(len(sources)), chunk.cond.index(rows))
+            sigma_next = st.sigma_next[:1].expand(len(sources))
+            if cfg.loss.rg_opd_reward is not None:
+                target = self.rg_opd_reward_target(x, sigma, sigma_next, chunk.cond.index(rows),
+                                                   [chunk.metadata[r] for r in rows.tolist()], v_ref_sources)
+            else:
+                target = self.rg_opd_target(x, sigma, sigma_next, chunk.cond.index(rows))
             opd = (v.float() - target[inverse]).pow(2).flatten(1).mean(dim=1)
             opd = (opd * chunk.weights[sel]).sum() / chunk.weights[sel].sum().clamp_min(1e-8)
             loss = loss + cfg.loss.rg_opd_weight * opd
@@ -536,7 +549,39 @@ class GRPOTrainer:
                          for h in range(heads)]
         finally:
             self.registers.detach()
-        return rgs_velocity_target(x_in.detach(), v_ref.detach(), grads, [1.0] * heads, sigma[0], sigma_next[0]).detach()
+        bands = [tuple(band) for band in self.config.loss.rg_opd_bands]
+        return rgs_velocity_target(x_in.detach(), v_ref.detach(), grads, [1.0] * heads, sigma[0], sigma_next[0],
+                                   bands).detach()
+
+    def rg_opd_reward_target(self, x: Tensor, sigma: Tensor, sigma_next: Tensor, cond: Cond, metadata: list[dict],
+                             v_ref: Tensor | None = None) -> Tensor:
+        """RG-OPD with a differentiable image reward (``loss.rg_opd_reward``) as the gradient source: the gradient of
+        the reward of the decoded ``x0_hat = x - s v_ref`` with respect to ``x0_hat`` (``v_ref`` held fixed, as RGS's
+        ``--rgs-gradient x0``: no backward through the transformer), turned into the target ``v_ref + delta / dt`` by
+        ``rgs_velocity_target`` with the bands ``loss.rg_opd_bands``. Detached."""
+        from .samplers.rgs import rgs_velocity_target
+        from .samplers.sde import predict_x0
+
+        cfg = self.config
+        if v_ref is None:
+            with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
+                v_ref = self.model.velocity(x, sigma, cond, cfg.sampling.guidance_scale)
+        with torch.enable_grad():
+            x0 = predict_x0(x.float(), v_ref.float(), sigma[0]).detach().requires_grad_(True)
+            score = self.opd_reward(self.model.decode(x0), [m["prompt"] for m in metadata], metadata)
+            (grad,) = torch.autograd.grad(score.sum(), x0)
+        bands = [tuple(band) for band in cfg.loss.rg_opd_bands]
+        return rgs_velocity_target(x.float(), v_ref.float(), [grad], [1.0], sigma[0], sigma_next[0], bands).detach()
+
+    def build_opd_reward(self):
+        """``loss.rg_opd_reward`` built from the reward registry; it must declare ``differentiable = True``."""
+        from .rewards import build_reward
+
+        reward = build_reward(self.config.loss.rg_opd_reward)
+        if getattr(reward, "differentiable", False) is not True:
+            raise ValueError(f"loss.rg_opd_reward = {self.config.loss.rg_opd_reward!r} is not differentiable: RG-OPD "
+                             "needs a reward that declares differentiable = True, e.g. toy_geneval_soft")
+        return reward
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.

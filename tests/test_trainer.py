@@ -147,6 +147,34 @@ def test_a_finished_run_resumed_only_reruns_its_evaluation_on_the_seed_asked_for
     assert "(evaluation seed 7)" in (tmp_path / "other" / "eval" / "before_after.md").read_text()
 
 
+def test_rg_opd_on_a_differentiable_reward_regresses_onto_its_rgs_targets(tiny_model, tmp_path):
+    from flowalign.samplers.rgs import rgs_velocity_target
+    from flowalign.samplers.sde import predict_x0
+
+    extra = {"loss.rg_opd_weight": 0.5, "loss.rg_opd_reward": "toy_geneval_soft", "loss.rg_opd_bands": "[[0.2, 1.0]]",
+             "train.iterations": 1}
+    trainer = make_trainer(tiny_model, tmp_path / "run", **extra)
+    history = trainer.train()
+    assert history[0]["rg_opd"] > 0
+    # The target, by hand: the soft reward's gradient on the reference x0_hat, through rgs_velocity_target.
+    prompts = trainer.prompts[:2]
+    cond = trainer.model.encode([p["prompt"] for p in prompts])
+    x = torch.randn(2, *trainer.model.latent_shape(1)[1:], generator=torch.Generator().manual_seed(0))
+    sigma, sigma_next = torch.full((2,), 0.75), torch.full((2,), 0.5)
+    with torch.no_grad(), trainer.model.reference():
+        v_ref = trainer.model.velocity(x, sigma, cond)
+    x0 = predict_x0(x, v_ref, sigma[0]).requires_grad_(True)
+    (grad,) = torch.autograd.grad(trainer.opd_reward(trainer.model.decode(x0), [p["prompt"] for p in prompts],
+                                                     prompts).sum(), x0)
+    expected = rgs_velocity_target(x, v_ref, [grad], [1.0], 0.75, 0.5, [(0.2, 1.0)])
+    got = trainer.rg_opd_reward_target(x, sigma, sigma_next, cond, prompts)
+    assert torch.allclose(got, expected, atol=1e-6) and not torch.allclose(got, v_ref)
+    low = torch.full((2,), 0.1)  # below the band: the target is the reference velocity itself
+    with torch.no_grad(), trainer.model.reference():
+        v_low = trainer.model.velocity(x, low, cond)
+    assert torch.equal(trainer.rg_opd_reward_target(x, low, torch.full((2,), 0.05), cond, prompts), v_low.float())
+
+
 def test_cosine_schedule_sets_each_iterations_learning_rate(tiny_model, tmp_path):
     extra = {"train.iterations": 3, "optim.lr_schedule": "cosine", "optim.min_lr_ratio": 0.1, "optim.lr": 1e-3}
     history = make_trainer(tiny_model, tmp_path / "run", **extra).train()
@@ -216,6 +244,10 @@ def test_bad_configs_fail_before_any_model_loads(tmp_path):
         ({"data.group_size": 1}, "data.group_size"),
         ({"sampling.noise_level": -1}, "sampling.noise_level"),
         ({"sampling.batch_size": 3}, "sampling.batch_size = 3 does not divide"),
+        ({"loss.rg_opd_reward": "toy_geneval_soft"}, "loss.rg_opd_reward is set but loss.rg_opd_weight = 0"),
+        ({"loss.rg_opd_weight": 1, "loss.rg_opd_reward": "nope"}, "'nope' is not a registered reward"),
+        ({"loss.rg_opd_weight": 1}, "needs step_reward.registers"),
+        ({"loss.rg_opd_bands": "[[0.2, 1.0], [0.5, 0.1]]"}, "loss.rg_opd_bands"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, None, overrides(missing_model, tmp_path, **extra))
