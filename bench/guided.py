@@ -185,7 +185,9 @@ def main() -> None:
     # Finished rows are kept in <out>.partial.jsonl and reused when the settings match, so a long run can resume.
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial, settings = out.with_suffix(".partial.jsonl"), {k: v for k, v in vars(args).items() if k != "methods"}
+    # Compared as JSON sees them (tuples such as the RGS bands come back from the file as lists).
+    settings = json.loads(json.dumps({k: v for k, v in vars(args).items() if k != "methods"}))
+    partial = out.with_suffix(".partial.jsonl")
     done = {}
     if partial.exists():
         for line in partial.read_text().splitlines():
