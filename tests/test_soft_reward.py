@@ -31,7 +31,9 @@ def test_the_embedded_segmenter_labels_fresh_scenes(soft):
 
 def test_training_a_segmenter_lowers_its_loss_and_saves_what_load_reads(tmp_path):
     config = SegmenterConfig(steps=30, batch_size=16, threads=1)
+    threads = torch.get_num_threads()
     model = train_segmenter(config, tmp_path / "seg", log_every=0)
+    assert torch.get_num_threads() == threads  # restored
     loaded = load_segmenter(tmp_path / "seg")
     images, _ = scene_batch(np.random.default_rng(5), 4)
     assert torch.equal(model(images), loaded(images))

@@ -145,9 +145,20 @@ def degrade(images: Tensor, generator: torch.Generator, config: SegmenterConfig)
 
 
 def train_segmenter(config: SegmenterConfig, out: str | Path | None = None, *, log_every: int = 250) -> ShapeSegmenter:
-    """Train a ``ShapeSegmenter`` (module docstring); with ``out``, save it there with its config and accuracy."""
+    """Train a ``ShapeSegmenter`` (module docstring); with ``out``, save it there with its config and accuracy.
+
+    Runs on ``config.threads`` CPU threads and its own global-RNG state; both are restored afterwards."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(config.threads)
-    torch.manual_seed(config.seed)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            return _train(config, out, log_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(config: SegmenterConfig, out: str | Path | None, log_every: int) -> ShapeSegmenter:
     rng = np.random.default_rng(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     model = ShapeSegmenter(config.width)
