@@ -62,8 +62,8 @@ from .train_config import TrainConfig
 _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
 # Keys that may change between a checkpoint and its resumption.
 RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
-                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps", "train.eval_seed",
-                  "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir", "model.kernels")
+                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
+                  "train.eval_seed", "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir", "model.kernels")
 
 
 @dataclass
