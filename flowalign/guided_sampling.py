@@ -112,9 +112,10 @@ def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[d
     (for an image reward that declares ``differentiable = True``), decoding and scoring keep the autograd graph, so
     ``d reward / d x0`` flows back through the VAE decoder; scores stay float32 on the model's device.
     """
-    if differentiable and getattr(reward_fn, "differentiable", False) is not True:
-        raise ValueError(f"reward {getattr(reward_fn, 'name', reward_fn)!r} is not differentiable (it does not "
-                         "declare differentiable = True): RGS needs a reward with a gradient, e.g. toy_geneval_soft")
+    if differentiable:
+        from flowalign.rewards import require_differentiable
+
+        require_differentiable(reward_fn, "reward")
 
     def reward(x0: Tensor, rows: Tensor) -> Tensor:
         scores = []
@@ -166,13 +167,14 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
         return best_of_n(velocity, reward, sigmas, shape, generators, config.steps, **common)
     if g == "bon":
         return best_of_n(velocity, reward, sigmas, shape, generators, config.budget, **common)
+    guide_latent = None if guide_reward is None else latent_reward(model, guide_reward, prompts, metadata,
+                                                                    differentiable=True)
     if g == "fk":
         corrector = None
-        if guide_reward is not None:  # RGS-guided proposals
+        if guide_latent is not None:  # RGS-guided proposals
             from flowalign.samplers.rgs import x0_gradient_correction
 
-            corrector = x0_gradient_correction(
-                latent_reward(model, guide_reward, prompts, metadata, differentiable=True), config.rgs_bands)
+            corrector = x0_gradient_correction(guide_latent, config.rgs_bands)
         return fk_steering(velocity, reward, sigmas, shape, generators, config.budget, potential_kind=config.potential,
                            lam=config.lam, noise_level=config.noise_level, corrector=corrector,
                            resample_steps=range(config.fk_resample_start, config.steps - 1), **common)
@@ -180,12 +182,11 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
         return diffusion_tree_search(velocity, reward, sigmas, shape, generators, config.budget,
                                      greedy=not config.dts_soft, lam=config.lam, max_children=config.max_children,
                                      noise_level=config.noise_level, **common)
-    if guide_reward is not None:
+    if guide_latent is not None:
         from flowalign.samplers.rgs import x0_guide
 
         through = config.rgs_gradient == "full"
-        guide = x0_guide(velocity, latent_reward(model, guide_reward, prompts, metadata, differentiable=True),
-                         through_velocity=through)
+        guide = x0_guide(velocity, guide_latent, through_velocity=through)
         return reward_guided_sampling(guide, sigmas, shape, generators, config.budget, final_reward=reward,
                                       bands=config.rgs_bands, backward_nfe=int(through), **common)
     if registers is None:
@@ -202,13 +203,9 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
 def build_guide_reward(name: str):
     """The registered image reward ``name`` as RGS's gradient source; ValueError unless it declares
     ``differentiable = True`` (checked before any model loads)."""
-    from flowalign.rewards import build_reward
+    from flowalign.rewards import build_reward, require_differentiable
 
-    reward = build_reward(name)
-    if getattr(reward, "differentiable", False) is not True:
-        raise ValueError(f"--rgs-reward {name!r} is not differentiable (it scores images without gradients): RGS "
-                         "needs a reward that declares differentiable = True, e.g. toy_geneval_soft, or --registers")
-    return reward
+    return require_differentiable(build_reward(name), "--rgs-reward")
 
 
 def read_transformer_config(model_path: str) -> dict | None:

@@ -40,6 +40,7 @@ __all__ = [
     "build_reward",
     "combine_rewards",
     "register_reward",
+    "require_differentiable",
     "score_all",
 ]
 
@@ -124,6 +125,16 @@ def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: boo
     if name in REWARDS and not overwrite:
         raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
     REWARDS[name] = factory
+
+
+def require_differentiable(reward: Reward, key: str) -> Reward:
+    """``reward`` itself; ValueError naming ``key`` unless it declares ``differentiable = True`` (a reward whose score
+    keeps its gradient to the images, as reward-gradient guidance and RG-OPD need)."""
+    if getattr(reward, "differentiable", False) is not True:
+        raise ValueError(f"{key} {getattr(reward, 'name', reward)!r} is not differentiable (it scores images without "
+                         "gradients; a differentiable reward declares differentiable = True): use e.g. "
+                         "toy_geneval_soft, or --registers for RGS")
+    return reward
 
 
 def build_reward(name: str, **kwargs: Any) -> Reward:

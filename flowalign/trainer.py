@@ -46,7 +46,7 @@ from .loss import noise_aware_weights, transition_grpo_loss
 from .lr_schedule import learning_rate_scale
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
-from .rewards import build_reward, combine_rewards, score_all
+from .rewards import build_reward, combine_rewards, require_differentiable, score_all
 from .samplers import (
     Rollout,
     TreeSchedule,
@@ -559,29 +559,21 @@ class GRPOTrainer:
         the reward of the decoded ``x0_hat = x - s v_ref`` with respect to ``x0_hat`` (``v_ref`` held fixed, as RGS's
         ``--rgs-gradient x0``: no backward through the transformer), turned into the target ``v_ref + delta / dt`` by
         ``rgs_velocity_target`` with the bands ``loss.rg_opd_bands``. Detached."""
-        from .samplers.rgs import rgs_velocity_target
-        from .samplers.sde import predict_x0
+        from .samplers.rgs import rgs_velocity_target, x0_hat_gradient
 
         cfg = self.config
         if v_ref is None:
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
                 v_ref = self.model.velocity(x, sigma, cond, cfg.sampling.guidance_scale)
-        with torch.enable_grad():
-            x0 = predict_x0(x.float(), v_ref.float(), sigma[0]).detach().requires_grad_(True)
-            score = self.opd_reward(self.model.decode(x0), [m["prompt"] for m in metadata], metadata)
-            (grad,) = torch.autograd.grad(score.sum(), x0)
+        prompts = [m["prompt"] for m in metadata]
+        grad = x0_hat_gradient(lambda x0, rows: self.opd_reward(self.model.decode(x0), prompts, metadata),
+                               x.float(), v_ref.float(), sigma[0], None)
         bands = [tuple(band) for band in cfg.loss.rg_opd_bands]
         return rgs_velocity_target(x.float(), v_ref.float(), [grad], [1.0], sigma[0], sigma_next[0], bands).detach()
 
     def build_opd_reward(self):
         """``loss.rg_opd_reward`` built from the reward registry; it must declare ``differentiable = True``."""
-        from .rewards import build_reward
-
-        reward = build_reward(self.config.loss.rg_opd_reward)
-        if getattr(reward, "differentiable", False) is not True:
-            raise ValueError(f"loss.rg_opd_reward = {self.config.loss.rg_opd_reward!r} is not differentiable: RG-OPD "
-                             "needs a reward that declares differentiable = True, e.g. toy_geneval_soft")
-        return reward
+        return require_differentiable(build_reward(self.config.loss.rg_opd_reward), "loss.rg_opd_reward")
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.

@@ -44,7 +44,8 @@ from .rollout import count_nfe
 from .sde import predict_x0
 
 __all__ = ["DEFAULT_BANDS", "band_scale", "check_bands", "check_differentiable", "reward_guided_sampling",
-           "rgs_correction", "rgs_velocity_target", "unit_rms", "x0_gradient_correction", "x0_guide"]
+           "rgs_correction", "rgs_velocity_target", "unit_rms", "x0_gradient_correction", "x0_guide",
+           "x0_hat_gradient"]
 
 # (sigma above which the band starts, scale), highest band first.
 DEFAULT_BANDS = ((0.8, 0.30), (0.2, 0.05))
@@ -132,6 +133,15 @@ def x0_guide(velocity: GuidedVelocity, reward: LatentReward, *, through_velocity
     return guide
 
 
+def x0_hat_gradient(reward: LatentReward, x: Tensor, v: Tensor, sigma: Tensor | float, rows: Tensor) -> Tensor:
+    """``grad r(x0_hat)`` with respect to ``x0_hat = x - s v``, ``v`` held fixed: ``d r / d x`` without the velocity's
+    Jacobian (``x0_guide(..., through_velocity=False)``). No transformer pass."""
+    with torch.enable_grad():
+        x0 = predict_x0(x, v, sigma).detach().requires_grad_(True)
+        (grad,) = torch.autograd.grad(reward(x0, rows).sum(), x0)
+    return grad
+
+
 def x0_gradient_correction(reward: LatentReward, bands: Sequence[tuple[float, float]] = DEFAULT_BANDS):
     """RGS as a correction of another sampler's steps: ``correct(x, v, sigma, x_base, rows) -> x_next``.
 
@@ -145,10 +155,7 @@ def x0_gradient_correction(reward: LatentReward, bands: Sequence[tuple[float, fl
         scale = band_scale(float(sigma), bands)
         if scale == 0:
             return x_base
-        with torch.enable_grad():
-            x0 = predict_x0(x, v, sigma).detach().requires_grad_(True)
-            (grad,) = torch.autograd.grad(reward(x0, rows).sum(), x0)
-        return rgs_correction(x, x_base, [grad], [1.0], scale)
+        return rgs_correction(x, x_base, [x0_hat_gradient(reward, x, v, sigma, rows)], [1.0], scale)
 
     return correct
 
