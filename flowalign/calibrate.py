@@ -17,6 +17,9 @@ in the config is kept for training but ignored while calibrating, so every step 
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
+
 import os
 from pathlib import Path
 
@@ -34,14 +37,19 @@ __all__ = ["calibrate", "write_calibrated_config"]
 def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: float = 0.01) -> tuple[list[float], list[dict]]:
     """Run ``rounds`` calibration rounds; returns ``(levels, history)`` (one entry per round: levels used, the counts
     of positive and negative ``dR`` per step)."""
+    from .errors import SetupError
     from .trainer import GRPOTrainer
 
     if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+        raise SetupError(f"rounds must be >= 1, got {rounds}")
     if config.rollout.shape != "group":
-        raise ValueError(f"calibration samples independent trajectories: rollout.shape must be 'group', got "
+        raise SetupError(f"calibration samples independent trajectories: rollout.shape must be 'group', got "
                          f"{config.rollout.shape!r}")
-    trainer = GRPOTrainer(config)
+    # Calibration samples with the trainer's parts but is no training run: it writes nothing into train.out_dir, so
+    # the trainer gets an empty scratch directory (its run-directory checks then never refuse it).
+    with tempfile.TemporaryDirectory(prefix="flowalign-calibrate-") as scratch:
+        run = dataclasses.replace(config.train, out_dir=scratch, resume=None, tracker="none", overwrite=False)
+        trainer = GRPOTrainer(dataclasses.replace(config, train=run))
     num_steps = config.sampling.num_steps
     levels = torch.tensor(config.sampling.base_levels(), dtype=torch.float64)
     stochastic = [t for t in range(num_steps) if levels[t] > 0]

@@ -7,7 +7,9 @@ their defaults from ``EvalConfig``). To add a command: write ``_add_<name>(group
 ``build_parser``.
 
 Bad input (a missing model directory, a number out of range, ...) prints ``flowalign: error: ...`` and exits with
-status 2, without a traceback.
+status 2, without a traceback. Only set-up errors count as bad input (``flowalign.errors``): a ``CommandError`` from a
+handler, a ``SetupError`` (every ``ConfigError`` is one), or an error raised inside ``setup_phase()``. A failure after
+the work has begun (iteration 200 of a training run) keeps its traceback and exits with status 1.
 
 Commands:
 
@@ -216,7 +218,7 @@ def _add_train(commands) -> None:
     parser.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE", help="a YAML config, then dotted overrides")
     parser.add_argument("--resume", default=None, metavar="CHECKPOINT|latest", help="continue a run")
     parser.add_argument("--help-config", action="store_true", help="print every config key with its help and exit")
-    parser.set_defaults(handler=_run_train)
+    parser.set_defaults(handler=_run_train, phased=True)
 
 
 def _run_train(args: argparse.Namespace) -> None:
@@ -232,7 +234,8 @@ def _run_train(args: argparse.Namespace) -> None:
     config = load_config(TrainConfig, path, overrides)  # every check runs before any model loads
     from flowalign.trainer import GRPOTrainer
 
-    GRPOTrainer(config).train()
+    trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
+    trainer.train()  # a failure from here on is no user error: it keeps its traceback
 
 
 def _add_calibrate(commands) -> None:
@@ -249,7 +252,7 @@ def _add_calibrate(commands) -> None:
     parser.add_argument("--rounds", type=positive_int, default=10, help="calibration rounds")
     parser.add_argument("--eps1", type=non_negative_float, default=2.0, help="sign-balance tolerance")
     parser.add_argument("--eps2", type=non_negative_float, default=0.01, help="noise-level step per round")
-    parser.set_defaults(handler=_run_calibrate)
+    parser.set_defaults(handler=_run_calibrate, phased=True)
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
@@ -260,7 +263,7 @@ def _run_calibrate(args: argparse.Namespace) -> None:
     config = load_config(TrainConfig, path, overrides)
     from flowalign.calibrate import calibrate, write_calibrated_config
 
-    levels, history = calibrate(config, rounds=args.rounds, eps1=args.eps1, eps2=args.eps2)
+    levels, history = calibrate(config, rounds=args.rounds, eps1=args.eps1, eps2=args.eps2)  # set-up: the trainer's
     out = write_calibrated_config(args.out, levels, history, base=path, overrides=overrides, eps1=args.eps1,
                                   eps2=args.eps2)
     print(f"wrote {out}: sampling.noise_table = {levels}")
@@ -483,9 +486,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns 0 on success, exits with status 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    from flowalign.errors import SetupError, setup_phase
+
     try:
-        args.handler(args)
-    except (CommandError, FileNotFoundError, NotADirectoryError, ValueError) as error:
+        if getattr(args, "phased", False):  # the handler marks its own set-up (a SetupError, or setup_phase())
+            args.handler(args)
+        else:
+            with setup_phase():
+                args.handler(args)
+    except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
     return 0
 

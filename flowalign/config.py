@@ -28,6 +28,8 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar, Union
 
 import yaml
 
+from .errors import SetupError
+
 T = TypeVar("T")
 
 __all__ = [
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(SetupError):
     """A config mistake. ``key`` is the dotted key at fault when there is one, so callers can point at its source."""
 
     def __init__(self, message: str, key: str | None = None):

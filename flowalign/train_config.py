@@ -547,7 +547,12 @@ class RunConfig:
         "finished run's last checkpoint, only the evaluation runs: a re-reading on other seeds"
     )
     tracker: Literal["tensorboard", "wandb", "none"] = option("tensorboard", "where metrics are logged")
-    resume: str | None = option(None, "checkpoint directory to resume from; its config must match this one")
+    resume: str | None = option(None, "checkpoint directory to resume from (or latest: train.out_dir's newest); its "
+                                "config must match this one")
+    overwrite: bool = option(
+        False, "start a new run in a train.out_dir that already holds one, deleting that run's files first (without "
+        "it, such a run is refused)"
+    )
 
     def validate(self) -> None:
         for name, low in (
@@ -600,6 +605,18 @@ class TrainConfig:
     def noise_schedule_spec(self) -> dict[str, Any]:
         """The dict ``flowalign.samplers.noise_schedule`` accepts."""
         return self.sampling.noise_schedule_spec()
+
+    def progress_dependent(self) -> list[str]:
+        """The features that read the run's progress ``iteration / train.iterations``: with any of them on, a run
+        resumed with another ``train.iterations`` would equal no uninterrupted run."""
+        features = []
+        if self.sampling.window_size is not None and self.sampling.window_start == "sliding":
+            features.append("sampling.window_start = 'sliding' (MixGRPO's moving SDE window)")
+        if self.rollout.shape == "tree" and self.rollout.depth_prune_steps and self.rollout.depth_prune_sliding:
+            features.append("rollout.depth_prune_sliding (BranchGRPO's sliding depth pruning)")
+        if self.optim.lr_schedule != "constant":
+            features.append(f"optim.lr_schedule = {self.optim.lr_schedule!r}")
+        return features
 
     def samples_per_prompt(self) -> int:
         """Final images per prompt: data.group_size, times the probe steps for probes."""

@@ -38,14 +38,16 @@ from torch import Tensor
 
 from .advantages import group_advantages, group_normalize
 from .credit import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree_advantages, width_prune_mask
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_process_rng
-from .config import diff_configs, to_dict
+from .checkpoint import load_checkpoint, save_checkpoint, save_process_rng
+from .config import to_dict
+from .errors import SetupError, setup_phase
 from .evaluation.geneval import load_metadata
 from .kernels import use_backend
 from .loss import noise_aware_weights, transition_grpo_loss
 from .lr_schedule import learning_rate_scale
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
+from .run_directory import check_new_run, clear_run, resolve_resume, trim_metrics
 from .rewards import build_reward, combine_rewards, require_differentiable, score_all
 from .samplers import (
     Rollout,
@@ -60,10 +62,6 @@ from .train_config import TrainConfig
 
 # Purposes of random draws (the last element of a seed key).
 _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
-# Keys that may change between a checkpoint and its resumption.
-RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
-                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
-                  "train.eval_seed", "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir", "model.kernels")
 
 
 @dataclass
@@ -98,6 +96,10 @@ class Scores:
 
 class GRPOTrainer:
     def __init__(self, config: TrainConfig, *, accelerator=None):
+        with setup_phase():  # every mistake of the user's surfaces here, as a SetupError, before any update
+            self._set_up(config, accelerator)
+
+    def _set_up(self, config: TrainConfig, accelerator) -> None:
         from accelerate import Accelerator
 
         self.config = config
@@ -106,8 +108,10 @@ class GRPOTrainer:
             mixed_precision=precision, log_with=None if config.train.tracker == "none" else config.train.tracker,
             project_dir=config.train.out_dir,
         )
+        check_distributed_type(self.accelerator)
         self.layout = config.check_batch(self.accelerator.num_processes)
         self.out_dir = Path(config.train.out_dir)
+        self.checkpoint = self._check_run_directory()  # the checkpoint to resume, or None; before any model loads
         self.schedule = noise_schedule(config.noise_schedule_spec())
         self.prompts = load_metadata(config.data.train_prompts)
         self.prompt_weights = prompt_weights(self.prompts, config.data.prompt_sampling)
@@ -131,6 +135,11 @@ class GRPOTrainer:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def computes_kl(self) -> bool:
+        """Whether the loss evaluates the reference velocity for a KL (a penalty, or the velocity MSE logged)."""
+        return self.config.loss.beta > 0 or self.config.loss.kl == "velocity_mse"
 
     def _load_model(self) -> FlowModel:
         cfg = self.config.model
@@ -508,7 +517,7 @@ class GRPOTrainer:
         with self.accelerator.autocast():
             v = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)[inverse]
         v_ref = v_ref_sources = None
-        if cfg.loss.beta > 0 or cfg.loss.kl == "velocity_mse":
+        if self.computes_kl:
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
                 v_ref_sources = self.model.velocity(x, sigma, chunk.cond.index(rows), cfg.sampling.guidance_scale)
             v_ref = v_ref_sources[inverse]
@@ -706,21 +715,25 @@ class GRPOTrainer:
         self.accelerator.wait_for_everyone()
         return path
 
-    def resume(self, where: str) -> None:
-        import yaml
+    def _check_run_directory(self) -> Path | None:
+        """The checkpoint ``train.resume`` names (checked against this config), or None for a new run, which may not
+        write into a directory holding another run (``flowalign.run_directory``); ``train.overwrite`` clears it."""
+        cfg = self.config.train
+        if cfg.resume:
+            return resolve_resume(cfg.resume, self.config, self.out_dir,
+                                  progress_dependent=self.config.progress_dependent())
+        if check_new_run(self.out_dir, overwrite=cfg.overwrite) and self.is_main:
+            clear_run(self.out_dir)
+        self.accelerator.wait_for_everyone()
+        return None
 
-        checkpoint = latest_checkpoint(self.out_dir) if where == "latest" else Path(where)
-        if checkpoint is None or not Path(checkpoint).is_dir():
-            raise FileNotFoundError(f"no checkpoint to resume from at {where!r} (run directory {self.out_dir})")
-        saved = yaml.safe_load((Path(checkpoint) / "config.yaml").read_text())
-        differences = diff_configs(saved, to_dict(self.config), ignore=RESUMABLE_KEYS)
-        if differences:
-            raise ValueError(f"checkpoint {checkpoint} was made with a different config: " + "; ".join(differences))
+    def resume(self, checkpoint: str | Path) -> None:
+        """Load the trainable weights, EMA, optimizer, RNG and history of ``checkpoint`` (checked at set-up)."""
         optimizer = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         state, ema = load_checkpoint(checkpoint, trainable=self.trainable_state(), optimizer=optimizer,
                                      rank=self.accelerator.process_index)
-        if self.ema is not None and ema is not None:
-            self.ema = [ema[n].clone() for n in self.trainable_state()]
+        if self.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
+            self.ema = [ema[n].to(device=p.device, dtype=p.dtype).clone() for n, p in self.trainable_state().items()]
         self.iteration = int(state["iteration"])
         self.history = state["history"]
 
@@ -738,11 +751,12 @@ class GRPOTrainer:
         from .config import save_config
 
         cfg = self.config
-        if cfg.train.resume:
-            self.resume(cfg.train.resume)
+        if self.checkpoint is not None:
+            self.resume(self.checkpoint)
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")
+            trim_metrics(self.out_dir / "metrics.jsonl", self.iteration)
         if cfg.train.tracker != "none":
             self.accelerator.init_trackers("flowalign", config=_flat(to_dict(cfg)))
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -754,7 +768,10 @@ class GRPOTrainer:
                 self.iteration = iteration + 1
                 self.history.append(metrics)
                 self.log(metrics)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics.get('kl', 0.0):.2e}")
+                postfix = {"reward": f"{metrics['reward']:.3f}"}
+                if self.computes_kl and "kl" in metrics:  # a KL to the reference is computed only for these
+                    postfix["kl"] = f"{metrics['kl']:.2e}"
+                bar.set_postfix(postfix)
                 last = self.iteration == cfg.train.iterations
                 every = cfg.train.checkpoint_every
                 stop = self._agreed_stop()
@@ -785,25 +802,40 @@ class GRPOTrainer:
     # -------------------------------------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate_before_after(self) -> dict | None:
-        """Held-out toy GenEval of the reference (LoRA off) and the trained policy on identical seeds."""
+        """Held-out toy GenEval of the reference (LoRA off) and the trained policy on identical seeds.
+
+        With several processes each one samples its share of the evaluation's batches (whole batches, so every image
+        is computed exactly as on one process) through the unwrapped transformer, whose forward has no collectives;
+        the main process gathers the verdicts and writes the report. Returns the report on the main process.
+        """
+        from accelerate.utils import gather_object
+
+        from .evaluation.geneval import summarize
         from .evaluation.toy_eval import evaluate, images_per_tag, paired_difference
 
-        if not self.is_main:
-            self.accelerator.wait_for_everyone()
-            return None
         cfg = self.config
         metadata = load_metadata(cfg.data.eval_prompts)
         counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, cfg.train.eval_images_per_tag)
-        kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts,
-                      seed=self.eval_seed, image_size=cfg.sampling.image_size)
+        shard = (self.accelerator.process_index, self.accelerator.num_processes)
+        kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=self.eval_seed,
+                      image_size=cfg.sampling.image_size, shard=shard)
         self.model.transformer.eval()
-        with self.model.reference():
-            before, before_summary, before_images = evaluate(self.model, metadata, **kwargs)
-        with self.ema_weights():
-            after, after_summary, after_images = evaluate(self.model, metadata, **kwargs)
-        report = write_before_after(self.out_dir / "eval", before, after, before_summary, after_summary,
-                                    paired_difference(before, after), before_images, after_images,
-                                    seed=self.eval_seed)
+        wrapped, self.model.forward_module = self.model.forward_module, None
+        try:
+            with self.model.reference():
+                before, _, before_images = evaluate(self.model, metadata, **kwargs)
+            with self.ema_weights():
+                after, _, after_images = evaluate(self.model, metadata, **kwargs)
+        finally:
+            self.model.forward_module = wrapped
+        if self.accelerator.num_processes > 1:
+            order = lambda r: (r["prompt_id"], r["image_index"])  # noqa: E731 - the one-process row order
+            before, after = (sorted(gather_object(results), key=order) for results in (before, after))
+        report = None
+        if self.is_main:  # the first batch, the grids' images, is the main process's
+            report = write_before_after(self.out_dir / "eval", before, after, summarize(before), summarize(after),
+                                        paired_difference(before, after), before_images, after_images,
+                                        seed=self.eval_seed)
         self.accelerator.wait_for_everyone()
         return report
 
@@ -865,6 +897,21 @@ def write_before_after(out: Path, before, after, before_summary, after_summary, 
         save_grid(images[:64], captions, out / f"grid_{name}.png")
     print("\n".join(lines))
     return report
+
+
+# accelerate's distributed types the trainer runs on: one process, or data parallelism over processes (CPU, GPU or
+# XPU). FSDP and DeepSpeed need the model and optimizer prepared together and sharded checkpoints: not supported yet.
+SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
+
+
+def check_distributed_type(accelerator) -> None:
+    """Refuse, before any model loads, an accelerate launch config the trainer cannot run (FSDP, DeepSpeed, ...)."""
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    if kind not in SUPPORTED_DISTRIBUTED_TYPES:
+        raise SetupError(
+            f"accelerate distributed_type {kind} is not supported by flowalign train yet: it runs on one process or "
+            "with data parallelism (DDP) over processes, on CPU (gloo) or GPU. Launch with "
+            "configs/accelerate/ddp.yaml or configs/accelerate/multi_node.yaml, or torchrun")
 
 
 def enable_xformers(model: FlowModel) -> None:

@@ -13,7 +13,8 @@ A state already at the end of the schedule (``k = T``) is its own clean estimate
 States are batched per schedule position ``k`` (one model call per ODE sub-step for all states at that ``k``), and
 scores are cached by a caller-given key (a node id of the iteration's rollout), so a completion computed for one
 purpose (say, ``R_{t+1}`` of one transition) is reused for another (``R_t`` of the next). Call ``reset`` at the start
-of every iteration. ``nfe`` counts the velocity evaluations spent.
+of every iteration. ``nfe`` counts the velocity evaluations spent, through ``samplers.count_nfe``: a velocity that
+declares ``evals_per_sample = 2`` (classifier-free guidance) costs two per state.
 
 This module sits below the flowalign core: it takes plain callables, ``velocity(x, sigma, rows)``,
 ``decode(latents) -> images`` and ``reward(images, rows) -> scores``, where ``rows`` indexes each state's prompt.
@@ -26,7 +27,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 from torch import Tensor
 
-from flowalign.samplers import ode_step, predict_x0
+from flowalign.samplers import count_nfe, ode_step, predict_x0
 
 __all__ = ["CLEAN_ESTIMATES", "IntermediateScorer", "completion_sigmas"]
 
@@ -84,12 +85,12 @@ class IntermediateScorer:
         sigma = self.sigmas[k]
         if self.estimate == "x0":
             v = self.velocity(x, sigma.expand(x.shape[0]), rows)
-            self.nfe += x.shape[0]
+            self.nfe += count_nfe(self.velocity, x.shape[0])
             return predict_x0(x, v, sigma).to(x.dtype)
         path = completion_sigmas(self.sigmas, k, self.ode_steps)
         for s, s_next in zip(path[:-1], path[1:]):
             v = self.velocity(x, s.expand(x.shape[0]), rows)
-            self.nfe += x.shape[0]
+            self.nfe += count_nfe(self.velocity, x.shape[0])
             x = ode_step(x, v, s, s_next)
         return x
 

@@ -207,6 +207,7 @@ def generate(
     seed: int = 0,
     batch_size: int = 64,
     image_size: int | Sequence[int] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Tensor:
     """ODE samples ``[N, 3, H, W]`` in [0, 1] (CPU, fp32), prompt-major: with ``K`` images for every prompt, image
     ``k`` of prompt ``p`` is row ``p * K + k``. ``images_per_prompt`` may instead give one count per prompt.
@@ -220,15 +221,25 @@ def generate(
     if len(metadata_list) == 0:
         raise ValueError("no prompts to generate for")
     prompts = [_prompt_text(entry) for entry in metadata_list]
-    rows = _rows(len(prompts), images_per_prompt)
     sigmas = model.sigmas(steps, image_size)
     images = []
     with torch.no_grad():
-        for start in range(0, len(rows), batch_size):
-            batch = rows[start : start + batch_size]
+        for batch in _batches(_rows(len(prompts), images_per_prompt), batch_size, shard):
             noise = initial_noise(model, batch, seed, image_size)
             images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale))
-    return torch.cat(images)
+    return torch.cat(images) if images else torch.zeros(0)
+
+
+def _batches(rows: list[tuple[int, int]], batch_size: int, shard: tuple[int, int] | None) -> list[list[tuple[int, int]]]:
+    """The rows in batches of ``batch_size``; with ``shard = (rank, world)`` only every ``world``-th batch from
+    ``rank`` on. Whole batches are shared out, so each image is computed in the same batch as on one process."""
+    batches = [rows[start : start + batch_size] for start in range(0, len(rows), batch_size)]
+    if shard is None:
+        return batches
+    rank, world = shard
+    if not 0 <= rank < world:
+        raise ValueError(f"shard rank {rank} is outside 0..{world - 1}")
+    return batches[rank::world]
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -244,8 +255,12 @@ def evaluate(
     seed: int = 0,
     batch_size: int = 64,
     image_size: int | Sequence[int] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> tuple[list[dict], dict, Tensor]:
     """Generate, detect and judge: ``(results, summary, images)``.
+
+    ``shard = (rank, world)``: only this process's share of the batches (``generate``); gather the results of all
+    ranks and ``summarize`` them for the whole evaluation.
 
     One result per image, in ``generate``'s row order: ``{prompt_id: p, prompt, tag, image_index: k,
     seed: sample_seed(seed, p, k), correct, reason}``; ``summary`` is ``geneval.summarize(results)``.
@@ -261,11 +276,13 @@ def evaluate(
         seed=seed,
         batch_size=batch_size,
         image_size=image_size,
+        shard=shard,
     )
-    detections = detect_batch(images)
-    size = (int(images.shape[3]), int(images.shape[2]))  # (width, height)
+    detections = detect_batch(images) if len(images) else []
+    size = (int(images.shape[-1]), int(images.shape[-2])) if len(images) else None  # (width, height)
     results = []
-    for (p, k), found in zip(_rows(len(metadata_list), images_per_prompt), detections):
+    rows = [row for batch in _batches(_rows(len(metadata_list), images_per_prompt), batch_size, shard) for row in batch]
+    for (p, k), found in zip(rows, detections):
         metadata = metadata_list[p]
         correct, reason = judge(metadata, found, size)
         results.append(
@@ -279,7 +296,7 @@ def evaluate(
                 "reason": reason,
             }
         )
-    return results, summarize(results), images
+    return results, summarize(results) if results else {}, images
 
 
 # ------------------------------------------------------------------------------------- paired comparison

@@ -1,0 +1,42 @@
+"""The logged NFEs are the transformer's real work: counted at the transformer, with CFG, for every method preset."""
+
+import pytest
+
+from flowalign.config import load_config
+from flowalign.train_config import TrainConfig
+from flowalign.trainer import GRPOTrainer
+
+from test_presets import METHODS, SMALL_RUN_SHAPE, small_run, tiny_paths  # noqa: F401 - the fixture
+
+
+def count_rows(transformer):
+    """Rows the transformer evaluates outside training mode (rollouts and completions; the loss runs in train mode).
+    One row is one NFE: with CFG the conditional and unconditional rows of a sample are two."""
+    seen = {"rows": 0}
+
+    def hook(module, args, kwargs):
+        if not module.training:
+            seen["rows"] += int(kwargs["hidden_states"].shape[0])
+
+    return seen, transformer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
+def test_logged_nfes_equal_the_transformers_rows_with_cfg(preset, tiny_paths, tmp_path):
+    extra = {**SMALL_RUN_SHAPE.get(preset.stem, {}), "sampling.guidance_scale": 3.0, "train.iterations": 1}
+    if preset.stem == "register_grpo":  # registers for the tiny transformer the run trains
+        from diffusers import SD3Transformer2DModel
+        from flowalign.reward_models.registers import LatentRegisters
+
+        transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
+        extra["step_reward.registers"] = str(
+            LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt"))
+    trainer = GRPOTrainer(load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / "run", **extra)))
+    seen, handle = count_rows(trainer.model.transformer)
+    try:
+        metrics = trainer.train_iteration(0)
+    finally:
+        handle.remove()
+    assert metrics["nfe/rollout"] + metrics["nfe/completion"] == metrics["nfe"] == seen["rows"]
+    if preset.stem in ("dense_grpo", "tp_grpo"):  # ODE completions are CFG'd too: twice the rows of one pass
+        assert metrics["nfe/completion"] > 0 and metrics["nfe/completion"] % 2 == 0
