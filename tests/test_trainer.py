@@ -277,6 +277,7 @@ def _one_vs_two_processes(tiny_model, tmp_path, **extra):
         env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
     )
     assert two.returncode == 0, two.stderr[-2000:]
+    _one_vs_two_processes.stdout = one.stdout, two.stdout
     return final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
 
 
@@ -287,17 +288,28 @@ def _assert_same_run(a: Path, b: Path) -> None:
     assert [m["reward"] for m in state_a["history"]] == pytest.approx([m["reward"] for m in state_b["history"]], abs=1e-6)
     assert [m["nfe"] for m in state_a["history"]] == [m["nfe"] for m in state_b["history"]]
     wa, wb = load_file(str(a / "trainable.safetensors")), load_file(str(b / "trainable.safetensors"))
-    moved = max((wa[k] - torch.zeros_like(wa[k])).abs().max().item() for k in wa if "lora_B" in k)
+    moved = max(wa[k].abs().max().item() for k in wa if "lora_B" in k)  # lora_B starts at zero
     assert moved > 1e-3  # the update is real...
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5 * max(1.0, moved * 100)  # ...and the same
+    # ...and the same up to the all-reduce's rounding, which Adam's normalisation and two iterations of RL amplify
+    # (1.4e-4 of the update's norm measured on a 2-core x86 CPU); a real difference (a group normalised on one
+    # process, a gradient not reduced) is of the order of the update itself.
+    update = sum(wa[k].double().pow(2).sum() for k in wa if "lora_B" in k).sqrt()
+    difference = sum((wa[k] - wb[k]).double().pow(2).sum() for k in wa).sqrt()
+    assert difference < 1e-3 * update, (float(difference), float(update))
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tiny_model, tmp_path):
     """torchrun --nproc_per_node 2 with gloo on CPU: same advantages and same updated weights as one process."""
-    a, b = _one_vs_two_processes(tiny_model, tmp_path)
+    evaluation = {"train.eval_at_end": "true", "train.eval_images_per_prompt": 1, "train.eval_steps": 2}
+    a, b = _one_vs_two_processes(tiny_model, tmp_path, **evaluation)
     assert (b / "rng-1.pt").is_file()  # both processes wrote their RNG state
     _assert_same_run(a, b)
+    # The final evaluation, sharded over the 2 processes (66 samples: one batch each), prints the same table
+    one, two = (json.loads((tmp_path / n / "eval" / "before_after.json").read_text()) for n in ("one", "two"))
+    assert one["samples"] == two["samples"] == 66 and one["paired"] == two["paired"]
+    tables = [[line for line in out.splitlines() if line.startswith("| ")] for out in _one_vs_two_processes.stdout]
+    assert len(tables[0]) == 8 and tables[0] == tables[1]
 
 
 @pytest.mark.slow
