@@ -503,6 +503,20 @@ def test_flowalign_sample_rgs_runs_on_every_differentiable_zoo_scorer(tmp_path, 
     assert not (_png(out / "images" / "0000.png") == _png(tmp_path / "plain" / "images" / "0000.png")).all()
 
 
+def test_flowalign_sample_fk_with_rgs_proposals_from_a_zoo_scorer(tmp_path, zoo):
+    """FK's RGS-guided proposals through the same entry point (HPS here): same NFEs, moved particles."""
+    from flowalign.cli import main
+
+    common = ["sample", "--guidance", "fk", "--steps", "2", "--budget", "4", "--max-prompts", "1", "--model", str(TOY)]
+    guided = ["--rgs-reward", "hps", "--rgs-reward-kwargs", json.dumps(zoo["hps"]), "--rgs-gradient", "x0",
+              "--rgs-bands", "0.2:1.0"]
+    for name, extra in (("guided", guided), ("plain", [])):
+        assert main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        assert [r["nfe"] for r in json.loads((tmp_path / name / "results.json").read_text())["results"]] == [4]
+    guided_image, plain_image = (_png(tmp_path / name / "images" / "0000.png") for name in ("guided", "plain"))
+    assert not (guided_image == plain_image).all()
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name):
     """``loss.rg_opd_reward`` with a zoo scorer: the trainer's own target function (its reward built as the trainer
