@@ -21,7 +21,7 @@ Commands:
 * ``flowalign toy segmenter``: train the shape segmenter of the differentiable toy reward (``flowalign.toy.segmenter``).
 * ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
   (``flowalign.calibrate``), written as a config for ``flowalign train``.
-* ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE``: reward-guided sampling
+* ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE [--cfg SCALE]``: reward-guided sampling
   (``flowalign.guided_sampling``).
 * ``flowalign registers train``: latent reward registers (``flowalign.register_training``).
 """
@@ -79,6 +79,20 @@ def non_negative_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (``'{"device": "cpu"}'``) as a dict, e.g. a reward's constructor arguments."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"device\": \"cpu\"}}', got {text!r} "
+                                         f"({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object ({{...}}), got {type(value).__name__} {text!r}")
     return value
 
 
@@ -352,9 +366,15 @@ def _add_sample(commands) -> None:
     parser.add_argument("--reward", default=defaults.reward, help="registered image reward that scores samples")
     parser.add_argument("--binary-reward", action="store_true", help="toy_geneval without partial credit")
     parser.add_argument("--registers", default=None, help="register checkpoint: RGS's gradient from register heads")
+    parser.add_argument("--cfg", type=non_negative_float, default=defaults.cfg, metavar="SCALE",
+                        help="classifier-free guidance scale (negative prompt ''), for every --guidance method; > 1 "
+                        "costs 2 NFEs per sample and step; 1 = off")
     parser.add_argument("--rgs-reward", default=None,
-                        help="differentiable image reward for RGS's gradient on the decoded x0_hat (e.g. "
-                        "toy_geneval_soft); instead of --registers")
+                        help="differentiable image reward for RGS's gradient on the decoded x0_hat (toy_geneval_soft, "
+                        "pickscore, hps, clipscore, aesthetic, imagereward); instead of --registers")
+    parser.add_argument("--rgs-reward-kwargs", type=json_object, default={}, metavar="JSON",
+                        help="--rgs-reward's constructor arguments as a JSON object, e.g. local weights: "
+                        "'{\"model\": \"/w/PickScore_v1\", \"processor\": \"/w/CLIP-H\", \"device\": \"cuda\"}'")
     parser.add_argument("--rgs-gradient", choices=RGS_GRADIENTS, default=defaults.rgs_gradient,
                         help="--rgs-reward's gradient: through the velocity (full, one backward NFE per guided step) "
                         "or on x0_hat alone (x0, no extra NFE)")
@@ -383,7 +403,8 @@ def _run_sample(args: argparse.Namespace) -> None:
     config = SampleConfig(
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
-        rgs_reward=args.rgs_reward, rgs_gradient=args.rgs_gradient,
+        rgs_reward=args.rgs_reward, rgs_reward_kwargs=args.rgs_reward_kwargs, rgs_gradient=args.rgs_gradient,
+        cfg=args.cfg,
         noise_level=args.noise_level, lam=args.lam, potential=args.potential,
         fk_resample_start=args.fk_resample_start, max_children=args.max_children,
         dts_soft=args.dts_soft, rgs_bands=args.rgs_bands, max_prompts=args.max_prompts,

@@ -10,6 +10,15 @@ steering), ``dts`` (DTS*, greedy tree search; ``--dts-soft`` for DTS), ``rgs`` (
 heads, ``--registers CKPT``, or on a differentiable image reward of the decoded ``x0_hat``, ``--rgs-reward NAME``, with
 the gradient through the velocity or, ``--rgs-gradient x0``, on ``x0_hat`` alone at no NFE cost). The budget is per
 prompt. Every check on the settings runs before the model loads.
+
+A differentiable image reward is any registered reward with the entry point ``forward(images, prompts, metadata)``
+(``flowalign.rewards``): the zoo's pickscore, hps, clipscore, aesthetic, imagereward, and toy_geneval_soft;
+``--rgs-reward-kwargs`` gives its constructor arguments (local weights, device, dtype).
+
+Classifier-free guidance (``--cfg SCALE``, every method): with ``SCALE > 1`` (on a model whose ``uses_cfg`` says so;
+FLUX.1-dev's guidance embedding takes the scale in one pass) each velocity is
+``v_uncond + SCALE (v_cond - v_uncond)`` with the negative prompt ``""``, as ``StableDiffusion3Pipeline`` does, and
+costs 2 NFEs per sample (``evals_per_sample = 2``); a backward pass through such a velocity (RGS) costs 2 as well.
 """
 
 from __future__ import annotations
@@ -28,10 +37,11 @@ from flowalign.samplers.guided import GUIDANCE, GuidedResult
 from flowalign.samplers.rgs import DEFAULT_BANDS, check_bands
 from flowalign.seeding import generator as seeded_generator
 
-__all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "latent_reward", "run_guided", "run_sample"]
+__all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "encode_prompts", "latent_reward",
+           "prompt_velocity", "run_guided", "run_sample"]
 
 # Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
-# step) or on x0_hat alone (free); see samplers.rgs.x0_guide.
+# step, two with CFG) or on x0_hat alone (free); see samplers.rgs.x0_guide.
 RGS_GRADIENTS = ("full", "x0")
 
 
@@ -49,6 +59,7 @@ class SampleConfig:
     partial_credit: bool = True
     registers: str | None = None
     rgs_reward: str | None = None
+    rgs_reward_kwargs: dict[str, Any] = field(default_factory=dict)
     rgs_gradient: str = "full"
     noise_level: float = 0.7
     lam: float = 10.0
@@ -61,27 +72,49 @@ class SampleConfig:
     batch_prompts: int = 16
     out_dir: str = "outputs/sample"
     device: str | None = None
+    cfg: float = 1.0
 
-    def validate(self) -> None:
-        """ValueError naming the first bad setting; cheap (no model is loaded)."""
+    def evals_per_step(self, transformer_config: dict | None = None) -> int:
+        """Transformer passes per sample and step: 2 with CFG (``cfg > 1``), unless the transformer's config says it
+        takes the scale through a guidance embedding (FLUX.1-dev), as ``FlowModel.uses_cfg`` decides."""
+        if not self.cfg > 1:
+            return 1
+        return 1 if (transformer_config or {}).get("guidance_embeds", False) else 2
+
+    def validate(self, transformer_config: dict | None = None) -> None:
+        """ValueError naming the first bad setting; cheap (no model is loaded). With ``transformer_config`` (the
+        model's ``transformer/config.json``, when local) the budget check counts CFG's second pass; without it, only
+        the steps (the sampler checks the exact cost again once the model is loaded)."""
         if self.guidance not in GUIDANCE:
             raise ValueError(f"unknown guidance {self.guidance!r}: expected one of {', '.join(GUIDANCE)}")
         for name in ("budget", "steps", "batch_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.guidance != "none" and self.budget < self.steps:
+        number = isinstance(self.cfg, (int, float)) and not isinstance(self.cfg, bool)
+        if not (number and math.isfinite(self.cfg) and self.cfg >= 1):
+            raise ValueError(f"cfg must be a finite number >= 1 (the classifier-free guidance scale; 1 = off), got "
+                             f"{self.cfg!r}")
+        per_trajectory = self.steps * (1 if transformer_config is None else self.evals_per_step(transformer_config))
+        if self.guidance != "none" and self.budget < per_trajectory:
+            cost = f"{self.steps} NFEs" if per_trajectory == self.steps else f"{per_trajectory} NFEs with --cfg"
             raise ValueError(
                 f"budget={self.budget} NFEs per prompt is smaller than one trajectory of {self.steps} steps "
-                f"({self.steps} NFEs): raise --budget to at least {self.steps} or lower --steps"
+                f"({cost}): raise --budget to at least {per_trajectory} or lower --steps"
             )
         if self.guidance == "rgs" and self.registers is None and self.rgs_reward is None:
             raise ValueError(
                 "guidance 'rgs' needs a differentiable reward, and the image reward "
                 f"{self.reward!r} is not (it scores decoded images without gradients): pass --registers CKPT "
                 "(trained with `flowalign registers train`), or --rgs-reward NAME with a differentiable image reward "
-                "(e.g. toy_geneval_soft), or use --guidance bon|fk|dts"
+                "(toy_geneval_soft, pickscore, hps, clipscore, aesthetic, imagereward), or use --guidance bon|fk|dts"
             )
+        if not isinstance(self.rgs_reward_kwargs, dict):
+            raise ValueError(f"rgs_reward_kwargs must be a dict of the reward's constructor arguments, got "
+                             f"{self.rgs_reward_kwargs!r}")
+        if self.rgs_reward_kwargs and self.rgs_reward is None:
+            raise ValueError("--rgs-reward-kwargs are the constructor arguments of --rgs-reward: pass --rgs-reward "
+                             "NAME too")
         if self.registers is not None and self.rgs_reward is not None:
             raise ValueError("pass either --registers or --rgs-reward as RGS's gradient source, not both")
         if self.rgs_gradient not in RGS_GRADIENTS:
@@ -109,12 +142,13 @@ def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[d
     """``reward(x0, rows) -> [n]``: decode latents and score them with an image reward for prompts ``rows``.
 
     By default scored without gradients, float64 on the CPU (``differentiable = False``). With ``differentiable``
-    (for an image reward that declares ``differentiable = True``), decoding and scoring keep the autograd graph, so
-    ``d reward / d x0`` flows back through the VAE decoder; scores stay float32 on the model's device.
+    (for an image reward with the entry point ``forward(images, prompts, metadata)``, refused here otherwise),
+    decoding and scoring go through ``flowalign.rewards.differentiable_score`` and keep the autograd graph, so
+    ``d reward / d x0`` flows back through the VAE decoder; scores are float32 on the latents' device.
     """
-    if differentiable:
-        from flowalign.rewards import require_differentiable
+    from flowalign.rewards import differentiable_score, require_differentiable
 
+    if differentiable:
         require_differentiable(reward_fn, "reward")
 
     def reward(x0: Tensor, rows: Tensor) -> Tensor:
@@ -122,10 +156,11 @@ def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[d
         for start in range(0, x0.shape[0], chunk):
             part = rows[start : start + chunk].tolist()
             images = model.decode(x0[start : start + chunk])
-            out = reward_fn(images, [prompts[r] for r in part], [metadata[r] for r in part])
+            texts, entries = [prompts[r] for r in part], [metadata[r] for r in part]
             if differentiable:
-                scores.append(out.float().flatten())
+                scores.append(differentiable_score(reward_fn, images, texts, entries).to(x0.device))
             else:
+                out = reward_fn(images, texts, entries)
                 scores.append(torch.as_tensor(out, dtype=torch.float64).flatten().cpu())
         return torch.cat(scores)
 
@@ -134,14 +169,23 @@ def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[d
     return reward if differentiable else torch.no_grad()(reward)
 
 
-def prompt_velocity(model, cond):
-    """``velocity(x, sigma, rows)`` with prompt ``rows[i]``'s conditioning for row ``i``."""
+def prompt_velocity(model, cond, guidance_scale: float = 1.0):
+    """``velocity(x, sigma, rows)`` with prompt ``rows[i]``'s conditioning for row ``i``, at ``guidance_scale``
+    (classifier-free guidance when ``model.uses_cfg(guidance_scale)``: ``cond`` then needs its negative embeddings,
+    and each call costs 2 NFEs per row, ``evals_per_sample = 2``, as ``FlowModel.velocity_fn``)."""
 
     def velocity(x: Tensor, sigma: Tensor, rows: Tensor) -> Tensor:
-        return model.velocity(x, sigma, cond.index(rows))
+        return model.velocity(x, sigma, cond.index(rows), guidance_scale)
 
-    velocity.evals_per_sample = 1
+    velocity.evals_per_sample = 2 if model.uses_cfg(guidance_scale) else 1
     return velocity
+
+
+def encode_prompts(model, prompts: Sequence[str], guidance_scale: float = 1.0):
+    """``model.encode(prompts)``, with the empty negative prompt of every row when the scale means CFG (as the
+    trainer and ``StableDiffusion3Pipeline`` with no ``negative_prompt``)."""
+    negatives = [""] * len(prompts) if model.uses_cfg(guidance_scale) else None
+    return model.encode(list(prompts), negative_prompts=negatives)
 
 
 def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_fn, registers=None,
@@ -155,16 +199,17 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
     from flowalign.samplers.rgs import reward_guided_sampling
 
     prompts = [entry["prompt"] for entry in metadata]
-    cond = model.encode(prompts)
-    velocity = prompt_velocity(model, cond)
+    cond = encode_prompts(model, prompts, config.cfg)
+    velocity = prompt_velocity(model, cond, config.cfg)
+    evals = velocity.evals_per_sample
     reward = latent_reward(model, reward_fn, prompts, metadata)
     sigmas = model.sigmas(config.steps)
     shape = model.latent_shape(1)[1:]
     generators = [seeded_generator(config.seed, prompt_offset + p) for p in range(len(prompts))]
     common = dict(device=model.device)
     g = config.guidance
-    if g == "none":
-        return best_of_n(velocity, reward, sigmas, shape, generators, config.steps, **common)
+    if g == "none":  # one trajectory: the budget is what it costs
+        return best_of_n(velocity, reward, sigmas, shape, generators, config.steps * evals, **common)
     if g == "bon":
         return best_of_n(velocity, reward, sigmas, shape, generators, config.budget, **common)
     guide_latent = None if guide_reward is None else latent_reward(model, guide_reward, prompts, metadata,
@@ -187,25 +232,27 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
 
         through = config.rgs_gradient == "full"
         guide = x0_guide(velocity, guide_latent, through_velocity=through)
+        # a backward pass through the velocity costs what its forward did: 2 NFEs per sample with CFG
         return reward_guided_sampling(guide, sigmas, shape, generators, config.budget, final_reward=reward,
-                                      bands=config.rgs_bands, backward_nfe=int(through), **common)
+                                      bands=config.rgs_bands, backward_nfe=evals if through else 0, **common)
     if registers is None:
         raise ValueError("guidance 'rgs' needs a differentiable reward: pass registers= or guide_reward=")
     registers.attach(model.transformer)
     try:
         return reward_guided_sampling(registers.guide(velocity), sigmas, shape, generators, config.budget,
                                       head_weights=[1.0] * len(registers.head_names), final_reward=reward,
-                                      bands=config.rgs_bands, **common)
+                                      bands=config.rgs_bands, backward_nfe=evals, **common)
     finally:
         registers.detach()
 
 
-def build_guide_reward(name: str):
-    """The registered image reward ``name`` as RGS's gradient source; ValueError unless it declares
-    ``differentiable = True`` (checked before any model loads)."""
-    from flowalign.rewards import build_reward, require_differentiable
+def build_guide_reward(name: str, **kwargs: Any):
+    """The registered image reward ``name`` (built with ``kwargs``) as RGS's gradient source; ValueError naming
+    ``--rgs-reward`` unless it has the differentiable entry point ``forward``, checked on its class before it is
+    built (``flowalign.rewards.build_differentiable_reward``)."""
+    from flowalign.rewards import build_differentiable_reward
 
-    return require_differentiable(build_reward(name), "--rgs-reward")
+    return build_differentiable_reward(name, "--rgs-reward", **kwargs)
 
 
 def read_transformer_config(model_path: str) -> dict | None:
@@ -220,8 +267,15 @@ def run_sample(config: SampleConfig) -> dict:
     from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
 
     config.validate()
-    guide_reward = build_guide_reward(config.rgs_reward) if config.rgs_reward is not None else None
+    if config.rgs_reward is not None:  # a reward without a gradient is refused before anything is built or loaded
+        from flowalign.rewards import require_differentiable_reward
+
+        require_differentiable_reward(config.rgs_reward, "--rgs-reward")
     model_path = resolve_model_path(config.model)
+    config.validate(read_transformer_config(model_path))  # the budget under CFG, exactly, before the model loads
+    guide_reward = None
+    if config.rgs_reward is not None:
+        guide_reward = build_guide_reward(config.rgs_reward, **config.rgs_reward_kwargs)
     metadata = load_metadata(config.prompts or default_prompts_path())
     if config.max_prompts is not None:
         metadata = metadata[: config.max_prompts]
@@ -298,7 +352,8 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         summary["geneval"] = summarize(rows)
     summary["results"] = rows
     (out / "results.json").write_text(json.dumps(summary, indent=1))
-    lines = [f"# flowalign sample: guidance {config.guidance}, budget {config.budget} NFEs/prompt", "",
+    lines = [f"# flowalign sample: guidance {config.guidance}, budget {config.budget} NFEs/prompt, cfg {config.cfg:g}",
+             "",
              f"prompts {len(rows)}, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"]
     if "geneval" in summary:
         lines.append(f"toy GenEval overall {summary['geneval']['overall']:.3f}")

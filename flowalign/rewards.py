@@ -6,6 +6,17 @@ The protocol (trl-style plain callables): a reward is
 
 with a ``name`` attribute. Rewards are scored without gradients (GRPO only needs their values).
 
+A *differentiable* reward also has the entry point
+
+    reward.forward(images: Tensor [B, 3, H, W] in [0, 1], prompts: list[str], metadata: list[dict] | None) -> Tensor [B]
+
+which keeps the autograd graph to ``images`` (the zoo's ``RewardModel`` subclasses, ``toy_geneval_soft``,
+``brightness``). Reward-gradient guidance (RGS, FK's RGS proposals) and RG-OPD score through
+``differentiable_score(reward, images, prompts, metadata)``, which moves the images to the reward's ``device`` and the
+scores back; ``require_differentiable`` checks for the entry point (a ``differentiable = True`` flag alone is not
+enough: ``RewardModel.__call__`` scores under ``torch.no_grad()``), and ``build_differentiable_reward`` does so on the
+registered class before anything is built or loaded.
+
 ``score_all`` runs every reward on one batch and keeps the raw scores ``[R, B]``. A non-finite score (a reward that
 returns NaN for an image it cannot judge) is not an error: the sample is marked invalid (``valid[b]`` is False when
 any reward of sample ``b`` is non-finite), counted, and left out of every later mean, std and advantage.
@@ -37,10 +48,15 @@ __all__ = [
     "REWARDS",
     "Reward",
     "RewardScores",
+    "build_differentiable_reward",
     "build_reward",
     "combine_rewards",
+    "differentiable_rewards",
+    "differentiable_score",
     "register_reward",
     "require_differentiable",
+    "require_differentiable_reward",
+    "reward_class",
     "score_all",
 ]
 
@@ -56,16 +72,28 @@ class Reward(Protocol):
     def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor | list[float]: ...
 
 
-def _toy_geneval(**kwargs: Any) -> Reward:
+def _toy_geneval_class() -> type:
     from flowalign.toy.reward import ToyGenEvalReward  # imported lazily: it pulls in scipy and the toy world
 
-    return ToyGenEvalReward(**kwargs)
+    return ToyGenEvalReward
+
+
+def _toy_geneval_soft_class() -> type:
+    from flowalign.toy.soft_reward import SoftToyGenEval  # a differentiable surrogate, for reward-gradient guidance
+
+    return SoftToyGenEval
+
+
+def _toy_geneval(**kwargs: Any) -> Reward:
+    return _toy_geneval_class()(**kwargs)
 
 
 def _toy_geneval_soft(**kwargs: Any) -> Reward:
-    from flowalign.toy.soft_reward import SoftToyGenEval  # a differentiable surrogate, for reward-gradient guidance
+    return _toy_geneval_soft_class()(**kwargs)
 
-    return SoftToyGenEval(**kwargs)
+
+_toy_geneval.reward_class = _toy_geneval_class
+_toy_geneval_soft.reward_class = _toy_geneval_soft_class
 
 
 class BrightnessReward:
@@ -82,9 +110,14 @@ class BrightnessReward:
             raise ValueError(f"brightness channel must be 0, 1, 2 or None (all), got {channel!r}")
         self.channel = channel
 
-    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str] | None = None,
+                metadata: Sequence[dict] | None = None) -> Tensor:
+        """The score, differentiable in ``images`` (``d score / d pixel = 1 / (C H W)`` for the pixels it reads)."""
         pixels = images.float() if self.channel is None else images[:, self.channel].float()
         return pixels.flatten(1).mean(dim=1)
+
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return self.forward(images, prompts, metadata)
 
 
 def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
@@ -93,12 +126,15 @@ def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
     Real reward models pull in transformers/open_clip and load weights, so nothing is imported at registry time.
     """
 
-    def factory(**kwargs: Any) -> Reward:
+    def reward_class() -> type:
         import importlib
 
-        cls = getattr(importlib.import_module(f"flowalign.reward_models.{module}"), attribute)
-        return cls(**fixed, **kwargs)
+        return getattr(importlib.import_module(f"flowalign.reward_models.{module}"), attribute)
 
+    def factory(**kwargs: Any) -> Reward:
+        return reward_class()(**fixed, **kwargs)
+
+    factory.reward_class = reward_class  # the class without building it: its entry points, before weights load
     factory.__name__ = f"build_{attribute}"
     factory.__doc__ = f"Build flowalign.reward_models.{module}.{attribute} (kwargs: its constructor's)."
     return factory
@@ -127,21 +163,98 @@ def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: boo
     REWARDS[name] = factory
 
 
-def require_differentiable(reward: Reward, key: str) -> Reward:
-    """``reward`` itself; ValueError naming ``key`` unless it declares ``differentiable = True`` (a reward whose score
-    keeps its gradient to the images, as reward-gradient guidance and RG-OPD need)."""
-    if getattr(reward, "differentiable", False) is not True:
-        raise ValueError(f"{key} {getattr(reward, 'name', reward)!r} is not differentiable (it scores images without "
-                         "gradients; a differentiable reward declares differentiable = True): use e.g. "
-                         "toy_geneval_soft, or --registers for RGS")
+def reward_class(name: str) -> type | None:
+    """The class the registered reward ``name`` builds, found without building it (no weights load), or None when
+    its factory does not say (a custom ``register_reward`` factory that is not a class). Unknown names: ValueError."""
+    factory = _factory(name)
+    if isinstance(factory, type):
+        return factory
+    find = getattr(factory, "reward_class", None)
+    return find() if callable(find) else None
+
+
+def _has_entry_point(reward: Any) -> bool:
+    return callable(getattr(reward, "forward", None))
+
+
+def differentiable_rewards() -> list[str]:
+    """The registered rewards whose class has the differentiable entry point ``forward`` (sorted names)."""
+    return sorted(name for name in REWARDS if _has_entry_point(reward_class(name)))
+
+
+def require_differentiable(reward: Any, key: str, *, name: str | None = None) -> Any:
+    """``reward`` (an instance or a class) itself; ValueError naming ``key`` and the reward (``name``, else its own
+    ``name``) unless it has the differentiable entry point ``forward(images, prompts, metadata)`` (module docstring).
+    The flag ``differentiable`` is not consulted."""
+    if not _has_entry_point(reward):
+        if name is None:
+            name = getattr(reward, "name", None)
+            name = name if isinstance(name, str) else getattr(reward, "__name__", type(reward).__name__)
+        raise ValueError(
+            f"{key} {name!r} is not differentiable: it has no forward(images, prompts, metadata) that keeps the "
+            "gradient to the images (it only scores them). Use a differentiable reward "
+            f"({', '.join(differentiable_rewards())}), or, for RGS, --registers CKPT; or a guidance method that only "
+            "needs reward values (bon, fk, dts)"
+        )
     return reward
+
+
+def require_differentiable_reward(name: str, key: str) -> None:
+    """ValueError naming ``key`` when the registered reward ``name`` (unknown names too) has a class without the
+    differentiable entry point; checked on the class, so nothing is built and no weights load."""
+    cls = reward_class(name)
+    if cls is not None:
+        require_differentiable(cls, key, name=name)
+
+
+def build_differentiable_reward(name: str, key: str, **kwargs: Any) -> Reward:
+    """Build the registered reward ``name`` for a gradient consumer configured by ``key`` (``--rgs-reward``,
+    ``loss.rg_opd_reward``): refused (ValueError naming ``key``) before it is built, and so before any weights load,
+    when its registered class has no differentiable entry point; checked again on the built instance."""
+    require_differentiable_reward(name, key)
+    return require_differentiable(build_reward(name, **kwargs), key)
+
+
+def differentiable_score(reward: Any, images: Tensor, prompts: Sequence[str],
+                         metadata: Sequence[dict] | None = None) -> Tensor:
+    """``reward.forward(images, prompts, metadata)`` as float32 scores ``[B]`` on ``images``' device, keeping the
+    autograd graph to ``images``.
+
+    The images are moved to ``reward.device`` when the reward has one (the zoo's models run where they were built;
+    their ``forward`` preprocesses in fp32 and casts to the backbone's dtype itself) and the scores come back, so the
+    gradient reaches ``images`` wherever they live. ValueError naming the reward when it has no entry point, returns
+    the wrong number of scores, or returns scores without a gradient while ``images`` require one."""
+    require_differentiable(reward, "reward")
+    name = getattr(reward, "name", type(reward).__name__)
+    batch = int(images.shape[0])
+    prompts = list(prompts)
+    metadata = list(metadata) if metadata is not None else [{} for _ in range(batch)]
+    if len(prompts) != batch or len(metadata) != batch:
+        raise ValueError(f"reward {name!r}: got {batch} images, {len(prompts)} prompts and {len(metadata)} metadata "
+                         "entries")
+    device = getattr(reward, "device", None)
+    inputs = images.float()
+    if isinstance(device, (torch.device, str)):
+        inputs = inputs.to(device)
+    scores = reward.forward(inputs, prompts, metadata)
+    if not isinstance(scores, Tensor) or scores.shape != (batch,):
+        shape = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(f"reward {name!r}: forward returned {shape} for {batch} images; expected a tensor ({batch},)")
+    if images.requires_grad and torch.is_grad_enabled() and not scores.requires_grad:
+        raise ValueError(f"reward {name!r}: forward returned scores without a gradient to the images (does it score "
+                         "under torch.no_grad() or detach?)")
+    return scores.float().to(images.device)
+
+
+def _factory(name: str) -> Callable[..., Reward]:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}: known rewards are {', '.join(sorted(REWARDS)) or '(none)'}")
+    return REWARDS[name]
 
 
 def build_reward(name: str, **kwargs: Any) -> Reward:
     """Build the registered reward ``name`` with ``kwargs``; an unknown name is a ValueError listing the known ones."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}: known rewards are {', '.join(sorted(REWARDS)) or '(none)'}")
-    return REWARDS[name](**kwargs)
+    return _factory(name)(**kwargs)
 
 
 @dataclass

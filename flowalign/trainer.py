@@ -47,8 +47,8 @@ from .loss import noise_aware_weights, transition_grpo_loss
 from .lr_schedule import learning_rate_scale
 from .models import FlowModel, load_flow_model
 from .models.base import Cond
+from .rewards import build_differentiable_reward, build_reward, combine_rewards, differentiable_score, score_all
 from .run_directory import check_new_run, clear_run, resolve_resume, trim_metrics
-from .rewards import build_reward, combine_rewards, require_differentiable, score_all
 from .samplers import (
     Rollout,
     TreeSchedule,
@@ -575,14 +575,17 @@ class GRPOTrainer:
             with torch.no_grad(), self.model.reference(), self.accelerator.autocast():
                 v_ref = self.model.velocity(x, sigma, cond, cfg.sampling.guidance_scale)
         prompts = [m["prompt"] for m in metadata]
-        grad = x0_hat_gradient(lambda x0, rows: self.opd_reward(self.model.decode(x0), prompts, metadata),
-                               x.float(), v_ref.float(), sigma[0], None)
+        def score(x0: Tensor, rows) -> Tensor:  # through the reward's differentiable entry point
+            return differentiable_score(self.opd_reward, self.model.decode(x0), prompts, metadata)
+
+        grad = x0_hat_gradient(score, x.float(), v_ref.float(), sigma[0], None)
         bands = [tuple(band) for band in cfg.loss.rg_opd_bands]
         return rgs_velocity_target(x.float(), v_ref.float(), [grad], [1.0], sigma[0], sigma_next[0], bands).detach()
 
     def build_opd_reward(self):
-        """``loss.rg_opd_reward`` built from the reward registry; it must declare ``differentiable = True``."""
-        return require_differentiable(build_reward(self.config.loss.rg_opd_reward), "loss.rg_opd_reward")
+        """``loss.rg_opd_reward`` built from the reward registry; it must have the differentiable entry point
+        ``forward`` (checked on its class before it is built: ``rewards.build_differentiable_reward``)."""
+        return build_differentiable_reward(self.config.loss.rg_opd_reward, "loss.rg_opd_reward")
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.

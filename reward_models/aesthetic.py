@@ -62,5 +62,5 @@ class LaionAesthetic(RewardModel):
         self.mlp = self.mlp.to(self.device).eval().requires_grad_(False)  # the head stays fp32: it is tiny
         self.image_size = image_size_of(self.clip)
 
-    def forward(self, images: Tensor, prompts: Sequence[str] | None = None) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str] | None = None, metadata=None) -> Tensor:
         return self.mlp(encode_image(self.clip, clip_preprocess(images, self.image_size)))

@@ -1,10 +1,13 @@
 """The shared shape of a reward model: a differentiable ``forward`` and batched, gradient-free scoring.
 
-``model.forward(images, prompts) -> [B]`` takes ``images [B, 3, H, W]`` in [0, 1] on the model's device and keeps the
-autograd graph (guided sampling and direct reward backprop use it). ``model(images, prompts, metadata)`` is the reward
-protocol of ``flowalign.rewards``: it converts any image input (``reward_models.images.as_image_batch``), scores
-``batch_size`` images at a time under ``torch.no_grad()`` and returns float32 scores on the CPU. Preprocessing (resize,
-crop, normalise) happens inside ``forward``, in fp32, before the backbone's dtype.
+``model.forward(images, prompts, metadata=None) -> [B]`` takes ``images [B, 3, H, W]`` in [0, 1] on the model's device
+and keeps the autograd graph: it is the differentiable entry point of ``flowalign.rewards`` that reward-gradient
+guidance (RGS, FK's RGS proposals) and RG-OPD call, through ``flowalign.rewards.differentiable_score`` (which moves the
+images to ``model.device`` and the scores back). ``metadata`` is accepted for the common signature and ignored.
+``model(images, prompts, metadata)`` is the reward protocol of ``flowalign.rewards`` for values only: it converts any
+image input (``reward_models.images.as_image_batch``), scores ``batch_size`` images at a time under
+``torch.no_grad()`` and returns float32 scores on the CPU, so it never carries a gradient. Preprocessing (resize, crop,
+normalise) happens inside ``forward``, in fp32, before the backbone's dtype.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .images import as_image_batch
 __all__ = ["DTYPES", "RewardModel", "resolve_device", "resolve_dtype"]
 
 class RewardModel:
-    """Base class: subclasses set ``name`` and implement ``forward``; ``differentiable`` says if gradients flow."""
+    """Base class: subclasses set ``name`` and implement ``forward`` (differentiable in the images)."""
 
     name = "reward_model"
     differentiable = True
@@ -33,7 +36,8 @@ class RewardModel:
         self.dtype = resolve_dtype(dtype)
         self.batch_size = batch_size
 
-    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
+        """Scores ``[B]`` of ``images`` on ``self.device``, keeping the graph to them (module docstring)."""
         raise NotImplementedError
 
     def __call__(self, images: Any, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:

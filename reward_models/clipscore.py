@@ -50,7 +50,7 @@ class CLIPScore(RewardModel):
                                                     device=self.device, dtype=self.dtype)
         self.image_size = image_size_of(self.model)
 
-    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str], metadata=None) -> Tensor:
         image_features = encode_image(self.model, clip_preprocess(images, self.image_size))
         text_features = encode_text(self.model, self.tokenizer, prompts, self.device)
         return self.w * (image_features * text_features).sum(dim=-1).clamp(min=0.0)

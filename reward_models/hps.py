@@ -50,7 +50,7 @@ class HPSv2(RewardModel):
         padded = resize_longest_pad_square(images.float(), self.image_size, fill=0.0)
         return normalize(padded, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
-    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str], metadata=None) -> Tensor:
         """``cos(image, text)`` per pair, differentiable with respect to ``images``."""
         image_features = encode_image(self.model, self.preprocess(images))
         text_features = encode_text(self.model, self.tokenizer, prompts, self.device)

@@ -190,7 +190,7 @@ class ImageRewardModel(RewardModel):
     def preprocess(self, images: Tensor) -> Tensor:
         return normalize(resize_shortest_center_crop(images.float(), 224), OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
 
-    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str], metadata=None) -> Tensor:
         blip = self.model.blip
         tokens = blip.tokenizer(list(prompts), padding="max_length", truncation=True, max_length=self.max_length,
                                 return_tensors="pt").to(self.device)

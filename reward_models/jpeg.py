@@ -3,7 +3,8 @@ Learning", DDPO's prompt-independent rewards).
 
 Each image is converted to 8-bit RGB (``round(255 x)``), encoded as JPEG at ``quality`` (95, as DDPO) with PIL, and
 scored by its size in kilobytes: ``compressibility = -kB`` (smaller files score higher), ``incompressibility = +kB``.
-No resizing: the size depends on the resolution, so compare images of one size. Not differentiable.
+No resizing: the size depends on the resolution, so compare images of one size. Not differentiable: it has no
+``forward`` entry point, so RGS and RG-OPD refuse it (``flowalign.rewards.require_differentiable``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,3 @@ class JpegCompressibility:
 
     def __call__(self, images: Any, prompts: Sequence[str] | None = None, metadata=None) -> Tensor:
         return self.sign * jpeg_kilobytes(as_image_batch(images), self.quality)
-
-    def forward(self, images: Tensor, prompts=None) -> Tensor:
-        raise TypeError(f"{self.name} is not differentiable (JPEG encoding); use it as a GRPO reward only")

@@ -79,7 +79,7 @@ class PickScore(RewardModel):
             resized = resized[..., top : top + self.crop_to, top : top + self.crop_to]
         return normalize(resized, self.mean, self.std)
 
-    def forward(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
+    def forward(self, images: Tensor, prompts: Sequence[str], metadata=None) -> Tensor:
         pixels = self.preprocess(images).to(self.dtype)
         tokens = self.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
                                 return_tensors="pt").to(self.device)

@@ -18,8 +18,13 @@ The reward enters through ``guide(x, sigma, rows) -> (v, scores [n, H])``, evalu
 * on any differentiable reward of the one-step estimate ``x0_hat = x - s v`` (``x0_guide``), the gradient flows
   back through the velocity.
 
-NFEs: one forward per step, plus ``backward_nfe`` per head on guided steps (a backward pass through the transformer).
-With a budget of ``k`` guided trajectories, ``k`` particles are guided independently and ``final_reward`` picks one.
+NFEs: one forward per step (``evals_per_sample`` of the guide: 2 with CFG), plus ``backward_nfe`` per head on guided
+steps (a backward pass through the transformer: 1, or 2 through a CFG velocity, whose backward runs through both
+halves of its batch; 0 when the gradient skips the transformer). With a budget of ``k`` guided trajectories, ``k``
+particles are guided independently and ``final_reward`` picks one.
+
+The image rewards behind ``x0_guide`` are scored through their differentiable entry point
+(``flowalign.rewards.differentiable_score``; a reward's plain ``__call__`` may score without gradients).
 """
 
 from __future__ import annotations

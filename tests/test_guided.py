@@ -22,9 +22,12 @@ from flowalign.samplers.rgs import (
     x0_guide,
 )
 from gaussian_flow import gaussian_velocity, sigmas
+from reward_fixtures import image_reward_installed, tiny_zoo_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "assets" / "toy-sd3"
+# The reward zoo's differentiable scorers (imagereward needs its optional package, see README).
+ZOO = ["pickscore", "hps", "clipscore", "aesthetic", "imagereward"]
 
 
 class CountingVelocity:
@@ -414,6 +417,12 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
         (["--guidance", "bon", "--budget", "5", "--steps", "10"], "smaller than one trajectory"),
         (["--guidance", "rgs", "--budget", "40"], "needs a differentiable reward"),
         (["--guidance", "rgs", "--rgs-reward", "toy_geneval"], "'toy_geneval' is not differentiable"),
+        # GenEval would load Mask2Former and CLIP, JPEG has no gradient: both refused before anything is built
+        (["--guidance", "rgs", "--rgs-reward", "geneval"], "--rgs-reward 'geneval' is not differentiable"),
+        (["--guidance", "rgs", "--rgs-reward", "jpeg_compressibility"], "'jpeg_compressibility' is not differentiable"),
+        (["--guidance", "bon", "--cfg", "0.5"], "cfg must be a finite number >= 1"),
+        (["--guidance", "bon", "--rgs-reward-kwargs", '{"device": "cpu"}'], "pass --rgs-reward NAME too"),
+        (["--guidance", "rgs", "--rgs-reward", "hps", "--rgs-reward-kwargs", "[1]"], "expected a JSON object"),
         (["--guidance", "rgs", "--rgs-reward", "toy_geneval_soft", "--registers", "r.pt"], "not both"),
         (["--guidance", "bon", "--rgs-gradient", "x0"], "applies to --rgs-reward only"),
         (["--guidance", "bon", "--rgs-reward", "toy_geneval_soft"], "not 'bon'"),
@@ -453,3 +462,186 @@ def test_rgs_bands_are_checked_by_the_sampler():
     for bad in ([(0.2, 0.1), (0.8, 0.3)], [(1.0, 0.3)], [(0.8, -0.1)], [(0.8,)]):
         with pytest.raises(ValueError, match="strictly decreasing"):
             check_bands(bad)
+
+
+# ------------------------------------------------------------------------------- the reward zoo as RGS's gradient
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    """The tiny zoo scorers' constructor kwargs; BLIP's ViT stays small for the module (imagereward builds with it)."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        yield tiny_zoo_kwargs(tmp_path_factory.mktemp("zoo"), monkeypatch)
+
+
+def _zoo_kwargs(zoo, name):
+    if name == "imagereward" and not image_reward_installed():
+        pytest.skip("optional extra missing: pip install --no-deps image-reward==1.5")
+    return zoo[name]
+
+
+def _png(path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path))
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_flowalign_sample_rgs_runs_on_every_differentiable_zoo_scorer(tmp_path, zoo, name):
+    """2 steps (sigmas 1, 0.001): the step at sigma 1 is guided through the velocity, so 2 forwards + 1 backward; the
+    gradient moves the sample away from the plain ODE sample of the same noise."""
+    from flowalign.cli import main
+
+    common = ["sample", "--steps", "2", "--max-prompts", "1", "--model", str(TOY)]
+    out = tmp_path / "rgs"
+    assert main([*common, "--guidance", "rgs", "--budget", "3", "--rgs-reward", name,
+                 "--rgs-reward-kwargs", json.dumps(_zoo_kwargs(zoo, name)), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["nfe"] for r in results["results"]] == [3]
+    assert main([*common, "--guidance", "none", "--out", str(tmp_path / "plain")]) == 0
+    assert not (_png(out / "images" / "0000.png") == _png(tmp_path / "plain" / "images" / "0000.png")).all()
+
+
+def test_flowalign_sample_fk_with_rgs_proposals_from_a_zoo_scorer(tmp_path, zoo):
+    """FK's RGS-guided proposals through the same entry point (HPS here): same NFEs, moved particles."""
+    from flowalign.cli import main
+
+    common = ["sample", "--guidance", "fk", "--steps", "2", "--budget", "4", "--max-prompts", "1", "--model", str(TOY)]
+    guided = ["--rgs-reward", "hps", "--rgs-reward-kwargs", json.dumps(zoo["hps"]), "--rgs-gradient", "x0",
+              "--rgs-bands", "0.2:1.0"]
+    for name, extra in (("guided", guided), ("plain", [])):
+        assert main([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        assert [r["nfe"] for r in json.loads((tmp_path / name / "results.json").read_text())["results"]] == [4]
+    guided_image, plain_image = (_png(tmp_path / name / "images" / "0000.png") for name in ("guided", "plain"))
+    assert not (guided_image == plain_image).all()
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name):
+    """``loss.rg_opd_reward`` with a zoo scorer: the trainer's own target function (its reward built as the trainer
+    builds it), against the gradient of the scorer's ``forward`` on the decoded x0_hat by hand."""
+    from types import SimpleNamespace
+
+    from flowalign.rewards import build_differentiable_reward
+    from flowalign.samplers.rgs import rgs_velocity_target
+    from flowalign.samplers.sde import predict_x0
+    from flowalign.trainer import GRPOTrainer
+
+    model, metadata = toy
+    reward = build_differentiable_reward(name, "loss.rg_opd_reward", **_zoo_kwargs(zoo, name))
+    trainer = SimpleNamespace(model=model, opd_reward=reward,
+                              config=SimpleNamespace(loss=SimpleNamespace(rg_opd_bands=[[0.2, 1.0]])))
+    prompts = [m["prompt"] for m in metadata]
+    cond = model.encode(prompts)
+    x = torch.randn(2, *model.latent_shape(1)[1:], generator=torch.Generator().manual_seed(0))
+    sigma, sigma_next = torch.full((2,), 0.75), torch.full((2,), 0.5)
+    with torch.no_grad():
+        v_ref = model.velocity(x, sigma, cond)
+    got = GRPOTrainer.rg_opd_reward_target(trainer, x, sigma, sigma_next, cond, metadata, v_ref=v_ref)
+    x0 = predict_x0(x, v_ref, sigma[0]).requires_grad_(True)
+    (grad,) = torch.autograd.grad(reward.forward(model.decode(x0), prompts).sum(), x0)
+    assert torch.isfinite(grad).all() and (grad.flatten(1).abs().sum(dim=1) > 0).all()
+    expected = rgs_velocity_target(x, v_ref, [grad], [1.0], 0.75, 0.5, [(0.2, 1.0)])
+    assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, v_ref.float())
+
+
+def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it():
+    from types import SimpleNamespace
+
+    from flowalign.trainer import GRPOTrainer
+
+    for name in ("geneval", "jpeg_compressibility", "toy_geneval"):
+        trainer = SimpleNamespace(config=SimpleNamespace(loss=SimpleNamespace(rg_opd_reward=name)))
+        with pytest.raises(ValueError, match=f"loss.rg_opd_reward '{name}' is not differentiable.*toy_geneval_soft"):
+            GRPOTrainer.build_opd_reward(trainer)
+
+
+# ------------------------------------------------------------------------------------------------ CFG
+
+
+def test_bon_with_one_particle_at_cfg_3_is_the_pipelines_own_sample(sd3_pipe):
+    """Best-of-N with N = 1 (budget = one CFG trajectory, 2 NFEs per step) at CFG 3 on the tiny SD3 pipeline equals
+    ``StableDiffusion3Pipeline(guidance_scale=3)`` from the same initial latents, bit for bit."""
+    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.models import wrap_pipeline
+    from flowalign.rewards import BrightnessReward
+    from flowalign.samplers.guided import initial_noise
+    from flowalign.seeding import generator as seeded_generator
+
+    model = wrap_pipeline(sd3_pipe)
+    model.transformer.requires_grad_(False)
+    prompts = ["a photo of a red circle", "two blue squares left of a triangle"]
+    steps, seed = 4, 3
+    config = SampleConfig(guidance="bon", budget=2 * steps, steps=steps, seed=seed, cfg=3.0)
+    config.validate()
+    counter = TransformerCounter(model.transformer)
+    try:
+        result = run_guided(model, [{"prompt": p} for p in prompts], config, reward_fn=BrightnessReward())
+    finally:
+        counter.handle.remove()
+    assert result.info["particles"] == 1
+    assert result.nfe.tolist() == [2 * steps, 2 * steps] and counter.rows == 2 * 2 * steps
+
+    # the sampler's own initial noise: prompt p's generator keyed (seed, p)
+    latents = initial_noise(model.latent_shape(1)[1:], [seeded_generator(seed, p) for p in range(2)],
+                            torch.arange(2), model.device)
+    expected = sd3_pipe(prompt=prompts, num_inference_steps=steps, guidance_scale=3.0, latents=latents.clone(),
+                        output_type="latent", max_sequence_length=model.max_sequence_length).images
+    assert torch.equal(result.final, expected)
+    plain = run_guided(model, [{"prompt": p} for p in prompts], SampleConfig(guidance="bon", budget=steps,
+                                                                             steps=steps, seed=seed),
+                       reward_fn=BrightnessReward())
+    assert plain.nfe.tolist() == [steps, steps] and not torch.equal(plain.final, expected)  # CFG changed the sample
+
+
+@pytest.mark.parametrize("guidance,budget,nfe", [("none", 1, 6), ("bon", 12, 12), ("fk", 12, 12), ("dts", 16, None),
+                                                 ("rgs", 12, 10)])
+def test_every_guidance_mode_counts_two_nfes_per_cfg_step(toy, guidance, budget, nfe):
+    """3 steps at CFG 3 on the toy model: every transformer pass doubles its batch (counted at the transformer) and
+    every method reports exactly those NFEs; RGS on registers also counts 2 per backward (2 guided steps): 6 + 4."""
+    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.toy.reward import ToyGenEvalReward
+
+    model, metadata = toy
+    config = SampleConfig(guidance=guidance, budget=budget, steps=3, cfg=3.0,
+                          registers="unused" if guidance == "rgs" else None)
+    config.validate()
+    registers = None
+    if guidance == "rgs":
+        torch.manual_seed(0)
+        registers = LatentRegisters.for_transformer(model.transformer, num_registers=4, width=32)
+    counter = TransformerCounter(model.transformer)
+    try:
+        result = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True),
+                            registers=registers)
+    finally:
+        counter.handle.remove()
+    if guidance == "rgs":
+        assert result.nfe.tolist() == [nfe, nfe] and counter.rows == 2 * 2 * 3 and result.info["guided_steps"] == 2
+    elif guidance == "dts":
+        assert counter.rows == int(result.nfe.sum()) and (result.nfe <= budget).all() and (result.nfe % 2 == 0).all()
+        assert (result.nfe > budget - 2 * 3).all()
+    else:
+        assert result.nfe.tolist() == [nfe, nfe] and counter.rows == 2 * nfe
+    if guidance == "none":
+        plain = run_guided(model, metadata, SampleConfig(guidance="none", steps=3),
+                           reward_fn=ToyGenEvalReward(partial_credit=True))
+        assert not torch.equal(result.final, plain.final)
+
+
+def test_flowalign_sample_cfg_counts_and_refuses_a_budget_below_one_cfg_trajectory(tmp_path, capsys, toy):
+    from flowalign.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--guidance", "bon", "--cfg", "3", "--budget", "5", "--steps", "3", "--model", str(TOY),
+              "--out", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "smaller than one trajectory of 3 steps (6 NFEs with --cfg)" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    out = tmp_path / "cfg"
+    assert main(["sample", "--guidance", "bon", "--cfg", "3", "--budget", "12", "--steps", "3", "--max-prompts", "2",
+                 "--model", str(TOY), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [r["nfe"] for r in results["results"]] == [12, 12] and results["config"]["cfg"] == 3.0

@@ -1,5 +1,6 @@
 """The reward model zoo on tiny random backbones of each architecture family: preprocessing, formulas, batching,
-checkpoint round trips through the local-path loaders, and the errors for missing weights and odd images."""
+checkpoint round trips through the local-path loaders, the differentiable entry point (gradients to the images, dtype),
+and the errors for missing weights and odd images."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ import pytest
 import torch
 from PIL import Image
 
-from flowalign.rewards import REWARDS, build_reward
+import torch.nn.functional as F
+
+from flowalign.rewards import (
+    REWARDS,
+    build_differentiable_reward,
+    build_reward,
+    differentiable_rewards,
+    differentiable_score,
+    require_differentiable,
+    reward_class,
+)
 from flowalign.reward_models.images import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -21,9 +32,12 @@ from flowalign.reward_models.images import (
 )
 from flowalign.reward_models.weights import MissingWeightsError
 from reward_fixtures import (
+    image_reward_installed,
     register_tiny_open_clip,
+    tiny_imagereward_files,
     tiny_open_clip_checkpoint,
     tiny_pickscore_dirs,
+    tiny_zoo_kwargs,
 )
 
 PROMPTS = ["a photo of a red circle", "a photo of a blue square", "a photo of a green cat"]
@@ -61,7 +75,7 @@ def test_as_image_batch_converts_modes_and_layouts():
     rgba = Image.fromarray(np.dstack([rgb, np.full((20, 30), 7, np.uint8)]), "RGBA")
     assert torch.equal(as_image_batch(rgba), reference)  # alpha dropped, as PIL's convert("RGB")
     grey = as_image_batch(Image.fromarray(rgb[..., 0], "L"))
-    assert grey.shape == (1, 3, 20, 30) and torch.equal(grey[:, 0], grey[:, 2])
+    assert torch.equal(grey, reference[:, :1].expand(1, 3, 20, 30))  # the one channel, repeated to RGB
     assert torch.equal(as_image_batch(rgb), reference)  # numpy HWC uint8
     assert torch.equal(as_image_batch(torch.from_numpy(rgb)[None]), reference)  # channels-last tensor
     assert as_image_batch(torch.full((3, 4, 4), 2.0)).max() == 1.0  # clamped
@@ -69,16 +83,25 @@ def test_as_image_batch_converts_modes_and_layouts():
         as_image_batch([Image.fromarray(rgb), Image.fromarray(rgb[:10])])
 
 
-def test_resize_helpers_shapes_and_padding():
+def _bicubic(x, size):
+    return F.interpolate(x, size=size, mode="bicubic", align_corners=False, antialias=True).clamp(0, 1)
+
+
+def test_resize_helpers_by_hand():
     x = _images(2, 48, 64)
-    assert resize_shortest_center_crop(x, 32).shape == (2, 3, 32, 32)
+    # shorter side 48 -> 32: 48x64 -> 32x43 (rounded), then the centred 32 columns 5..36
+    assert torch.equal(resize_shortest_center_crop(x, 32), _bicubic(x, (32, 43))[..., :, 5:37])
+    assert torch.equal(resize_shortest_center_crop(x[..., :32, :32], 32), x[..., :32, :32])  # already square: kept
+    flat = torch.full((1, 3, 48, 64), 0.25)
+    assert torch.allclose(resize_shortest_center_crop(flat, 32), torch.full((1, 3, 32, 32), 0.25), atol=1e-6)
     padded = resize_longest_pad_square(x, 32, fill=0.0)
-    assert padded.shape == (2, 3, 32, 32)
-    # 48x64 -> 24x32: 4 rows of fill on top and on the bottom, none on the sides
+    # 48x64 -> 24x32: 4 rows of fill on top and on the bottom, none on the sides, the resized image between
     assert torch.all(padded[..., :4, :] == 0) and torch.all(padded[..., -4:, :] == 0)
-    assert padded[..., 4:28, :].abs().sum() > 0
-    odd = resize_longest_pad_square(_images(1, 64, 35), 32, fill=0.5)  # 64x35 -> 32x18 (rounded): pad 7 left, 7 right
-    assert odd.shape == (1, 3, 32, 32) and torch.all(odd[..., :, :7] == 0.5) and torch.all(odd[..., :, -7:] == 0.5)
+    assert torch.equal(padded[..., 4:28, :], _bicubic(x, (24, 32)))
+    odd_input = _images(1, 64, 35)
+    odd = resize_longest_pad_square(odd_input, 32, fill=0.5)  # 64x35 -> 32x18 (rounded): pad 7 left, 7 right
+    assert torch.all(odd[..., :, :7] == 0.5) and torch.all(odd[..., :, -7:] == 0.5)
+    assert torch.equal(odd[..., :, 7:25], _bicubic(odd_input, (32, 18)))
 
 
 # ----------------------------------------------------------------------------------------------- HPS v2
@@ -142,7 +165,11 @@ def test_hps_wrong_image_mode_and_size_converted(hps):
     as_rgba = hps(Image.fromarray(np.dstack([rgb, np.zeros((40, 30), np.uint8)]), "RGBA"), PROMPTS[:1])
     assert torch.allclose(as_rgb, as_rgba)
     as_grey = hps(Image.fromarray(rgb).convert("L"), PROMPTS[:1])
-    assert as_grey.shape == (1,) and torch.isfinite(as_grey).all()
+    # PIL's L: (299 R + 587 G + 114 B) / 1000 in fixed point, rounded; repeated to three channels
+    r, g, b = (rgb[..., c].astype(np.int64) for c in range(3))
+    luma = ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)
+    by_hand = hps(torch.from_numpy(luma)[None, None].float().div(255).expand(1, 3, 40, 30), PROMPTS[:1])
+    assert torch.allclose(as_grey, by_hand, atol=1e-6) and not torch.allclose(as_grey, as_rgb, atol=1e-4)
 
 
 # -------------------------------------------------------------------------------------- CLIPScore, aesthetic
@@ -244,8 +271,8 @@ def test_jpeg_rewards_match_pil_sizes():
     assert torch.allclose(compress(images, ["", ""], [{}, {}]), -torch.tensor(expected))
     assert torch.allclose(incompress(images, ["", ""], [{}, {}]), torch.tensor(expected))
     assert compress(images, None)[0] > compress(images, None)[1]  # a flat image compresses better
-    with pytest.raises(TypeError, match="not differentiable"):
-        compress.forward(images)
+    with pytest.raises(ValueError, match="'jpeg_compressibility' is not differentiable"):
+        require_differentiable(compress, "--rgs-reward")
 
 
 # ------------------------------------------------------------------------------------------ ImageReward
@@ -290,53 +317,34 @@ def test_imagereward_shim_loads_the_package_modules():
     config.encoder_width = 16
     config.add_cross_attention = True
     model = BertModel(config, add_pooling_layer=False).eval()
-    ids = torch.tensor([[2, 5, 7, 0]])
-    out = model(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]), encoder_hidden_states=torch.randn(1, 5, 16),
-                encoder_attention_mask=torch.ones(1, 5, dtype=torch.long), return_dict=True)
-    assert out.last_hidden_state.shape == (1, 4, 32)
+    encoder = torch.randn(1, 5, 16, generator=torch.Generator().manual_seed(0))
+
+    def hidden(ids, encoder_states=encoder):
+        with torch.no_grad():
+            return model(torch.tensor([ids]), attention_mask=torch.tensor([[1, 1, 1, 0]]),
+                         encoder_hidden_states=encoder_states,
+                         encoder_attention_mask=torch.ones(1, 5, dtype=torch.long), return_dict=True).last_hidden_state
+
+    out = hidden([2, 5, 7, 0])
+    # the shim's attention mask works: the masked last token does not change the others' states
+    assert torch.allclose(out[:, :3], hidden([2, 5, 7, 9])[:, :3], atol=1e-6)
+    assert not torch.allclose(out[:, :3], hidden([2, 5, 8, 0])[:, :3], atol=1e-4)  # an unmasked token does
+    assert not torch.allclose(out, hidden([2, 5, 7, 0], encoder * 2), atol=1e-4)  # cross-attention reads the image
 
 
 def test_imagereward_end_to_end_on_a_small_blip(tmp_path, monkeypatch):
     """The package's own model class with a 1-layer BERT and a 1-layer ViT (its ViT-L is too big for CI): saved,
     loaded through ImageRewardModel, and scored against the package's own ``score_gard`` and ``score``."""
     _require_image_reward()
-    from flowalign.reward_models.imagereward import _local_tokenizer_factory, install_shim
-
-    install_shim()
-    from ImageReward.ImageReward import ImageReward
-    from ImageReward.models.BLIP import blip_pretrain
-    from ImageReward.models.BLIP.vit import VisionTransformer
-
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"a photo of red blue green circle square cat".split()]
-    tokenizer_dir = tmp_path / "bert"
-    tokenizer_dir.mkdir()
-    (tokenizer_dir / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    med_config = tmp_path / "med_config.json"
-    med_config.write_text(json.dumps({
-        "architectures": ["BertModel"], "hidden_size": 768, "num_hidden_layers": 1, "num_attention_heads": 2,
-        "intermediate_size": 64, "vocab_size": len(vocab) + 2, "max_position_embeddings": 64,
-        "add_cross_attention": True, "hidden_act": "gelu", "type_vocab_size": 2, "pad_token_id": 0,
-    }))
-    small_vit = lambda vit, image_size, *args, **kwargs: (  # noqa: E731
-        VisionTransformer(img_size=image_size, patch_size=32, embed_dim=32, depth=1, num_heads=2), 32)
-    monkeypatch.setattr(blip_pretrain, "create_vit", small_vit)
-    monkeypatch.setattr(blip_pretrain, "init_tokenizer", _local_tokenizer_factory(str(tokenizer_dir)))
-    torch.manual_seed(0)
-    reference = ImageReward(med_config=str(med_config), device="cpu").eval()
-    with torch.no_grad():
-        reference.mlp.layers[-1].bias.fill_(0.3)  # so the standardisation is visible
-    checkpoint = tmp_path / "ImageReward.pt"
-    torch.save(reference.state_dict(), checkpoint)
-
-    scorer = build_reward("imagereward", checkpoint=str(checkpoint), med_config=str(med_config),
-                          tokenizer=str(tokenizer_dir), device="cpu", batch_size=2)
+    kwargs, reference = tiny_imagereward_files(tmp_path, monkeypatch)
+    scorer = build_reward("imagereward", **kwargs, device="cpu", batch_size=2)
     images = _images(3, 240, 260)
     scores = scorer(images, PROMPTS)
     tokens = reference.blip.tokenizer(PROMPTS, padding="max_length", truncation=True, max_length=35,
                                       return_tensors="pt")
     with torch.no_grad():
         expected = reference.score_gard(tokens.input_ids, tokens.attention_mask, scorer.preprocess(images))
-    assert scores.shape == (3,) and torch.allclose(scores, expected.squeeze(-1), atol=1e-5)
+    assert torch.allclose(scores, expected.squeeze(-1), atol=1e-5) and scores.unique().numel() == 3  # image-dependent
     assert torch.allclose(scores, torch.cat([scorer(images[i : i + 1], PROMPTS[i : i + 1]) for i in range(3)]),
                           atol=1e-5)
     pil = Image.fromarray((images[0].permute(1, 2, 0).numpy() * 255).round().astype(np.uint8))
@@ -346,7 +354,98 @@ def test_imagereward_end_to_end_on_a_small_blip(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------- registry
 
 
-def test_registry_lists_the_zoo():
-    for name in ("pickscore", "hps", "imagereward", "clipscore", "aesthetic", "jpeg_compressibility",
-                 "jpeg_incompressibility", "geneval", "toy_geneval"):
-        assert name in REWARDS
+def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
+    from flowalign.reward_models.aesthetic import LaionAesthetic
+    from flowalign.reward_models.clipscore import CLIPScore
+    from flowalign.reward_models.geneval import GenEvalReward
+    from flowalign.reward_models.hps import HPSv2
+    from flowalign.reward_models.imagereward import ImageRewardModel
+    from flowalign.reward_models.jpeg import JpegCompressibility
+    from flowalign.reward_models.pickscore import PickScore
+
+    classes = {"pickscore": PickScore, "hps": HPSv2, "imagereward": ImageRewardModel, "clipscore": CLIPScore,
+               "aesthetic": LaionAesthetic, "jpeg_compressibility": JpegCompressibility,
+               "jpeg_incompressibility": JpegCompressibility, "geneval": GenEvalReward}
+    for name, cls in classes.items():
+        assert reward_class(name) is cls
+    # exactly the scorers with a differentiable forward (the zoo's five, the soft toy reward, brightness)
+    assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "hps", "imagereward", "pickscore",
+                                        "toy_geneval_soft"]
+    assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
+                                                           "jpeg_incompressibility", "toy_geneval"}
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        reward_class("nope")
+
+
+# ------------------------------------------------------------------------------- the differentiable entry point
+
+ZOO = ["pickscore", "hps", "clipscore", "aesthetic", "imagereward"]
+
+
+@pytest.fixture
+def zoo(tmp_path, monkeypatch):
+    return tiny_zoo_kwargs(tmp_path, monkeypatch)
+
+
+def _zoo_scorer(zoo, name, **overrides):
+    if name == "imagereward":
+        _require_image_reward()
+    return build_differentiable_reward(name, "--rgs-reward", **{**zoo[name], **overrides})
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_every_zoo_scorer_has_a_finite_nonzero_gradient_to_the_images(zoo, name):
+    """``differentiable_score`` (what RGS and RG-OPD call) keeps the graph: the gradient to each image is finite,
+    non-zero, its own (image 1 does not move image 0's score), and is the score's directional derivative."""
+    scorer = _zoo_scorer(zoo, name)
+    images = _images(2, 40, 48, seed=5).requires_grad_(True)
+    scores = differentiable_score(scorer, images, PROMPTS[:2], [{}, {}])
+    assert scores.requires_grad and scores.dtype == torch.float32 and scores.device == images.device
+    # the same values as the gradient-free protocol (which returns them without a graph)
+    gradient_free = scorer(images.detach(), PROMPTS[:2])
+    assert not gradient_free.requires_grad and torch.allclose(scores.detach(), gradient_free, atol=1e-5)
+    (grad,) = torch.autograd.grad(scores[0], images)
+    assert torch.isfinite(grad).all() and grad[0].abs().sum() > 0 and torch.equal(grad[1], torch.zeros_like(grad[1]))
+    # central difference along the normalised gradient: d score / d t = |grad|
+    direction = grad[0] / grad[0].norm()
+    eps = 1e-3
+    with torch.no_grad():
+        plus = differentiable_score(scorer, (images + eps * direction)[:1], PROMPTS[:1])
+        minus = differentiable_score(scorer, (images - eps * direction)[:1], PROMPTS[:1])
+    assert float((plus - minus) / (2 * eps)) == pytest.approx(float(grad[0].norm()), rel=0.05)
+
+
+def test_zoo_scorer_in_bf16_gives_fp32_scores_and_gradients_close_to_fp32(zoo):
+    """A bf16 backbone: preprocessing stays fp32, the images' gradient arrives in their own dtype (fp32)."""
+    full = _zoo_scorer(zoo, "hps")
+    half = _zoo_scorer(zoo, "hps", dtype="bf16")
+    assert next(half.model.parameters()).dtype == torch.bfloat16
+    images = _images(2, 40, 48, seed=6).requires_grad_(True)
+    scores = differentiable_score(half, images, PROMPTS[:2])
+    (grad,) = torch.autograd.grad(scores.sum(), images)
+    assert scores.dtype == torch.float32 and grad.dtype == torch.float32 and torch.isfinite(grad).all()
+    assert torch.allclose(scores.detach(), differentiable_score(full, images, PROMPTS[:2]).detach(), atol=0.03)
+    plain = half(images.detach(), PROMPTS[:2])
+    assert plain.dtype == torch.float32 and plain.device.type == "cpu"
+
+
+def test_clipscore_scales_with_w_and_is_zero_with_no_gradient_below_zero_cosine(zoo):
+    images = _images(4, 32, 32, seed=7)
+    prompts = [*PROMPTS, "a red circle"]
+
+    def cosines(scorer):
+        image_features = scorer.model.encode_image(_normalized(images))
+        text_features = scorer.model.encode_text(scorer.tokenizer(prompts))
+        return torch.nn.functional.cosine_similarity(image_features, text_features, dim=-1)
+
+    w1 = _zoo_scorer(zoo, "clipscore", w=1.0)
+    cos = cosines(w1)
+    assert (cos > 0).all() and torch.allclose(w1(images, prompts), cos, atol=1e-5)
+    assert torch.allclose(_zoo_scorer(zoo, "clipscore", w=2.5)(images, prompts), 2.5 * cos, atol=1e-5)
+    # another random model (hps's checkpoint) with negative cosines: max(cos, 0) = 0, and its gradient is 0
+    negative = _zoo_scorer(zoo, "clipscore", weights=zoo["hps"]["checkpoint"])
+    assert (cosines(negative) < 0).all()
+    leaf = images.clone().requires_grad_(True)
+    scores = differentiable_score(negative, leaf, prompts)
+    (grad,) = torch.autograd.grad(scores.sum(), leaf)
+    assert torch.equal(scores.detach(), torch.zeros(4)) and torch.equal(grad, torch.zeros_like(grad))

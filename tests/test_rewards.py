@@ -38,6 +38,79 @@ def test_registry():
         register_reward("toy_geneval", ToyGenEvalReward)
 
 
+# ----------------------------------------------------------------------------------- differentiable entry point
+
+
+def test_require_differentiable_checks_the_entry_point_not_the_flag():
+    from flowalign.rewards import require_differentiable
+
+    class Flagged:  # the old contract: a flag, and scores without a graph
+        name = "flagged"
+        differentiable = True
+
+        @torch.no_grad()
+        def __call__(self, images, prompts, metadata):
+            return images.mean(dim=(1, 2, 3))
+
+    with pytest.raises(ValueError) as error:
+        require_differentiable(Flagged(), "--rgs-reward")
+    message = str(error.value)
+    assert "--rgs-reward 'flagged' is not differentiable" in message and "forward(images, prompts, metadata)" in message
+    assert "toy_geneval_soft" in message and "pickscore" in message and "--registers" in message  # the ways out
+    brightness = build_reward("brightness")
+    assert require_differentiable(brightness, "--rgs-reward") is brightness
+
+
+def test_non_differentiable_rewards_are_refused_before_they_are_built():
+    from flowalign.rewards import build_differentiable_reward
+
+    # geneval would load Mask2Former from this (absent) directory first, were it built
+    with pytest.raises(ValueError, match="loss.rg_opd_reward 'geneval' is not differentiable"):
+        build_differentiable_reward("geneval", "loss.rg_opd_reward", detector_model="/absent/mask2former")
+    for name in ("toy_geneval", "jpeg_compressibility", "jpeg_incompressibility"):
+        with pytest.raises(ValueError, match=f"--rgs-reward '{name}' is not differentiable"):
+            build_differentiable_reward(name, "--rgs-reward")
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        build_differentiable_reward("nope", "--rgs-reward")
+
+
+def test_differentiable_score_gradient_of_brightness_by_hand():
+    from flowalign.rewards import differentiable_score
+
+    images = torch.rand(2, 3, 4, 5, generator=torch.Generator().manual_seed(0)).requires_grad_(True)
+    scores = differentiable_score(build_reward("brightness"), images, ["a", "b"], [{}, {}])
+    assert torch.allclose(scores, images.detach().mean(dim=(1, 2, 3)))
+    (grad,) = torch.autograd.grad(scores.sum(), images)
+    assert torch.allclose(grad, torch.full_like(grad, 1 / 60))  # d mean / d pixel = 1 / (3 * 4 * 5)
+    (grad,) = torch.autograd.grad(differentiable_score(build_reward("brightness", channel=1), images, ["a", "b"]).sum(),
+                                  images)
+    assert torch.allclose(grad[:, 1], torch.full_like(grad[:, 1], 1 / 20)) and torch.all(grad[:, [0, 2]] == 0)
+
+
+def test_differentiable_score_refuses_scores_without_a_graph_or_of_the_wrong_shape():
+    from flowalign.rewards import differentiable_score
+
+    class Detached:
+        name = "detached"
+
+        def forward(self, images, prompts, metadata=None):
+            return images.detach().mean(dim=(1, 2, 3))
+
+    class Pooled:
+        name = "pooled"
+
+        def forward(self, images, prompts, metadata=None):
+            return images.mean()
+
+    images = torch.rand(2, 3, 4, 4).requires_grad_(True)
+    with pytest.raises(ValueError, match="'detached': forward returned scores without a gradient"):
+        differentiable_score(Detached(), images, ["a", "b"])
+    with pytest.raises(ValueError, match=r"'pooled': forward returned \(\) for 2 images"):
+        differentiable_score(Pooled(), images, ["a", "b"])
+    with pytest.raises(ValueError, match="got 2 images, 1 prompts"):
+        differentiable_score(build_reward("brightness"), images, ["a"])
+
+
 # --------------------------------------------------------------------------------------------- score_all
 
 

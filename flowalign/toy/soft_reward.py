@@ -78,7 +78,7 @@ class SoftToyGenEval:
         (order ``COLORS``)."""
         if images.ndim != 4 or images.shape[1] != 3:
             raise ValueError(f"images must be [B, 3, H, W], got shape {tuple(images.shape)}")
-        device = next(self.segmenter.parameters()).device
+        device = self.device
         images = images.float().to(device)
         shapes = self.segmenter.probabilities(images)[:, 1:]  # channel 0 is the background
         rgb = images * 255.0
@@ -87,11 +87,22 @@ class SoftToyGenEval:
         colors = (-dist2 / (2 * self.color_temperature**2)).softmax(dim=1)
         return shapes, colors
 
-    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> Tensor:
-        if len(metadata) != images.shape[0]:
-            raise ValueError(f"got {images.shape[0]} images but {len(metadata)} metadata entries")
+    @property
+    def device(self) -> torch.device:
+        """Where the segmenter runs (``flowalign.rewards.differentiable_score`` moves images here)."""
+        return next(self.segmenter.parameters()).device
+
+    def forward(self, images: Tensor, prompts: Sequence[str] | None, metadata: Sequence[dict]) -> Tensor:
+        """The differentiable entry point of ``flowalign.rewards``: scores ``[B]`` keeping the graph to ``images``."""
+        if metadata is None or len(metadata) != images.shape[0]:
+            raise ValueError(f"got {images.shape[0]} images but {0 if metadata is None else len(metadata)} metadata "
+                             "entries (toy_geneval_soft scores each image against its prompt's GenEval metadata)")
         shapes, colors = self.maps(images)
         return torch.stack([self.units(shapes[b], colors[b], entry).mean() for b, entry in enumerate(metadata)])
+
+    def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]) -> Tensor:
+        """The same scores; differentiable too when gradients are enabled (``score_all`` disables them)."""
+        return self.forward(images, prompts, metadata)
 
     def units(self, shapes: Tensor, colors: Tensor, entry: dict) -> Tensor:
         """The clause units of one image (module docstring): ``[n_include + n_exclude]``."""
