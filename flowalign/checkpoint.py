@@ -83,9 +83,9 @@ def safe_load(path: str | Path, what: str, *, allow: list | tuple = ()) -> Any:
         reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0].split(" Please use")[0]
         raise ValueError(
             f"refusing to load {str(path)!r}: it does not hold only tensors and plain values, as {what} does "
-            f"({reason.rstrip('.')}). Loading it as a full pickle could run code from the file; if it came from elsewhere, "
-            "do not use it, and if you wrote it with another tool, save it again with torch.save of plain tensors "
-            "and containers"
+            f"({reason.rstrip('.')}). Loading it as a full pickle could run code from the file; if it came from "
+            "elsewhere, do not use it, and if you wrote it with another tool, save it again with torch.save of plain "
+            "tensors and containers"
         ) from None
 
 

@@ -107,7 +107,8 @@ def test_a_checkpoint_file_carrying_code_is_refused_and_the_code_never_runs(tmp_
     crafted = {"state": {}, "param_groups": [CodePayload(marker)]} if target == "optimizer.pt" else \
         {"python": CodePayload(marker), "numpy": None, "torch": torch.get_rng_state()}
     torch.save(crafted, checkpoint / target, _use_new_zipfile_serialization=zipfile)
-    with pytest.raises(ValueError, match=rf"refusing to load '{re.escape(str(checkpoint / target))}'.*could run code") as info:
+    refused = rf"refusing to load '{re.escape(str(checkpoint / target))}'.*could run code"
+    with pytest.raises(ValueError, match=refused) as info:
         load_checkpoint(checkpoint, trainable=dict(layer.named_parameters()), optimizer=optimizer)
     assert "exec" in str(info.value)  # the reason names what the file asked for
     assert not marker.exists()
