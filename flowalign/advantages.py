@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["STD_MODES", "ZERO_STD", "broadcast_to_transitions", "group_advantages", "group_normalize"]
+__all__ = ["STD_MODES", "ZERO_STD", "group_advantages", "group_normalize"]
 
 STD_MODES = ("group", "global")
 ZERO_STD = 1e-6
@@ -106,25 +106,6 @@ def group_advantages(
     n_valid = len(advantages) - stats["num_invalid"]
     stats["clip_frac"] = float(clipped.sum()) / n_valid if n_valid else 0.0
     return advantages, stats
-
-
-def broadcast_to_transitions(sample_advantages: Tensor, sample_id: Tensor) -> Tensor:
-    """Give every transition the advantage of its trajectory: ``A_transition[n] = A_sample[sample_id[n]]``.
-
-    This is the terminal-reward case (Flow-GRPO): one reward per final image, shared by all its steps.
-    """
-    if sample_advantages.ndim != 1:
-        raise ValueError(f"sample_advantages must be 1-D [B], got shape {tuple(sample_advantages.shape)}")
-    sample_id = torch.as_tensor(sample_id, device=sample_advantages.device)
-    if sample_id.ndim != 1 or sample_id.dtype.is_floating_point or sample_id.dtype == torch.bool:
-        raise ValueError(f"sample_id must be a 1-D integer tensor [N], got {sample_id.dtype} {tuple(sample_id.shape)}")
-    batch = sample_advantages.shape[0]
-    if len(sample_id) and (int(sample_id.min()) < 0 or int(sample_id.max()) >= batch):
-        raise ValueError(
-            f"sample_id must index the {batch} samples (0..{batch - 1}), got values in "
-            f"[{int(sample_id.min())}, {int(sample_id.max())}]"
-        )
-    return sample_advantages[sample_id.long()]
 
 
 def _group_sum(values: Tensor, group: Tensor, num_groups: int) -> Tensor:

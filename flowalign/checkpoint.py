@@ -6,18 +6,24 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 * ``trainable.safetensors``: the trainable tensors by parameter name (what resuming loads; exact, any format);
 * ``ema.safetensors``: the EMA of the trainable weights, when EMA is on;
 * ``optimizer.pt``: the optimizer state;
-* ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process;
+* ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process (numpy's as plain
+  numbers and a tensor, so the file holds no numpy object);
 * ``state.json``: the iteration, the metrics history, and anything else the trainer keeps;
 * ``config.yaml``: the resolved config it was made with.
 
 It is written to a temporary sibling directory and renamed into place, so an interrupted save never leaves a partial
 checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
+
+The ``.pt`` files are read with ``torch.load(weights_only=True)`` (``safe_load``): a pickle may call any function while
+it loads, so a checkpoint from elsewhere could run code; the restricted unpickler builds only tensors, numbers,
+strings and containers, and refuses anything else with an error naming the file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -32,7 +38,12 @@ CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """This process's RNG states, in types ``torch.load(weights_only=True)`` accepts (numpy's MT19937 key as an int64
+    tensor instead of an ndarray); ``set_rng_state`` restores them exactly."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    numpy_state = {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -40,10 +51,42 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        numpy_state = (numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+                       numpy_state["has_gauss"], numpy_state["cached_gaussian"])
+    np.random.set_state(numpy_state)  # a tuple holding an ndarray: checkpoints written before the format above
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _numpy_array_globals() -> list:
+    """What unpickling a numpy uint32 array needs (RNG files written before numpy's state was stored as a tensor)."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def safe_load(path: str | Path, what: str, *, allow: list | tuple = ()) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU: tensors, numbers, strings and containers only (plus the
+    types in ``allow``). A file that needs anything else (a pickle that would call a function, build an object or run
+    code) is refused with a ValueError naming the file and ``what`` it should have been; nothing in it runs."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch's message goes on to suggest allow-listing what the file asked for: not advice for an untrusted file
+        reason = str(error).split("WeightsUnpickler error:")[-1].strip().splitlines()[0].split(" Please use")[0]
+        raise ValueError(
+            f"refusing to load {str(path)!r}: it does not hold only tensors and plain values, as {what} does "
+            f"({reason.rstrip('.')}). Loading it as a full pickle could run code from the file; if it came from "
+            "elsewhere, do not use it, and if you wrote it with another tool, save it again with torch.save of plain "
+            "tensors and containers"
+        ) from None
 
 
 def checkpoint_iteration(path: Path) -> int:
@@ -131,10 +174,10 @@ def load_checkpoint(
     with torch.no_grad():
         for name, tensor in trainable.items():
             tensor.copy_(saved[name])
-    optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt", weights_only=False))
+    optimizer.load_state_dict(safe_load(checkpoint / "optimizer.pt", "an optimizer state_dict"))
     rng_file = checkpoint / f"rng-{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(safe_load(rng_file, "a checkpoint's RNG states", allow=_numpy_array_globals()))
     ema = load_file(str(checkpoint / "ema.safetensors")) if (checkpoint / "ema.safetensors").is_file() else None
     return json.loads((checkpoint / "state.json").read_text()), ema
 

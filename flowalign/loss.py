@@ -34,7 +34,10 @@ def grpo_loss(
     kl: Tensor | None = None,
     beta: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The clipped GRPO loss (formula in the module docstring) and its detached stats.
+    """The clipped GRPO loss (formula in the module docstring) and its detached stats, from per-transition log-probs.
+
+    The readable reference of ``transition_grpo_loss`` (the one training calls, which computes the log-prob and KL
+    from the velocity in the same op): tests/test_loss.py checks the two agree on the same transitions.
 
     All inputs are ``[N]``; gradients flow through ``log_prob`` and ``kl`` only (``old_log_prob``, ``advantages`` and
     ``weights`` are constants). ``weights`` defaults to 1. ``kl`` (per transition, e.g. ``latent_mean_kl``) enters the

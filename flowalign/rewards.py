@@ -262,8 +262,8 @@ class RewardScores:
     """The scores of one batch under several rewards.
 
     ``raw [R, B]`` float32 holds the values as the rewards returned them (non-finite ones included, for inspection);
-    ``valid [B]`` is False where any reward is non-finite and ``num_invalid`` counts those samples. Use ``combine``
-    (or ``combine_rewards``) for the math: it never lets an invalid score through.
+    ``valid [B]`` is False where any reward is non-finite and ``num_invalid`` counts those samples. Use
+    ``combine_rewards`` for the math: it never lets an invalid score through.
     """
 
     names: list[str]
@@ -271,19 +271,6 @@ class RewardScores:
     raw: Tensor
     valid: Tensor
     num_invalid: int
-
-    def combine(self, group_ids: Tensor, *, mode: str = "sum_then_normalize", std: str = "group",
-                eps: float = 1e-4) -> Tensor:
-        return combine_rewards(self.raw, self.weights, self.valid, group_ids, mode=mode, std=std, eps=eps)
-
-    def summary(self) -> dict[str, float]:
-        """``rewards/<name>/mean``, ``rewards/<name>/std`` (over valid samples) and ``reward_invalid``."""
-        stats: dict[str, float] = {"reward_invalid": float(self.num_invalid)}
-        for name, scores in zip(self.names, self.raw):
-            kept = scores[self.valid].double()
-            stats[f"rewards/{name}/mean"] = float(kept.mean()) if len(kept) else math.nan
-            stats[f"rewards/{name}/std"] = float(kept.std(unbiased=False)) if len(kept) else math.nan
-        return stats
 
 
 RewardSpec = tuple[str, float, Callable[..., Any]]

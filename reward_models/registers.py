@@ -26,7 +26,8 @@ Training (``flowalign.register_training``) uses the pairwise Thurstone loss on n
 The variance grows with the noise level, so pairs that noise makes hard to tell apart are pushed less.
 
 A checkpoint stores the register weights, their settings and the transformer config they were trained on;
-``load_registers`` refuses one from a different transformer config.
+``load_registers`` refuses one from a different transformer config. It is read with ``torch.load(weights_only=True)``
+(``flowalign.checkpoint.safe_load``): a file that would run code while unpickling is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from flowalign.checkpoint import safe_load
 
 __all__ = [
     "LatentRegisters",
@@ -244,7 +247,7 @@ def read_checkpoint(path: str | Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"register checkpoint {str(path)!r} does not exist (train one with "
                                 "`flowalign registers train`)")
-    blob = torch.load(path, map_location="cpu", weights_only=False)
+    blob = safe_load(path, "a register checkpoint")
     if not isinstance(blob, dict) or "settings" not in blob or "state_dict" not in blob:
         raise ValueError(f"{path} is not a register checkpoint (no settings/state_dict)")
     return blob

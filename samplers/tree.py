@@ -148,6 +148,9 @@ def tree_rollout(
         x, tree = levels[-1], level_tree[-1]
         sigma, sigma_next, level = sigmas[i], sigmas[i + 1], float(noise_levels[i])
         v = velocity(x, sigma, tree)
+        if v.shape != x.shape:  # an ODE step would broadcast a wrong-sized velocity silently
+            raise ValueError(f"the velocity returned shape {tuple(v.shape)} at step {i} for {x.shape[0]} live nodes of "
+                             f"shape {tuple(x.shape)}: it must return one velocity per node, shaped like x")
         nfe += count_nfe(velocity, x.shape[0])
         b = schedule.factor(i)
         parent_ids = first_id + torch.arange(x.shape[0], device=device).repeat_interleave(b)
@@ -200,7 +203,11 @@ def tree_rollout(
         kind=kind,
         reduce=reduce,
     )
-    assert levels[-1].shape[0] == trees * leaves_per_tree
+    if levels[-1].shape[0] != trees * leaves_per_tree:
+        raise RuntimeError(
+            f"the tree rollout grew {levels[-1].shape[0]} leaves for {trees} trees, but {schedule} promises "
+            f"{leaves_per_tree} per tree: its factor(step) and leaves disagree"
+        )
     return TreeRollout(
         transitions=transitions,
         final=levels[-1],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowalign.advantages import broadcast_to_transitions, group_advantages, group_normalize
+from flowalign.advantages import group_advantages, group_normalize
 
 EPS = 1e-4
 REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 2.0, 4.0, 6.0]
@@ -146,15 +146,3 @@ def test_input_errors():
         group_advantages(r, g, clip=0)
     with pytest.raises(ValueError, match="non-empty 1-D"):
         group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long))
-
-
-def test_broadcast_to_transitions():
-    sample_adv = torch.tensor([0.5, -1.0, 2.0])
-    sample_id = torch.tensor([0, 0, 1, 1, 2, 2, 1])
-    torch.testing.assert_close(
-        broadcast_to_transitions(sample_adv, sample_id), torch.tensor([0.5, 0.5, -1.0, -1.0, 2.0, 2.0, -1.0])
-    )
-    with pytest.raises(ValueError, match="index the 3 samples"):
-        broadcast_to_transitions(sample_adv, torch.tensor([0, 3]))
-    with pytest.raises(ValueError, match="integer"):
-        broadcast_to_transitions(sample_adv, torch.tensor([0.0, 1.0]))

@@ -1,4 +1,7 @@
-"""GRPO loss: ratio 1 at the rollout policy, hand-computed clipping, gradient paths, KL terms, step weights."""
+"""GRPO loss: ratio 1 at the rollout policy, hand-computed clipping, gradient paths, KL terms, step weights.
+
+``grpo_loss`` (from log-probs) is the reference: the trainer's ``transition_grpo_loss`` (from the velocity) is checked
+equal to it on the same transitions, so the hand computations here pin the loss training uses."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import math
 import pytest
 import torch
 
-from flowalign.loss import grpo_loss, latent_mean_kl, noise_aware_weights, velocity_mse_kl
+from flowalign.loss import grpo_loss, latent_mean_kl, noise_aware_weights, transition_grpo_loss, velocity_mse_kl
 from flowalign.samplers import sde_step
 
 
@@ -100,6 +103,43 @@ def test_kl_is_logged_without_beta_and_required_with_beta():
         grpo_loss(lp, lp, torch.ones(2), clip_range=0.0)
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(lp, lp, torch.ones(3), clip_range=0.1)
+
+
+@pytest.mark.parametrize("kind", ["flow_grpo", "dance", "cps"])
+def test_the_trainers_transition_loss_equals_grpo_loss_on_the_same_transitions(kind):
+    """``transition_grpo_loss`` (log-prob, latent-mean KL and clipped loss from the velocity in one op, what the
+    trainer calls) equals ``grpo_loss`` of the SDE step's log-prob and KL: loss, stats and the gradient to ``v``."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 4, 8, 8, generator=gen)
+    sigma = torch.tensor([0.95, 0.9, 0.8, 0.7, 0.5, 0.3])
+    sigma_next = sigma - 0.1
+    v_rollout = torch.randn(x.shape, generator=gen)
+    step = sde_step(x, v_rollout, sigma, sigma_next, kind=kind, noise_level=0.7, generator=gen)
+    moved = torch.tensor([0.0, 0.01, 0.03, 0.1, 0.3, 1.0]).view(-1, 1, 1, 1)  # how far the policy moved per row
+    v = v_rollout + moved * torch.randn(x.shape, generator=gen)
+    v_ref = v_rollout + 0.05 * torch.randn(x.shape, generator=gen)
+    advantages = torch.randn(6, generator=gen)
+    weights = torch.rand(6, generator=gen) + 0.5
+    settings = {"clip_range": 1e-3, "weights": weights}
+
+    v_fused = v.clone().requires_grad_()
+    loss, stats = transition_grpo_loss(v_fused, x, step.prev_sample, sigma, sigma_next, step.log_prob, advantages,
+                                       kind=kind, noise_level=0.7, v_ref=v_ref, beta=0.1, **settings)
+    loss.backward()
+
+    v_split = v.clone().requires_grad_()
+    policy = sde_step(x, v_split, sigma, sigma_next, kind=kind, noise_level=0.7, prev_sample=step.prev_sample)
+    reference = sde_step(x, v_ref, sigma, sigma_next, kind=kind, noise_level=0.7, prev_sample=step.prev_sample)
+    kl = latent_mean_kl(policy.mean, reference.mean, policy.std)
+    expected, expected_stats = grpo_loss(policy.log_prob, step.log_prob, advantages, kl=kl, beta=0.1, **settings)
+    expected.backward()
+
+    assert 0 < stats["clip_frac"] < 1 and stats["kl"] > 0  # both branches of the clip, and a KL, are exercised
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-7)
+    assert stats.keys() == expected_stats.keys()
+    for key, value in stats.items():
+        assert value == pytest.approx(expected_stats[key], rel=1e-5, abs=1e-7), key
+    torch.testing.assert_close(v_fused.grad, v_split.grad, rtol=1e-5, atol=1e-8)
 
 
 def test_latent_mean_kl_hand_computed():

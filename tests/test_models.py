@@ -1,6 +1,7 @@
 """Model adapters against the diffusers pipelines they wrap, LoRA through peft, and loading errors."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,8 +9,7 @@ from diffusers import FluxPipeline
 
 from flowalign.models import Cond, FluxModel, SD3Model, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.rollouts import sample_groups
-from flowalign.samplers import rollout, sde_step
+from flowalign.samplers import noise_schedule, rollout, sde_step
 
 
 PROMPTS = ["a photo of a red circle", "two blue squares left of a triangle"]
@@ -97,10 +97,11 @@ def test_decode_matches_pipeline_images(sd3_pipe, flux_pipe, family):
 def test_zero_noise_sde_rollout_reproduces_pipeline(sd3_pipe):
     model = wrap_pipeline(sd3_pipe)
     expected = pipeline_latents(sd3_pipe, model, steps=4, size=(32, 32), guidance=1.0)
-    group = sample_groups(model, PROMPTS, group_size=1, num_steps=4, noise=0.0, image_size=32,
-                          generator=torch.Generator().manual_seed(0))
-    assert torch.equal(group.latents, expected)
-    assert not group.transitions.stochastic.any()
+    x = model.prepare_noise(len(PROMPTS), 32, generator=torch.Generator().manual_seed(0))
+    out = rollout(model.velocity_fn(model.encode(PROMPTS), 1.0), x, model.sigmas(4, 32),
+                  noise_schedule(0.0).levels(4), kind="flow_grpo", generator=torch.Generator().manual_seed(1))
+    assert torch.equal(out.final, expected)
+    assert not out.transitions.stochastic.any()
 
 
 def test_per_sample_sigmas_match_per_row_calls(sd3_pipe):
@@ -129,24 +130,46 @@ def test_cond_indexing_and_group_layout():
     assert rep.text_ids is cond.text_ids and not cond.has_negative
 
 
-def test_group_rollout_layout_shared_noise_and_nfe(sd3_pipe):
-    model = wrap_pipeline(sd3_pipe)
-    group = sample_groups(model, PROMPTS, group_size=3, num_steps=4, noise=0.7, image_size=32, shared_noise=True,
-                          generator=torch.Generator().manual_seed(0))
-    t = group.transitions
+def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
+    """The trainer's chains (the rollouts training uses): K samples per prompt in prompt order, with
+    sampling.shared_noise the K members start from one noise, and the stored log-probs are those of the model."""
+    from flowalign.config import load_config
+    from flowalign.toy.prompts import split_prompts
+    from flowalign.train_config import TrainConfig
+    from flowalign.trainer import GRPOTrainer
+
+    train, test = split_prompts()
+    tiny_sd3_pipeline(sorted({w for e in train + test for w in e["prompt"].split()}), seed=0).save_pretrained(
+        tmp_path / "model")
+    settings = {"model.path": tmp_path / "model", "model.lora_rank": 4, "reward.rewards": "[{name: brightness}]",
+                "data.train_prompts": Path(__file__).resolve().parents[1] / "assets/prompts/train.jsonl",
+                "data.prompts_per_iteration": 2, "data.group_size": 3, "sampling.batch_size": 6,
+                "sampling.num_steps": 4, "sampling.image_size": 32, "sampling.shared_noise": "true",
+                "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
+                "train.tracker": "none", "train.eval_at_end": "false", "train.out_dir": tmp_path / "run"}
+    trainer = GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in settings.items()]))
+    (chunk,) = trainer.collect(0, trainer.prompts_for(0))
+    t = chunk.rollout.transitions
     x_init = t.x_t[t.step == 0]
     assert torch.equal(x_init[0], x_init[2]) and not torch.equal(x_init[0], x_init[3])
-    assert t.prompt_id[t.step == 0].tolist() == [0, 0, 0, 1, 1, 1] and group.nfe == 6 * 4
-    assert t.stochastic.tolist() == [s < 3 for s in t.step.tolist()]  # last step is ODE by default
-    assert not torch.equal(group.latents[0], group.latents[1])  # same start, different SDE noise
+    assert chunk.prompt_index.tolist() == [0, 0, 0, 1, 1, 1] and chunk.rollout.nfe == 6 * 4
+    assert t.stochastic.tolist() == [s < 3 for s in t.step.tolist()]  # last step is ODE
+    assert not torch.equal(chunk.rollout.final[0], chunk.rollout.final[1])  # same start, different SDE noise
     # the stored log-probs are reproduced by re-running the model on the stored transitions
     st = t.select(t.stochastic)
     with torch.no_grad():
-        v = model.velocity(st.x_t, st.sigma, group.cond.index(st.prompt_id))
+        v = trainer.model.velocity(st.x_t, st.sigma, chunk.cond.index(st.prompt_id))
     again = sde_step(st.x_t, v, st.sigma, st.sigma_next, kind=t.kind, noise_level=st.noise_level, prev_sample=st.x_next)
     torch.testing.assert_close(again.log_prob, st.log_prob, rtol=1e-4, atol=1e-4)
-    cfg = sample_groups(model, PROMPTS, group_size=2, num_steps=3, guidance_scale=4.0, image_size=32)
-    assert cfg.nfe == 2 * 2 * 3 * 2
+
+
+def test_cfg_rollouts_count_two_evaluations_per_sample_and_step(sd3_pipe):
+    model = wrap_pipeline(sd3_pipe)
+    cond = model.encode(PROMPTS, negative_prompts=[""] * len(PROMPTS))
+    x = model.prepare_noise(len(PROMPTS), 32, generator=torch.Generator().manual_seed(0))
+    out = rollout(model.velocity_fn(cond, 4.0), x, model.sigmas(3, 32), noise_schedule(0.7).levels(3),
+                  generator=torch.Generator().manual_seed(1))
+    assert out.nfe == 2 * 3 * 2
 
 
 # --- LoRA ------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from flowalign.config import load_config
+from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.toy.prompts import split_prompts
 from flowalign.train_config import TrainConfig
@@ -74,6 +74,16 @@ EXPECTED = {
 }
 
 
+def assert_kl_follows_the_lora(config, history):
+    """With a KL on (loss.beta > 0) it is exactly 0 at iteration 0, whose one optimizer step comes after every loss
+    (the LoRA is still zero, so policy and reference agree), and > 0 once the LoRA has moved; with none it is 0."""
+    assert config.optim.inner_epochs == config.optim.minibatches == 1
+    if config.loss.beta > 0:
+        assert history[0]["kl"] == 0.0 and all(h["kl"] > 0 for h in history[1:]), [h["kl"] for h in history]
+    else:
+        assert all(h["kl"] == 0.0 for h in history)
+
+
 @pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
 def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     extra = dict(SMALL_RUN_SHAPE.get(preset.stem, {}))
@@ -88,6 +98,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    assert_kl_follows_the_lora(config, history)
     stochastic, nfe = EXPECTED[preset.stem]
     assert config.sampling.stochastic_steps() == stochastic
     assert history[0]["nfe"] == nfe
@@ -95,15 +106,40 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert history[0]["rg_opd"] > 0
 
 
-def test_method_presets_differ_only_in_their_knobs():
-    flow = load_config(TrainConfig, REPO / "configs/methods/flow_grpo.yaml", [])
-    fast = load_config(TrainConfig, REPO / "configs/methods/flow_grpo_fast.yaml", [])
-    dance = load_config(TrainConfig, REPO / "configs/methods/dance_grpo.yaml", [])
-    mix = load_config(TrainConfig, REPO / "configs/methods/mix_grpo.yaml", [])
-    assert fast.sampling.window_start == "random" and fast.sampling.window_size == 2
-    assert dance.sampling.kind == "dance" and dance.sampling.shared_noise and dance.sampling.train_steps_per_rollout == 5
-    assert mix.sampling.window_start == "sliding"
-    assert flow.optim == fast.optim == dance.optim == mix.optim  # one trainer, different sampling knobs
+# Every method preset against its base (flow_grpo against the defaults): exactly these keys differ, to these values.
+# Keys a preset repeats at its base's value (e.g. branch_grpo's split_steps) are not differences.
+PRESET_DIFFS = {
+    "flow_grpo": (None, {"sampling.window_size": None, "sampling.window_start": "fixed", "sampling.window_last": None}),
+    "flow_grpo_fast": ("flow_grpo", {"sampling.window_size": 2, "sampling.window_start": "random",
+                                     "sampling.window_last": 4}),
+    "mix_grpo": ("flow_grpo", {"sampling.window_size": 4, "sampling.window_start": "sliding"}),
+    "dance_grpo": ("flow_grpo", {"sampling.kind": "dance", "sampling.noise_level": 0.3, "sampling.shared_noise": True,
+                                 "sampling.train_steps_per_rollout": 5}),
+    "branch_grpo": ("flow_grpo", {"rollout.shape": "tree"}),
+    "tempflow_grpo": ("flow_grpo", {"data.group_size": 8, "rollout.shape": "probe",
+                                    "loss.step_weighting": "noise_aware"}),
+    "dense_grpo": ("flow_grpo", {"step_reward.estimator": "dense"}),
+    "tp_grpo": ("flow_grpo", {"sampling.kind": "cps", "step_reward.estimator": "turning_point",
+                              "step_reward.balanced": True}),
+    "register_grpo": ("flow_grpo", {"step_reward.estimator": "registers", "step_reward.register_pass": "policy",
+                                    "step_reward.registers": "outputs/registers/registers.pt"}),
+}
+
+
+@pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
+def test_method_presets_differ_from_their_base_in_exactly_their_knobs(preset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # register_grpo's registers path is relative and must exist to load
+    (tmp_path / "outputs/registers").mkdir(parents=True)
+    (tmp_path / "outputs/registers/registers.pt").touch()
+    base, expected = PRESET_DIFFS[preset.stem]
+    assert yaml.safe_load(preset.read_text()).get("base") == (None if base is None else f"{base}.yaml")
+    config = to_dict(load_config(TrainConfig, preset, []))
+    reference = to_dict(TrainConfig() if base is None else load_config(TrainConfig, preset.parent / f"{base}.yaml", []))
+    differing = {line.split(":")[0] for line in diff_configs(reference, config)}
+    assert differing == set(expected)
+    for key, value in expected.items():
+        section, name = key.split(".")
+        assert config[section][name] == value, key
 
 
 def test_sd35_medium_preset_has_the_published_defaults_and_runs_on_a_tiny_sd3(tiny_paths, tmp_path):
@@ -115,7 +151,8 @@ def test_sd35_medium_preset_has_the_published_defaults_and_runs_on_a_tiny_sd3(ti
         tiny_paths["sd3"], tmp_path, **{"sampling.guidance_scale": 4.5}))
     history = GRPOTrainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # CFG doubles the evaluations
-    assert history[-1]["kl"] >= 0
+    assert config.loss.beta == 0.04
+    assert_kl_follows_the_lora(config, history)
 
 
 def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny_paths, tmp_path):
@@ -126,6 +163,8 @@ def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny
         tiny_paths["flux"], tmp_path, **{"model.gradient_checkpointing": "false"}))
     history = GRPOTrainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
+    assert config.loss.beta == 0.0
+    assert_kl_follows_the_lora(config, history)
 
 
 def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_at_zero_lora(tiny_paths, tmp_path):

@@ -145,3 +145,23 @@ def test_split_steps_must_be_inside_the_rollout_and_stochastic():
         TreeSchedule((0, 5)).nfe(5)
     with pytest.raises(ValueError, match="ODE steps"):
         tree_rollout(Counting(), torch.zeros(1, 1, 1, 1), sigmas(4), levels(4), TreeSchedule((0, 3)))
+
+
+def test_a_velocity_of_the_wrong_shape_is_refused_even_on_an_ode_step():
+    """On the last (ODE) step a one-row velocity would broadcast over every node silently."""
+
+    def one_row_late(x, s, tree):
+        return gaussian_velocity(x if float(s) > 0.3 else x[:1], s)
+
+    with pytest.raises(ValueError, match=r"velocity returned shape \(1, 1, 2, 2\) at step 3 for 4 live nodes"):
+        tree_rollout(one_row_late, torch.randn(2, 1, 2, 2), sigmas(4), levels(4), TreeSchedule((0,)))
+
+
+def test_a_schedule_whose_leaves_disagree_with_its_factors_is_an_error():
+    class Inconsistent(TreeSchedule):
+        @property
+        def leaves(self) -> int:
+            return 3
+
+    with pytest.raises(RuntimeError, match=r"grew 4 leaves for 2 trees, but .* promises 3 per tree"):
+        tree_rollout(Counting(), torch.randn(2, 1, 2, 2), sigmas(4), levels(4), Inconsistent((0,)))
