@@ -467,6 +467,9 @@ class LossConfig:
         None, "RG-OPD's gradient source instead of registers: a differentiable image reward (e.g. toy_geneval_soft) "
         "of the reference model's decoded x0_hat, its gradient taken on x0_hat (no backward through the transformer)"
     )
+    rg_opd_reward_kwargs: dict[str, Any] = option(
+        {}, "keyword arguments for loss.rg_opd_reward's constructor (e.g. local weights: {checkpoint: DIR})"
+    )
     rg_opd_bands: list[list[float]] = option(
         [[0.8, 0.3], [0.2, 0.05]], "RG-OPD's RGS scale per sigma band, [sigma, scale] pairs, highest sigma first"
     )
@@ -704,7 +707,7 @@ class TrainConfig:
             "loss.rg_opd_reward (a differentiable image reward such as toy_geneval_soft)",
         )
         _check(
-            self.loss.rg_opd_reward is None or self.loss.rg_opd_weight > 0,
+            (self.loss.rg_opd_reward is None and not self.loss.rg_opd_reward_kwargs) or self.loss.rg_opd_weight > 0,
             "loss.rg_opd_reward",
             "is set but loss.rg_opd_weight = 0: give RG-OPD a weight, or drop the reward",
         )

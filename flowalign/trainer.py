@@ -585,7 +585,8 @@ class GRPOTrainer:
     def build_opd_reward(self):
         """``loss.rg_opd_reward`` built from the reward registry; it must have the differentiable entry point
         ``forward`` (checked on its class before it is built: ``rewards.build_differentiable_reward``)."""
-        return build_differentiable_reward(self.config.loss.rg_opd_reward, "loss.rg_opd_reward")
+        loss = self.config.loss
+        return build_differentiable_reward(loss.rg_opd_reward, "loss.rg_opd_reward", **loss.rg_opd_reward_kwargs)
 
     def step_weights(self, chunk: Chunk, steps: list[int]) -> Tensor:
         """Per-transition weights: 1 (or noise-aware) on the trained steps, 0 elsewhere.

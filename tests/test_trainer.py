@@ -508,3 +508,12 @@ def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
     bad = subprocess.run([str(BIN / "flowalign"), "train", str(out), "sampling.num_steps=5"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "sampling.noise_table has 4 entries but sampling.num_steps = 5" in bad.stderr
+
+
+def test_rg_opd_reward_kwargs_reach_its_constructor_before_the_model_loads(tmp_path):
+    settings = {"loss.rg_opd_weight": 1, "loss.rg_opd_reward": "brightness", "loss.rg_opd_reward_kwargs": "{channel: 7}"}
+    config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run", **settings))
+    with pytest.raises(SetupError, match="brightness channel must be 0, 1, 2 or None"):
+        GRPOTrainer(config)
+    with pytest.raises(ConfigError, match="loss.rg_opd_reward is set but loss.rg_opd_weight = 0"):
+        load_config(TrainConfig, None, overrides(tmp_path, tmp_path, **{"loss.rg_opd_reward_kwargs": "{channel: 0}"}))

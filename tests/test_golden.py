@@ -1,0 +1,107 @@
+"""Golden runs: the trainer as a whole, pinned for every method preset and both model presets.
+
+Each run trains 2 iterations in one CPU thread and must reproduce the recorded digests of its weights, EMA, optimizer
+state and metrics exactly on the platform they were recorded on, and the recorded reference values within the
+tolerances of ``tests/golden_runs.py`` elsewhere. How to re-record (a reviewed change): see that module's docstring.
+"""
+
+import pytest
+import torch
+
+from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.toy.prompts import split_prompts
+
+from golden_runs import (
+    COSINE_MIN,
+    NORM_RATIO_TOLERANCE,
+    RUNS,
+    compare_digests,
+    compare_values,
+    fingerprint,
+    load_baselines,
+    load_reference,
+    mode,
+    record,
+    run_golden,
+)
+
+
+@pytest.fixture(scope="module")
+def golden_models(tmp_path_factory):
+    """The tiny SD3 and FLUX pipelines (seed 0) and a register checkpoint (seed 0) for register_grpo."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowalign.reward_models.registers import LatentRegisters
+
+    train, test = split_prompts()
+    words = sorted({w for e in train + test for w in e["prompt"].split()})
+    root = tmp_path_factory.mktemp("golden")
+    tiny_sd3_pipeline(words, seed=0).save_pretrained(root / "sd3")
+    tiny_flux_pipeline(words, seed=0).save_pretrained(root / "flux")
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel.from_pretrained(root / "sd3" / "transformer")
+    registers = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(root / "registers.pt")
+    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers}
+
+
+def _run(name, golden_models, out, extra=None):
+    model = golden_models["flux" if name == "flux_dev" else "sd3"]
+    registers = golden_models["registers"] if name == "register_grpo" else None
+    return run_golden(name, model, out, extra=extra, registers=registers)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_golden_run(name, golden_models, tmp_path):
+    digests, values = _run(name, golden_models, tmp_path / name)
+    if mode() != "check":
+        record(name, digests, values, reference=mode() == "reference")
+        return
+    recorded = load_baselines()["digests"].get(fingerprint(), {}).get(name)
+    if recorded is not None:  # the platform the digests were recorded on: bitwise
+        moved = compare_digests(digests, recorded)
+        assert not moved, (f"{name}: the digests of {moved} moved. If the change of the math is intended, re-record "
+                           "(tests/golden_runs.py) and say in the commit which runs moved and why")
+    else:  # another platform: the reference values within the documented tolerances
+        problems = compare_values(values, load_reference(name))
+        assert not problems, f"{name} on {fingerprint()}: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize("change", [{"optim.lr": 3.15e-4}, {"advantage.std": "global"}], ids=["lr+5%", "global-std"])
+def test_both_checks_catch_a_real_change_of_the_math(change, golden_models, tmp_path):
+    """A 5% larger learning rate or another advantage normalisation moves the digests and fails the tolerances."""
+    if mode() != "check":
+        pytest.skip("recording golden runs")  # only in FLOWALIGN_GOLDEN=record|reference sessions, never in CI
+    digests, values = _run("flow_grpo", golden_models, tmp_path / "changed", extra=change)
+    recorded = load_baselines()["digests"].get(fingerprint(), {}).get("flow_grpo")
+    if recorded is not None:
+        assert compare_digests(digests, recorded)
+    assert compare_values(values, load_reference("flow_grpo"))
+
+
+def _flipped(update, fraction, seed=0):
+    """``update`` with the sign of ``fraction`` of its elements flipped (Adam's first step on near-zero gradients)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, tensor in update.items():
+        flip = torch.rand(tensor.shape, generator=generator) < fraction
+        out[name] = torch.where(flip, -tensor, tensor)
+    return out
+
+
+def test_the_tolerance_ignores_a_few_sign_flips_and_catches_a_turned_or_scaled_update():
+    reference = load_reference("flow_grpo")
+    base = {"weights": reference["weights"], "ema": reference["ema"], "metrics": reference["metrics"]}
+    assert compare_values(base, reference) == []
+    for fraction, fails in ((0.002, False), (0.05, True)):  # cosine 1 - 2f: 0.996 passes, 0.90 fails
+        flipped = {**base, "weights": _flipped(base["weights"], fraction)}
+        assert bool(compare_values(flipped, reference)) is fails
+    for scale, fails in ((1 + NORM_RATIO_TOLERANCE / 2, False), (1 + 2 * NORM_RATIO_TOLERANCE, True)):
+        scaled = {**base, "weights": {k: v * scale for k, v in base["weights"].items()}}
+        assert bool(compare_values(scaled, reference)) is fails
+    metrics = [dict(m) for m in base["metrics"]]
+    metrics[0]["nfe"] += 1  # a count is exact on any machine
+    assert any("nfe" in p for p in compare_values({**base, "metrics": metrics}, reference))
+    metrics = [dict(m) for m in base["metrics"]]
+    metrics[0]["reward"] *= 1.01  # iteration 0's reward is forward-only: 1% is far beyond rounding
+    assert any("reward" in p for p in compare_values({**base, "metrics": metrics}, reference))
+    assert 0 < COSINE_MIN < 1
