@@ -143,7 +143,7 @@ def _add_eval_toy(group) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", default=None,
-                        help="diffusers pipeline directory (default: the --lora checkpoint's model, else assets/toy-sd3)")
+                        help="diffusers pipeline directory (default: a --lora checkpoint's model, else assets/toy-sd3)")
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--images-per-tag", type=positive_int, default=None,
                         help="tag-balanced: this many images per tag, split evenly over its prompts (replaces "
@@ -361,7 +361,7 @@ def _add_sample(commands) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--model", default=None,
-                        help="diffusers pipeline directory (default: the --lora checkpoint's model, else assets/toy-sd3)")
+                        help="diffusers pipeline directory (default: a --lora checkpoint's model, else assets/toy-sd3)")
     _add_lora_args(parser)
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--guidance", choices=GUIDANCE, default=defaults.guidance)
@@ -399,7 +399,8 @@ def _run_sample(args: argparse.Namespace) -> None:
     from flowalign.guided_sampling import SampleConfig, run_sample
 
     config = SampleConfig(
-        model=args.model, lora=args.lora, lora_weights=args.weights, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
+        model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
+        lora=args.lora, lora_weights=args.weights,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
         rgs_reward=args.rgs_reward, rgs_gradient=args.rgs_gradient,
         noise_level=args.noise_level, lam=args.lam, potential=args.potential,

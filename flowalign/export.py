@@ -114,8 +114,9 @@ def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSou
     if (directory / "trainable.safetensors").is_file():
         config_file = directory / "config.yaml"
         if not config_file.is_file():
-            raise FileNotFoundError(f"checkpoint {str(path)!r} has no config.yaml: it cannot say which LoRA rank, alpha "
-                                    f"and target modules its weights belong to (its lora/ folder can be given instead)")
+            raise FileNotFoundError(f"checkpoint {str(path)!r} has no config.yaml: it cannot say which LoRA rank, "
+                                    "alpha and target modules its weights belong to (its lora/ folder can be given "
+                                    "instead)")
         config = yaml.safe_load(config_file.read_text()) or {}
         has_ema = (directory / _WEIGHT_FILES["ema"]).is_file()
         if weights is None:
@@ -196,7 +197,7 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
     wrong = [f"{name} {tuple(saved[name].shape)} vs {tuple(params[name].shape)}"
              for name in sorted(set(params) & set(saved)) if saved[name].shape != params[name].shape]
     if missing or unexpected or wrong:
-        _remove_adapter(model)
+        model.transformer.unload_lora()  # leave the model as it was
         raise ValueError(f"{lora.describe()} does not fit {what}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                          f"wrong shapes {wrong[:3]} (was it trained on another base model? pass that one as --model)")
     with torch.no_grad():
@@ -236,10 +237,6 @@ def _check_lora_folder(model, lora: LoraSource, what: str) -> None:
     if problems:
         raise ValueError(f"{lora.describe()} does not fit {what}: {problems} of its {layers} LoRA tensors do not match "
                          f"({'; '.join(found)}); was it trained on another base model? pass that one as --model")
-
-
-def _remove_adapter(model) -> None:
-    model.transformer.unload_lora()
 
 
 # ---------------------------------------------------------------------------------------------------- export

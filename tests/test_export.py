@@ -19,6 +19,7 @@ import sys
 import termios
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -225,6 +226,55 @@ def test_flux_export_merged_and_as_lora_folder(tmp_path):
     torch.testing.assert_close(ode_samples(wrap_pipeline(pipe)), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_geneval_and_hpd_generate_with_the_lora(tmp_path):
+    """``eval geneval`` and ``eval hpd`` with ``--lora`` (and no ``--model``) sample the LoRA model's images."""
+    from PIL import Image
+
+    from flowalign.evaluation.geneval_eval import GenEvalRunConfig, run_geneval
+    from flowalign.evaluation.hpd_eval import HPD_STYLES, HPDRunConfig, run_hpd
+    from flowalign.evaluation.images import to_uint8
+    from flowalign.reward_models.hps import HPSv2
+    from reward_fixtures import register_tiny_open_clip, tiny_open_clip_checkpoint
+
+    checkpoint, model_dir = tiny_checkpoint(tmp_path)
+    lora_model = load_model(str(model_dir), resolve_lora(checkpoint))
+    base = load_flow_model(model_dir)
+    metadata = [{"tag": "single_object", "include": [{"class": "circle", "count": 1}], "prompt": "a photo of a circle"},
+                {"tag": "colors", "include": [{"class": "square", "count": 1, "color": "red"}],
+                 "prompt": "a photo of a red square"}]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(entry) + "\n" for entry in metadata))
+    settings = dict(steps=2, images_per_prompt=1, seed=4, batch_size=2)
+    expected = to_uint8(generate(lora_model, metadata, **settings))
+    assert not np.array_equal(expected, to_uint8(generate(base, metadata, **settings)))
+
+    run_geneval(GenEvalRunConfig(metadata=str(prompts), lora=str(checkpoint), detector="toy", device="cpu",
+                                 out_dir=str(tmp_path / "geneval"), **settings))
+    record = json.loads((tmp_path / "geneval" / "results.json").read_text())
+    assert record["config"]["lora_weights"] == "ema"
+    assert "(ema weights)" in (tmp_path / "geneval" / "summary.md").read_text()
+    for p in range(2):
+        with Image.open(tmp_path / "geneval" / "images" / f"{p:05d}" / "samples" / "00000.png") as image:
+            assert np.array_equal(np.asarray(image.convert("RGB")), expected[p])
+
+    styles = tmp_path / "hpd"
+    styles.mkdir()
+    for style in HPD_STYLES:
+        (styles / f"{style}.json").write_text(json.dumps([entry["prompt"] for entry in metadata] * 5))  # HPD: >= 10
+    tiny = tmp_path / "clip"
+    tiny.mkdir()
+    register_tiny_open_clip(tiny)
+    scorer = HPSv2(str(tiny_open_clip_checkpoint(tiny, seed=2)), model_name="flowalign-tiny-clip", device="cpu")
+    run_hpd(HPDRunConfig(prompts=str(styles), lora=str(checkpoint), lora_weights="ema", save_images=True, device="cpu",
+                         out_dir=str(tmp_path / "hpd-out"), **{**settings, "seed": 0}), scorer=scorer)
+    assert json.loads((tmp_path / "hpd-out" / "results.json").read_text())["config"]["model"] == str(model_dir)
+    # HPD seeds image k of prompt p in style s with (seed, s * 100000 + p, k): style 0 is toy_eval's (seed, p, k).
+    first = to_uint8(generate(lora_model, metadata, **{**settings, "seed": 0}))
+    for p in range(2):
+        with Image.open(tmp_path / "hpd-out" / "images" / HPD_STYLES[0] / f"{p:05d}_0.png") as image:
+            assert np.array_equal(np.asarray(image.convert("RGB")), first[p])
+
+
 # ------------------------------------------------------------------------------------------------- bad input
 
 
@@ -289,7 +339,8 @@ def test_a_lora_that_does_not_fit_the_model_is_refused_naming_both(tmp_path):
         apply_lora(model, resolve_lora(checkpoint), model_name="toy")
     assert not model.has_lora  # the failed adapter is removed again
     flux, _ = tiny_checkpoint(tmp_path / "flux", tiny_flux_pipeline)
-    with pytest.raises(ValueError, match=r"checkpoint .*flux.* does not fit toy: missing \[.*unexpected \['single_transformer_blocks"):
+    with pytest.raises(ValueError, match=r"checkpoint .*flux.* does not fit toy: missing \[.*unexpected "
+                                         r"\['single_transformer_blocks"):
         apply_lora(model, resolve_lora(flux), model_name="toy")
 
 
