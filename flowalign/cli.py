@@ -24,6 +24,8 @@ Commands:
 * ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE [--cfg SCALE]``: reward-guided sampling
   (``flowalign.guided_sampling``).
 * ``flowalign registers train``: latent reward registers (``flowalign.register_training``).
+* ``flowalign export CHECKPOINT --out DIR [--weights ema|last] [--merge]``: a trained LoRA for diffusers
+  (``flowalign.export``). ``sample`` and every ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
 
 from __future__ import annotations
@@ -124,13 +126,25 @@ def _add_sampling_args(parser, defaults) -> None:
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=defaults.dtype)
     parser.add_argument("--out", default=defaults.out_dir, help="output directory")
+    _add_lora_args(parser)
+
+
+def _add_lora_args(parser) -> None:
+    """``--lora`` / ``--weights``: a LoRA trained by ``flowalign train`` on top of ``--model`` (flowalign.export)."""
+    from flowalign.export import WEIGHTS
+
+    parser.add_argument("--lora", default=None, metavar="DIR",
+                        help="a trained LoRA: a checkpoint directory (checkpoint-NNNNNN) or a diffusers LoRA folder "
+                        "(e.g. a checkpoint's lora/, its last weights); --model defaults to the checkpoint's model")
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help="a checkpoint's EMA or last weights (default: ema when it has them, else last)")
 
 
 def _sampling_settings(args: argparse.Namespace) -> dict[str, Any]:
     """``SamplingRun``'s fields from the options ``_add_sampling_args`` added."""
     return dict(steps=args.steps, images_per_prompt=args.images_per_prompt, guidance_scale=args.guidance,
                 seed=args.seed, batch_size=args.batch_size, resolution=args.resolution, max_prompts=args.max_prompts,
-                device=args.device, dtype=args.dtype, out_dir=args.out)
+                device=args.device, dtype=args.dtype, out_dir=args.out, lora=args.lora, lora_weights=args.weights)
 
 
 def _add_eval_toy(group) -> None:
@@ -144,7 +158,8 @@ def _add_eval_toy(group) -> None:
         "results.json, summary.md and grid.png to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
+    parser.add_argument("--model", default=None,
+                        help="diffusers pipeline directory (default: a --lora checkpoint's model, else assets/toy-sd3)")
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--images-per-tag", type=positive_int, default=None,
                         help="tag-balanced: this many images per tag, split evenly over its prompts (replaces "
@@ -171,7 +186,8 @@ def _add_eval_geneval(group) -> None:
         "--images. Writes results.json and summary.md to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (omit to only score)")
+    parser.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (omit to only score, "
+                        "or to generate with a --lora checkpoint's model)")
     parser.add_argument("--metadata", required=True, help="GenEval evaluation_metadata.jsonl")
     parser.add_argument("--images", default=None, help="image folder to write or to score (default: <out>/images)")
     parser.add_argument("--detector", choices=("mask2former", "toy"), default="mask2former")
@@ -187,7 +203,7 @@ def _add_eval_geneval(group) -> None:
 def _run_eval_geneval(args: argparse.Namespace) -> None:
     from flowalign.evaluation.geneval_eval import GenEvalRunConfig, run_geneval
 
-    if args.model is None and args.images is None:
+    if args.model is None and args.lora is None and args.images is None:
         raise CommandError("give --model to generate images, or --images DIR to score an existing GenEval folder")
     run_geneval(GenEvalRunConfig(
         metadata=args.metadata, model=args.model, images=args.images, detector=args.detector,
@@ -206,18 +222,21 @@ def _add_eval_hpd(group) -> None:
         "photo.json) and score them with HPS v2.1; writes results.json and summary.md to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", required=True, help="diffusers pipeline directory or hub id")
+    parser.add_argument("--model", default=None,
+                        help="diffusers pipeline directory or hub id (required unless --lora is a checkpoint)")
     parser.add_argument("--prompts", required=True, help="directory with the four style JSON files")
     parser.add_argument("--hps-checkpoint", default=None,
                         help="HPS_v2.1_compressed.pt (default: download from the hub repository xswu/HPSv2)")
     parser.add_argument("--save-images", action="store_true", help="also save the images under <out>/images")
-    _add_sampling_args(parser, HPDRunConfig(model="", prompts=""))
+    _add_sampling_args(parser, HPDRunConfig(prompts=""))
     parser.set_defaults(handler=_run_eval_hpd)
 
 
 def _run_eval_hpd(args: argparse.Namespace) -> None:
     from flowalign.evaluation.hpd_eval import HPDRunConfig, run_hpd
 
+    if args.model is None and args.lora is None:
+        raise CommandError("give --model (the pipeline to evaluate), or --lora with a training checkpoint")
     run_hpd(HPDRunConfig(model=args.model, prompts=args.prompts, hps_checkpoint=args.hps_checkpoint,
                          save_images=args.save_images, **_sampling_settings(args)))
 
@@ -358,7 +377,9 @@ def _add_sample(commands) -> None:
         "writes images/, grid.png, results.json (each chosen sample's reward and NFEs) and summary.md to --out.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--model", default=defaults.model, help="diffusers pipeline directory")
+    parser.add_argument("--model", default=None,
+                        help="diffusers pipeline directory (default: a --lora checkpoint's model, else assets/toy-sd3)")
+    _add_lora_args(parser)
     parser.add_argument("--prompts", default=None, help="GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
     parser.add_argument("--guidance", choices=GUIDANCE, default=defaults.guidance)
     parser.add_argument("--budget", type=positive_int, default=defaults.budget, help="NFEs per prompt")
@@ -402,6 +423,7 @@ def _run_sample(args: argparse.Namespace) -> None:
 
     config = SampleConfig(
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
+        lora=args.lora, lora_weights=args.weights,
         seed=args.seed, reward=args.reward, partial_credit=not args.binary_reward, registers=args.registers,
         rgs_reward=args.rgs_reward, rgs_reward_kwargs=args.rgs_reward_kwargs, rgs_gradient=args.rgs_gradient,
         cfg=args.cfg,
@@ -415,6 +437,42 @@ def _run_sample(args: argparse.Namespace) -> None:
     if "geneval" in summary:
         line += f", toy GenEval overall {summary['geneval']['overall']:.3f}"
     print(f"wrote {args.out}: {line}")
+
+
+def _add_export(commands) -> None:
+    from flowalign.export import WEIGHTS
+
+    parser = commands.add_parser(
+        "export",
+        help="export a training checkpoint's LoRA for diffusers (a LoRA folder, or a pipeline with it merged)",
+        description="Write a checkpoint's EMA or last LoRA weights to --out: a diffusers LoRA folder "
+        "(pytorch_lora_weights.safetensors, for pipe.load_lora_weights), or with --merge a full pipeline directory "
+        "with the LoRA folded into the transformer (plain StableDiffusion3Pipeline / FluxPipeline.from_pretrained). "
+        "--out must not exist or be empty.",
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (checkpoint-NNNNNN)")
+    parser.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help="EMA or last weights (default: ema when the checkpoint has them, else last)")
+    parser.add_argument("--merge", action="store_true", help="write a full pipeline with the LoRA merged")
+    parser.add_argument("--model", default=None, help="the base pipeline (default: the checkpoint's model.path)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                        help="dtype of the base weights (default: the checkpoint's model.dtype)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from flowalign.devices import resolve_device
+    from flowalign.export import export_lora
+
+    try:
+        out = export_lora(args.checkpoint, args.out, weights=args.weights, merge=args.merge, model=args.model,
+                          dtype=args.dtype, device=resolve_device(args.device))
+    except FileExistsError as error:
+        raise CommandError(str(error)) from None
+    kind = "pipeline with the LoRA merged" if args.merge else "diffusers LoRA folder"
+    print(f"wrote {out} ({kind})")
 
 
 def _add_registers_train(group) -> None:
@@ -498,6 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_toy_segmenter(toy_group)
 
     _add_sample(commands)
+    _add_export(commands)
     registers_group = _group(commands, "registers", "latent reward registers")
     _add_registers_train(registers_group)
     return parser

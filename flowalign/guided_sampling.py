@@ -47,9 +47,13 @@ RGS_GRADIENTS = ("full", "x0")
 
 @dataclass
 class SampleConfig:
-    """Settings of ``flowalign sample`` (per-prompt NFE ``budget``; see the module docstring)."""
+    """Settings of ``flowalign sample`` (per-prompt NFE ``budget``; see the module docstring). ``lora``: a trained
+    LoRA (a checkpoint, with ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.export``) on ``model``, which
+    defaults to the checkpoint's base model, else ``assets/toy-sd3``."""
 
-    model: str = "assets/toy-sd3"
+    model: str | None = None
+    lora: str | None = None
+    lora_weights: str | None = None
     prompts: str | None = None
     guidance: str = "bon"
     budget: int = 40
@@ -134,6 +138,9 @@ class SampleConfig:
                              f"step on, every step but the last), got {self.fk_resample_start!r}")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1 (or None for all), got {self.max_prompts!r}")
+        if self.lora_weights is not None and self.lora is None:
+            raise ValueError(f"--weights {self.lora_weights} chooses a checkpoint's weights: give the checkpoint "
+                             "with --lora CHECKPOINT")
         check_bands(self.rgs_bands)
 
 
@@ -263,15 +270,20 @@ def read_transformer_config(model_path: str) -> dict | None:
 
 def run_sample(config: SampleConfig) -> dict:
     """Check, load, sample every prompt and write the outputs; returns the summary written to results.json."""
+    from dataclasses import replace
+
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
+    from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
+    from flowalign.export import base_model_path, load_model, resolve_lora
 
     config.validate()
     if config.rgs_reward is not None:  # a reward without a gradient is refused before anything is built or loaded
         from flowalign.rewards import require_differentiable_reward
 
         require_differentiable_reward(config.rgs_reward, "--rgs-reward")
-    model_path = resolve_model_path(config.model)
+    lora = resolve_lora(config.lora, config.lora_weights) if config.lora is not None else None
+    model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
+    config = replace(config, model=model_path, lora_weights=None if lora is None else lora.weights)
     config.validate(read_transformer_config(model_path))  # the budget under CFG, exactly, before the model loads
     guide_reward = None
     if config.rgs_reward is not None:
@@ -289,13 +301,12 @@ def run_sample(config: SampleConfig) -> dict:
         actual = read_transformer_config(model_path)
         if actual is not None:  # before the model loads
             check_transformer_config(saved, actual, f"register checkpoint {config.registers}")
-    from flowalign.models.loading import load_flow_model
     from flowalign.rewards import build_reward
 
     reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
     reward_fn = build_reward(config.reward, **reward_kwargs)
     device = str(resolve_device(config.device))
-    model = load_flow_model(model_path, device=device)
+    model = load_model(model_path, lora, device=device)
     model.transformer.requires_grad_(False)
     if config.registers is not None:
         registers = load_registers(config.registers, dict(model.transformer.config)).to(device)

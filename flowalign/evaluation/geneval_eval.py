@@ -33,7 +33,14 @@ from PIL import Image
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import GenEvalError, format_table, judge, load_metadata, summarize, validate_metadata
 from flowalign.evaluation.images import to_uint8
-from flowalign.evaluation.toy_eval import SamplingRun, _rows, _sample_batch, check_sampling_args, initial_noise
+from flowalign.evaluation.toy_eval import (
+    SamplingRun,
+    _rows,
+    _sample_batch,
+    check_sampling_args,
+    initial_noise,
+    progress_bar,
+)
 
 __all__ = ["GenEvalRunConfig", "generate_folder", "read_folder", "run_geneval", "score_folder"]
 
@@ -60,13 +67,14 @@ def generate_folder(model, metadata_list: Sequence[Mapping[str, Any]], folder: s
         (_prompt_dir(folder, index) / "metadata.jsonl").write_text(json.dumps(dict(entry)) + "\n", encoding="utf-8")
     rows = _rows(len(metadata_list), images_per_prompt)
     sigmas = model.sigmas(steps, image_size)
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(rows)) as bar:
         for start in range(0, len(rows), batch_size):
             batch = rows[start : start + batch_size]
             noise = initial_noise(model, batch, seed, image_size)
             images = _sample_batch(model, [metadata_list[p]["prompt"] for p, _ in batch], noise, sigmas, guidance_scale)
             for (p, k), pixels in zip(batch, to_uint8(images)):
                 Image.fromarray(pixels).save(_prompt_dir(folder, p) / "samples" / f"{k:05d}.png")
+            bar.update(len(batch))
     return folder
 
 
@@ -134,7 +142,8 @@ def score_folder(folder: str | Path, detections) -> tuple[list[dict], dict]:
 
 @dataclass(kw_only=True)
 class GenEvalRunConfig(SamplingRun):
-    """Settings of ``flowalign eval geneval``; with ``model`` None, ``images`` must be an existing folder to score."""
+    """Settings of ``flowalign eval geneval``; with ``model`` None, ``images`` must be an existing folder to score
+    (unless ``lora`` is a checkpoint: then its base model generates)."""
 
     metadata: str
     model: str | None = None
@@ -154,17 +163,21 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
     from flowalign.reward_models.geneval import GenEvalDetections
 
     config.validate()
+    lora = config.lora_source()
     out = Path(config.out_dir)
     folder = Path(config.images) if config.images else out / "images"
-    if config.model is not None:
-        from flowalign.evaluation.toy_eval import resolve_model_path
-        from flowalign.models.loading import load_flow_model
+    title = config.model or str(folder)
+    if config.model is not None or lora is not None:
+        from flowalign.export import base_model_path, load_model
 
         if not Path(config.metadata).is_file():
             raise FileNotFoundError(f"GenEval metadata file {config.metadata!r} does not exist")
         metadata = load_metadata(config.metadata)[: config.max_prompts]
         device = str(resolve_device(config.device))
-        model = load_flow_model(resolve_model_path(config.model), dtype=config.dtype, device=device)
+        title = base_model_path(config.model, lora)
+        model = load_model(title, lora, dtype=config.dtype, device=device)
+        if lora is not None:
+            title += f" + {lora.describe()}"
         generate_folder(model, metadata, folder, steps=config.steps, images_per_prompt=config.images_per_prompt,
                         guidance_scale=config.guidance_scale, seed=config.seed, batch_size=config.batch_size,
                         image_size=config.resolution)
@@ -178,9 +191,9 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
     results, summary = score_folder(folder, detections)
 
     out.mkdir(parents=True, exist_ok=True)
-    record = {"config": asdict(config), "folder": str(folder), "summary": summary, "results": results}
+    record = {"config": {**asdict(config), "lora_weights": None if lora is None else lora.weights},
+              "folder": str(folder), "summary": summary, "results": results}
     (out / "results.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    title = config.model or str(folder)
     markdown = "\n".join([f"# GenEval: {title}", "", f"detector: {config.detector}; folder: {folder}", "",
                           format_table(summary), "",
                           f"images correct: {summary['images_correct']:.3f}; prompts correct: "

@@ -96,9 +96,9 @@ def format_hpd_table(summary: dict) -> str:
 
 @dataclass(kw_only=True)
 class HPDRunConfig(SamplingRun):
-    """Settings of ``flowalign eval hpd``."""
+    """Settings of ``flowalign eval hpd``; ``model`` may be None when ``lora`` is a checkpoint (its base model)."""
 
-    model: str
+    model: str | None = None
     prompts: str
     hps_checkpoint: str | None = None
     images_per_prompt: int = 1
@@ -113,13 +113,13 @@ def score_style(model, scorer, prompts: Sequence[str], *, style_index: int, conf
     The noise of image ``k`` of prompt ``p`` in style ``s`` is seeded by ``sample_seed(seed, s * 100000 + p, k)``.
     """
     from flowalign.evaluation.images import to_uint8
-    from flowalign.evaluation.toy_eval import _rows, _sample_batch, initial_noise
+    from flowalign.evaluation.toy_eval import _rows, _sample_batch, initial_noise, progress_bar
 
     rows = _rows(len(prompts), config.images_per_prompt)
     seeded = [(style_index * 100000 + p, k) for p, k in rows]
     sigmas = model.sigmas(config.steps, config.resolution)
     scores: list[float] = []
-    with torch.no_grad():
+    with torch.no_grad(), progress_bar(len(rows), desc=f"HPD style {style_index}") as bar:
         for start in range(0, len(rows), config.batch_size):
             batch = rows[start : start + config.batch_size]
             noise = initial_noise(model, seeded[start : start + config.batch_size], config.seed, config.resolution)
@@ -132,6 +132,7 @@ def score_style(model, scorer, prompts: Sequence[str], *, style_index: int, conf
                 image_dir.mkdir(parents=True, exist_ok=True)
                 for (p, k), pixels in zip(batch, to_uint8(images)):
                     Image.fromarray(pixels).save(image_dir / f"{p:05d}_{k}.png")
+            bar.update(len(batch))
     return scores
 
 
@@ -140,10 +141,11 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
 
     ``scorer`` (an ``HPSv2``-like reward model) overrides the HPS v2.1 model built from ``hps_checkpoint``.
     """
-    from flowalign.evaluation.toy_eval import resolve_model_path
-    from flowalign.models.loading import load_flow_model
+    from flowalign.export import base_model_path, load_model
 
     config.validate()
+    lora = config.lora_source()
+    model_path = base_model_path(config.model, lora)
     prompts = load_hpd_prompts(config.prompts)
     if config.max_prompts is not None:
         prompts = {style: values[: config.max_prompts] for style, values in prompts.items()}
@@ -152,7 +154,7 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
         from flowalign.reward_models.hps import HPSv2
 
         scorer = HPSv2(config.hps_checkpoint, version="v2.1", device=device, dtype=config.dtype)
-    model = load_flow_model(resolve_model_path(config.model), dtype=config.dtype, device=device)
+    model = load_model(model_path, lora, dtype=config.dtype, device=device)
     out = Path(config.out_dir)
     scores = {}
     for style_index, (style, style_prompts) in enumerate(prompts.items()):
@@ -161,10 +163,12 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
                                     image_dir=image_dir)
     summary = hpd_summary(scores)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"config": asdict(config), "summary": summary, "scores": scores}
+    record = {"config": {**asdict(config), "model": model_path, "lora_weights": None if lora is None else lora.weights},
+              "summary": summary, "scores": scores}
     (out / "results.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     table = format_hpd_table(summary)
-    (out / "summary.md").write_text(f"# HPD v2: {config.model}\n\n{table}\n", encoding="utf-8")
+    title = model_path if lora is None else f"{model_path} + {lora.describe()}"
+    (out / "summary.md").write_text(f"# HPD v2: {title}\n\n{table}\n", encoding="utf-8")
     print(table)
     print(f"wrote {out / 'results.json'}, {out / 'summary.md'}")
     return summary

@@ -78,6 +78,8 @@ class SamplingRun:
     out_dir: str = "outputs/eval"
     device: str | None = None
     dtype: str = "fp32"
+    lora: str | None = None
+    lora_weights: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -92,6 +94,15 @@ class SamplingRun:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
+        if self.lora_weights is not None and self.lora is None:
+            raise ValueError(f"--weights {self.lora_weights} chooses a checkpoint's weights: give the checkpoint "
+                             "with --lora CHECKPOINT")
+
+    def lora_source(self):
+        """The checked ``lora`` (``flowalign.export.resolve_lora``), or None; loads nothing."""
+        from flowalign.export import resolve_lora
+
+        return None if self.lora is None else resolve_lora(self.lora, self.lora_weights)
 
 
 @dataclass(kw_only=True)
@@ -99,10 +110,12 @@ class EvalConfig(SamplingRun):
     """Settings of one toy evaluation (``flowalign eval toy``).
 
     ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``. ``images_per_tag``, when set, replaces
-    ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``).
+    ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``). ``lora`` (a checkpoint with
+    ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.export``) is evaluated on ``model``, which defaults to the
+    checkpoint's base model, else ``assets/toy-sd3``.
     """
 
-    model: str = DEFAULT_MODEL
+    model: str | None = None
     prompts: str | None = None
     images_per_tag: int | None = None
     steps: int = 10
@@ -208,12 +221,14 @@ def generate(
     batch_size: int = 64,
     image_size: int | Sequence[int] | None = None,
     shard: tuple[int, int] | None = None,
+    progress: bool | None = None,
 ) -> Tensor:
     """ODE samples ``[N, 3, H, W]`` in [0, 1] (CPU, fp32), prompt-major: with ``K`` images for every prompt, image
     ``k`` of prompt ``p`` is row ``p * K + k``. ``images_per_prompt`` may instead give one count per prompt.
 
     CFG-free unless the model uses CFG at ``guidance_scale`` (then the negative prompt is ""). The noise of each
     sample depends only on ``(seed, p, k)``; rows are processed ``batch_size`` at a time under ``torch.no_grad()``.
+    ``progress``: a tqdm bar counting images on stderr (True), none (False), or one when stderr is a terminal (None).
     """
     check_sampling_args(
         steps=steps, images_per_prompt=images_per_prompt, guidance_scale=guidance_scale, seed=seed, batch_size=batch_size
@@ -223,10 +238,12 @@ def generate(
     prompts = [_prompt_text(entry) for entry in metadata_list]
     sigmas = model.sigmas(steps, image_size)
     images = []
-    with torch.no_grad():
-        for batch in _batches(_rows(len(prompts), images_per_prompt), batch_size, shard):
+    batches = _batches(_rows(len(prompts), images_per_prompt), batch_size, shard)
+    with torch.no_grad(), progress_bar(sum(map(len, batches)), progress) as bar:
+        for batch in batches:
             noise = initial_noise(model, batch, seed, image_size)
             images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale))
+            bar.update(len(batch))
     return torch.cat(images) if images else torch.zeros(0)
 
 
@@ -240,6 +257,14 @@ def _batches(rows: list[tuple[int, int]], batch_size: int, shard: tuple[int, int
     if not 0 <= rank < world:
         raise ValueError(f"shard rank {rank} is outside 0..{world - 1}")
     return batches[rank::world]
+
+
+def progress_bar(total: int, progress: bool | None = None, desc: str = "eval"):
+    """A tqdm bar over ``total`` images on stderr: shown (True), hidden (False), or shown on a terminal (None)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="img", disable=None if progress is None else not progress,
+                dynamic_ncols=True)
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
@@ -256,8 +281,9 @@ def evaluate(
     batch_size: int = 64,
     image_size: int | Sequence[int] | None = None,
     shard: tuple[int, int] | None = None,
+    progress: bool | None = None,
 ) -> tuple[list[dict], dict, Tensor]:
-    """Generate, detect and judge: ``(results, summary, images)``.
+    """Generate, detect and judge: ``(results, summary, images)``; ``progress`` as for ``generate``.
 
     ``shard = (rank, world)``: only this process's share of the batches (``generate``); gather the results of all
     ranks and ``summarize`` them for the whole evaluation.
@@ -277,6 +303,7 @@ def evaluate(
         batch_size=batch_size,
         image_size=image_size,
         shard=shard,
+        progress=progress,
     )
     detections = detect_batch(images) if len(images) else []
     size = (int(images.shape[-1]), int(images.shape[-2])) if len(images) else None  # (width, height)
@@ -408,7 +435,7 @@ def resolve_model_path(model: str) -> str:
     return model  # a hub id: load_flow_model fetches it or explains why it cannot
 
 
-def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
+def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any], model: str, lora=None) -> str:
     n_images, n_prompts = summary["n_images"], summary["n_prompts"]
     images_ok = round(summary["images_correct"] * n_images)
     prompts_ok = round(summary["prompts_correct"] * n_prompts)
@@ -418,7 +445,7 @@ def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
         allocation = f"{config.images_per_prompt} images per prompt"
     return "\n".join(
         [
-            f"# Toy GenEval: {config.model}",
+            f"# Toy GenEval: {model}" + ("" if lora is None else f" + {lora.describe()}"),
             "",
             f"{config.steps} ODE steps, {allocation}, guidance {config.guidance_scale:g}, seed {config.seed}",
             "",
@@ -434,12 +461,13 @@ def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any]) -> str:
 def run_eval(config: EvalConfig) -> dict:
     """Evaluate ``config.model`` on the toy prompts; write ``results.json``, ``summary.md`` and ``grid.png``.
 
-    Returns the GenEval summary and prints its table. Bad settings raise ValueError, a missing model or prompt file
-    FileNotFoundError (both name what is wrong).
+    Returns the GenEval summary and prints its table. Bad settings raise ValueError, a missing model, LoRA or prompt
+    file FileNotFoundError (both name what is wrong), all before the model loads.
     """
-    from flowalign.models.loading import load_flow_model
+    from flowalign.export import base_model_path, load_model
 
     config.validate()
+    lora = config.lora_source()
     prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
     if not prompts_path.is_file():
         raise FileNotFoundError(f"prompt file {str(prompts_path)!r} does not exist")
@@ -448,8 +476,8 @@ def run_eval(config: EvalConfig) -> dict:
         metadata = metadata[: config.max_prompts]
     if not metadata:
         raise ValueError(f"prompt file {str(prompts_path)!r} has no prompts")
-    model_path = resolve_model_path(config.model)
-    model = load_flow_model(model_path, dtype=config.dtype, device=str(resolve_device(config.device)))
+    model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
+    model = load_model(model_path, lora, dtype=config.dtype, device=str(resolve_device(config.device)))
 
     counts = images_per_tag(metadata, config.images_per_tag) if config.images_per_tag else config.images_per_prompt
     results, summary, images = evaluate(
@@ -466,12 +494,13 @@ def run_eval(config: EvalConfig) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {
-        "config": {**asdict(config), "model": model_path, "prompts": str(prompts_path)},
+        "config": {**asdict(config), "model": model_path, "prompts": str(prompts_path),
+                   "lora_weights": None if lora is None else lora.weights},
         "summary": summary,
         "results": results,
     }
     (out / "results.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
-    markdown = _summary_markdown(config, summary)
+    markdown = _summary_markdown(config, summary, model_path, lora)
     (out / "summary.md").write_text(markdown, encoding="utf-8")
     shown = min(GRID_MAX_IMAGES, len(results))
     captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:shown]]
