@@ -93,21 +93,22 @@ def run_settings(name: str, model_path: Path, out: Path) -> list[str]:
 
 
 @contextmanager
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def torch_threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
 
 
 def preset_path(name: str) -> Path:
     return next(p for p in METHODS + MODELS if p.stem == name)
 
 
-def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = None, registers: Path | None = None):
-    """Train preset ``name`` for 2 iterations in one thread; returns ``(digests, values)``."""
+def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = None, registers: Path | None = None,
+               threads: int = 1):
+    """Train preset ``name`` for 2 iterations in one thread (or ``threads``); returns ``(digests, values)``."""
     from flowalign.config import load_config
     from flowalign.train_config import TrainConfig
     from flowalign.trainer import GRPOTrainer
@@ -115,7 +116,7 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
     settings = run_settings(name, model_path, out) + [f"{k}={v}" for k, v in (extra or {}).items()]
     if registers is not None:
         settings.append(f"step_reward.registers={registers}")
-    with one_thread():
+    with torch_threads(threads):
         trainer = GRPOTrainer(load_config(TrainConfig, preset_path(name), settings))
         initial = {n: p.detach().clone() for n, p in trainer.trainable_state().items()}
         trainer.train()
@@ -141,8 +142,8 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
 def _tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
-        tensor = tensors[name].detach().cpu().contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        tensor = tensors[name].detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensors[name].shape)};".encode())
         digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
 

@@ -78,13 +78,15 @@ def test_both_checks_catch_a_real_change_of_the_math(change, golden_models, tmp_
     assert compare_values(values, load_reference("flow_grpo"))
 
 
-def _flipped(update, fraction, seed=0):
-    """``update`` with the sign of ``fraction`` of its elements flipped (Adam's first step on near-zero gradients)."""
+def _flipped(update, fraction, step, seed=0):
+    """``update`` with Adam's first step (``step = lr`` per element) turned round on ``fraction`` of its elements:
+    what a gradient that is zero up to rounding, and so of either sign, does on another CPU."""
     generator = torch.Generator().manual_seed(seed)
     out = {}
-    for name, tensor in update.items():
+    for name in sorted(update):
+        tensor = update[name]
         flip = torch.rand(tensor.shape, generator=generator) < fraction
-        out[name] = torch.where(flip, -tensor, tensor)
+        out[name] = torch.where(flip, tensor - 2 * step * torch.sign(tensor), tensor)
     return out
 
 
@@ -92,12 +94,15 @@ def test_the_tolerance_ignores_a_few_sign_flips_and_catches_a_turned_or_scaled_u
     reference = load_reference("flow_grpo")
     base = {"weights": reference["weights"], "ema": reference["ema"], "metrics": reference["metrics"]}
     assert compare_values(base, reference) == []
-    for fraction, fails in ((0.002, False), (0.05, True)):  # cosine 1 - 2f: 0.996 passes, 0.90 fails
-        flipped = {**base, "weights": _flipped(base["weights"], fraction)}
-        assert bool(compare_values(flipped, reference)) is fails
+    lr = reference["metrics"][0]["lr"]
+    for fraction, fails in ((0.002, False), (0.05, True)):  # 0.2% of the elements flipped pass, 5% do not
+        flipped = {**base, "weights": _flipped(base["weights"], fraction, lr)}
+        assert bool(compare_values(flipped, reference)) is fails, fraction
     for scale, fails in ((1 + NORM_RATIO_TOLERANCE / 2, False), (1 + 2 * NORM_RATIO_TOLERANCE, True)):
         scaled = {**base, "weights": {k: v * scale for k, v in base["weights"].items()}}
-        assert bool(compare_values(scaled, reference)) is fails
+        assert bool(compare_values(scaled, reference)) is fails, scale
+    turned = {**base, "weights": {k: -v for k, v in base["weights"].items()}}  # an advantage of the wrong sign
+    assert any("cosine -1.0000" in p for p in compare_values(turned, reference))
     metrics = [dict(m) for m in base["metrics"]]
     metrics[0]["nfe"] += 1  # a count is exact on any machine
     assert any("nfe" in p for p in compare_values({**base, "metrics": metrics}, reference))
@@ -105,3 +110,15 @@ def test_the_tolerance_ignores_a_few_sign_flips_and_catches_a_turned_or_scaled_u
     metrics[0]["reward"] *= 1.01  # iteration 0's reward is forward-only: 1% is far beyond rounding
     assert any("reward" in p for p in compare_values({**base, "metrics": metrics}, reference))
     assert 0 < COSINE_MIN < 1
+
+
+def test_other_float_kernels_move_the_digests_but_stay_within_the_tolerance(golden_models, tmp_path):
+    """Two threads instead of one change the order of float reductions, as another CPU's kernels do: the digests of
+    dense_grpo move (measured), and the tolerance check still accepts the run."""
+    if mode() != "check":
+        pytest.skip("recording golden runs")  # only in FLOWALIGN_GOLDEN=record|reference sessions, never in CI
+    digests, values = run_golden("dense_grpo", golden_models["sd3"], tmp_path / "two-threads", threads=2)
+    recorded = load_baselines()["digests"].get(fingerprint(), {}).get("dense_grpo")
+    if recorded is not None:
+        assert compare_digests(digests, recorded)
+    assert compare_values(values, load_reference("dense_grpo")) == []

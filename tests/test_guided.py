@@ -546,15 +546,17 @@ def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name
     assert torch.allclose(got, expected, atol=1e-5) and not torch.allclose(got, v_ref.float())
 
 
-def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it():
-    from types import SimpleNamespace
-
+def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it(tmp_path):
+    from flowalign.config import load_config
+    from flowalign.errors import SetupError
+    from flowalign.train_config import TrainConfig
     from flowalign.trainer import GRPOTrainer
 
-    for name in ("geneval", "jpeg_compressibility", "toy_geneval"):
-        trainer = SimpleNamespace(config=SimpleNamespace(loss=SimpleNamespace(rg_opd_reward=name)))
-        with pytest.raises(ValueError, match=f"loss.rg_opd_reward '{name}' is not differentiable.*toy_geneval_soft"):
-            GRPOTrainer.build_opd_reward(trainer)
+    for name in ("geneval", "jpeg_compressibility", "toy_geneval"):  # the model path does not exist: never loaded
+        config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", "loss.rg_opd_weight=1",
+                                                 f"loss.rg_opd_reward={name}", f"train.out_dir={tmp_path / name}"])
+        with pytest.raises(SetupError, match=f"loss.rg_opd_reward '{name}' is not differentiable.*toy_geneval_soft"):
+            GRPOTrainer(config)
 
 
 # ------------------------------------------------------------------------------------------------ CFG
