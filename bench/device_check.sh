@@ -9,6 +9,8 @@
 # 3. bench/kernels.py: Triton against eager torch and torch.compile with bf16 latents (and fp32, without compile).
 # 4. bench/mixed_precision.py: does training re-score a rollout with the stored log-probs, in fp32 and bf16?
 # 5. bench/train_iteration.py: every method preset for two iterations on CUDA in bf16 (time split, peak memory).
+# 6. A run with EMA on CUDA, stopped after one iteration and resumed for a second (the resumed EMA must sit on its
+#    parameters' device).
 # Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
 # fails or hangs still leaves the others' results.
 set -u
@@ -46,3 +48,8 @@ stage 60 "kernel benchmark, fp32" "$PY" bench/kernels.py --dtype fp32 --no-compi
   --out "$OUT/kernels_fp32.json"
 stage "${PRESETS_LIMIT:-150}" "every method preset on CUDA, bf16" "$PY" bench/train_iteration.py --iterations 2 \
   --out "$OUT/train_iteration.json" model.mixed_precision=bf16
+resume_run=$(mktemp -d)  # not under $OUT: checkpoints need not come back
+small="data.prompts_per_iteration=2 data.group_size=4 train.eval_at_end=false train.tracker=none optim.ema_decay=0.9"
+stage 180 "resume with EMA on CUDA" bash -c "$PY -m flowalign.cli train $small train.iterations=1 train.out_dir=$resume_run && \
+  $PY -m flowalign.cli train $small train.iterations=2 train.resume=latest train.out_dir=$resume_run && \
+  ls $resume_run/checkpoint-000002/ema.safetensors"

@@ -251,7 +251,7 @@ def _add_train(commands) -> None:
     parser.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE", help="a YAML config, then dotted overrides")
     parser.add_argument("--resume", default=None, metavar="CHECKPOINT|latest", help="continue a run")
     parser.add_argument("--help-config", action="store_true", help="print every config key with its help and exit")
-    parser.set_defaults(handler=_run_train, phased=True)
+    parser.set_defaults(handler=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> None:
@@ -285,7 +285,7 @@ def _add_calibrate(commands) -> None:
     parser.add_argument("--rounds", type=positive_int, default=10, help="calibration rounds")
     parser.add_argument("--eps1", type=non_negative_float, default=2.0, help="sign-balance tolerance")
     parser.add_argument("--eps2", type=non_negative_float, default=0.01, help="noise-level step per round")
-    parser.set_defaults(handler=_run_calibrate, phased=True)
+    parser.set_defaults(handler=_run_calibrate)
 
 
 def _run_calibrate(args: argparse.Namespace) -> None:
@@ -356,9 +356,11 @@ def _run_toy_segmenter(args: argparse.Namespace) -> None:
     import json
     from pathlib import Path
 
+    from flowalign.errors import setup_phase
     from flowalign.toy.segmenter import SegmenterConfig, train_segmenter
 
-    config = SegmenterConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, threads=args.threads)
+    with setup_phase():
+        config = SegmenterConfig(seed=args.seed, steps=args.steps, batch_size=args.batch_size, threads=args.threads)
     train_segmenter(config, args.out)
     report = json.loads((Path(args.out) / "config.json").read_text())["held_out"]
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in report.items()))
@@ -466,9 +468,12 @@ def _run_export(args: argparse.Namespace) -> None:
     from flowalign.devices import resolve_device
     from flowalign.export import export_lora
 
+    from flowalign.errors import setup_phase
+
     try:
-        out = export_lora(args.checkpoint, args.out, weights=args.weights, merge=args.merge, model=args.model,
-                          dtype=args.dtype, device=resolve_device(args.device))
+        with setup_phase():  # reading the checkpoint, loading the model: every failure is the input's
+            out = export_lora(args.checkpoint, args.out, weights=args.weights, merge=args.merge, model=args.model,
+                              dtype=args.dtype, device=resolve_device(args.device))
     except FileExistsError as error:
         raise CommandError(str(error)) from None
     kind = "pipeline with the LoRA merged" if args.merge else "diffusers LoRA folder"
@@ -566,14 +571,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns 0 on success, exits with status 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from flowalign.errors import SetupError, setup_phase
+    from flowalign.errors import SetupError
 
     try:
-        if getattr(args, "phased", False):  # the handler marks its own set-up (a SetupError, or setup_phase())
-            args.handler(args)
-        else:
-            with setup_phase():
-                args.handler(args)
+        args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
     except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
     return 0

@@ -274,39 +274,41 @@ def run_sample(config: SampleConfig) -> dict:
 
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
+    from flowalign.errors import setup_phase
     from flowalign.export import base_model_path, load_model, resolve_lora
 
-    config.validate()
-    if config.rgs_reward is not None:  # a reward without a gradient is refused before anything is built or loaded
-        from flowalign.rewards import require_differentiable_reward
+    with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
+        config.validate()
+        if config.rgs_reward is not None:  # a reward without a gradient is refused before anything is built or loaded
+            from flowalign.rewards import require_differentiable_reward
 
-        require_differentiable_reward(config.rgs_reward, "--rgs-reward")
-    lora = resolve_lora(config.lora, config.lora_weights) if config.lora is not None else None
-    model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
-    config = replace(config, model=model_path, lora_weights=None if lora is None else lora.weights)
-    config.validate(read_transformer_config(model_path))  # the budget under CFG, exactly, before the model loads
-    guide_reward = None
-    if config.rgs_reward is not None:
-        guide_reward = build_guide_reward(config.rgs_reward, **config.rgs_reward_kwargs)
-    metadata = load_metadata(config.prompts or default_prompts_path())
-    if config.max_prompts is not None:
-        metadata = metadata[: config.max_prompts]
-    if not metadata:
-        raise ValueError(f"no prompts in {config.prompts}")
-    registers = None
-    if config.registers is not None:
-        from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config
+            require_differentiable_reward(config.rgs_reward, "--rgs-reward")
+        lora = resolve_lora(config.lora, config.lora_weights) if config.lora is not None else None
+        model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
+        config = replace(config, model=model_path, lora_weights=None if lora is None else lora.weights)
+        config.validate(read_transformer_config(model_path))  # the budget under CFG, exactly, before the model loads
+        guide_reward = None
+        if config.rgs_reward is not None:
+            guide_reward = build_guide_reward(config.rgs_reward, **config.rgs_reward_kwargs)
+        metadata = load_metadata(config.prompts or default_prompts_path())
+        if config.max_prompts is not None:
+            metadata = metadata[: config.max_prompts]
+        if not metadata:
+            raise ValueError(f"no prompts in {config.prompts}")
+        registers = None
+        if config.registers is not None:
+            from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config
 
-        saved = read_checkpoint(config.registers)["transformer_config"]
-        actual = read_transformer_config(model_path)
-        if actual is not None:  # before the model loads
-            check_transformer_config(saved, actual, f"register checkpoint {config.registers}")
-    from flowalign.rewards import build_reward
+            saved = read_checkpoint(config.registers)["transformer_config"]
+            actual = read_transformer_config(model_path)
+            if actual is not None:  # before the model loads
+                check_transformer_config(saved, actual, f"register checkpoint {config.registers}")
+        from flowalign.rewards import build_reward
 
-    reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
-    reward_fn = build_reward(config.reward, **reward_kwargs)
-    device = str(resolve_device(config.device))
-    model = load_model(model_path, lora, device=device)
+        reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
+        reward_fn = build_reward(config.reward, **reward_kwargs)
+        device = str(resolve_device(config.device))
+        model = load_model(model_path, lora, device=device)
     model.transformer.requires_grad_(False)
     if config.registers is not None:
         registers = load_registers(config.registers, dict(model.transformer.config)).to(device)

@@ -193,10 +193,18 @@ def format_accuracy(report: dict) -> str:
 
 def train_registers(config: RegisterTrainConfig) -> dict:
     """Train, evaluate on held-out prompts, save the checkpoint (with the report) next to ``report.json``."""
+    from flowalign.errors import setup_phase
+
+    with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
+        model, reward_fn, train_meta, val_meta, eval_meta, device = _set_up(config)
+    return _train_registers(config, model, reward_fn, train_meta, val_meta, eval_meta, device)
+
+
+def _set_up(config: RegisterTrainConfig):
+    """Check the config, read the prompt splits, build the reward and load the model (all the user's to fix)."""
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
     from flowalign.models.loading import load_flow_model
-    from flowalign.reward_models.registers import LatentRegisters
     from flowalign.rewards import build_reward
     from flowalign.seeding import numpy_rng
     from flowalign.toy.prompts import PROMPT_ASSET_DIR
@@ -214,6 +222,13 @@ def train_registers(config: RegisterTrainConfig) -> dict:
     reward_fn = build_reward(config.reward, **kwargs)
     device = str(resolve_device(config.device))
     model = load_flow_model(resolve_model_path(config.model), device=device)
+    return model, reward_fn, train_meta, val_meta, eval_meta, device
+
+
+def _train_registers(config: RegisterTrainConfig, model, reward_fn, train_meta, val_meta, eval_meta, device) -> dict:
+    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.seeding import numpy_rng
+
     model.transformer.requires_grad_(False)
     torch.manual_seed(config.seed)
     registers = LatentRegisters.for_transformer(model.transformer, heads=[config.reward], taps=config.taps,

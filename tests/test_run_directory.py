@@ -15,7 +15,7 @@ from flowalign.errors import SetupError
 from flowalign.rewards import REWARDS, register_reward
 from flowalign.run_directory import holds_run, trim_metrics
 
-from test_trainer import BIN, final_checkpoint, make_trainer, overrides, tiny_model  # noqa: F401 - the fixture
+from test_trainer import final_checkpoint, make_trainer, overrides, tiny_model  # noqa: F401 - the fixture
 
 
 def _snapshot(run):

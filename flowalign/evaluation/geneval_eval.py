@@ -160,34 +160,39 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
 
     ``detections`` overrides the detector built from the config (tests pass tiny models).
     """
+    from flowalign.errors import setup_phase
     from flowalign.reward_models.geneval import GenEvalDetections
 
-    config.validate()
-    lora = config.lora_source()
-    out = Path(config.out_dir)
-    folder = Path(config.images) if config.images else out / "images"
-    title = config.model or str(folder)
-    if config.model is not None or lora is not None:
-        from flowalign.export import base_model_path, load_model
+    with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
+        config.validate()
+        lora = config.lora_source()
+        out = Path(config.out_dir)
+        folder = Path(config.images) if config.images else out / "images"
+        title = config.model or str(folder)
+        generating = config.model is not None or lora is not None
+        if generating:
+            from flowalign.export import base_model_path, load_model
 
-        if not Path(config.metadata).is_file():
-            raise FileNotFoundError(f"GenEval metadata file {config.metadata!r} does not exist")
-        metadata = load_metadata(config.metadata)[: config.max_prompts]
-        device = str(resolve_device(config.device))
-        title = base_model_path(config.model, lora)
-        model = load_model(title, lora, dtype=config.dtype, device=device)
-        if lora is not None:
-            title += f" + {lora.describe()}"
+            if not Path(config.metadata).is_file():
+                raise FileNotFoundError(f"GenEval metadata file {config.metadata!r} does not exist")
+            metadata = load_metadata(config.metadata)[: config.max_prompts]
+            device = str(resolve_device(config.device))
+            title = base_model_path(config.model, lora)
+            model = load_model(title, lora, dtype=config.dtype, device=device)
+            if lora is not None:
+                title += f" + {lora.describe()}"
+        elif not folder.is_dir():
+            raise FileNotFoundError(f"no --model to generate with and no image folder at {str(folder)!r} to score")
+    if generating:
         generate_folder(model, metadata, folder, steps=config.steps, images_per_prompt=config.images_per_prompt,
                         guidance_scale=config.guidance_scale, seed=config.seed, batch_size=config.batch_size,
                         image_size=config.resolution)
         del model
-    elif not folder.is_dir():
-        raise FileNotFoundError(f"no --model to generate with and no image folder at {str(folder)!r} to score")
     if detections is None:
-        detections = GenEvalDetections(config.detector, detector_model=config.detector_model,
-                                       clip_weights=config.clip_weights, class_names=config.class_names,
-                                       device=config.device, dtype=config.dtype)
+        with setup_phase():  # the detector loads after the generator has been freed: its weights are set-up too
+            detections = GenEvalDetections(config.detector, detector_model=config.detector_model,
+                                           clip_weights=config.clip_weights, class_names=config.class_names,
+                                           device=config.device, dtype=config.dtype)
     results, summary = score_folder(folder, detections)
 
     out.mkdir(parents=True, exist_ok=True)

@@ -141,20 +141,22 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
 
     ``scorer`` (an ``HPSv2``-like reward model) overrides the HPS v2.1 model built from ``hps_checkpoint``.
     """
+    from flowalign.errors import setup_phase
     from flowalign.export import base_model_path, load_model
 
-    config.validate()
-    lora = config.lora_source()
-    model_path = base_model_path(config.model, lora)
-    prompts = load_hpd_prompts(config.prompts)
-    if config.max_prompts is not None:
-        prompts = {style: values[: config.max_prompts] for style, values in prompts.items()}
-    device = str(resolve_device(config.device))
-    if scorer is None:
-        from flowalign.reward_models.hps import HPSv2
+    with setup_phase():  # the user's mistakes, up to the loaded models, are reported as such (exit 2 on the CLI)
+        config.validate()
+        lora = config.lora_source()
+        model_path = base_model_path(config.model, lora)
+        prompts = load_hpd_prompts(config.prompts)
+        if config.max_prompts is not None:
+            prompts = {style: values[: config.max_prompts] for style, values in prompts.items()}
+        device = str(resolve_device(config.device))
+        if scorer is None:
+            from flowalign.reward_models.hps import HPSv2
 
-        scorer = HPSv2(config.hps_checkpoint, version="v2.1", device=device, dtype=config.dtype)
-    model = load_model(model_path, lora, dtype=config.dtype, device=device)
+            scorer = HPSv2(config.hps_checkpoint, version="v2.1", device=device, dtype=config.dtype)
+        model = load_model(model_path, lora, dtype=config.dtype, device=device)
     out = Path(config.out_dir)
     scores = {}
     for style_index, (style, style_prompts) in enumerate(prompts.items()):

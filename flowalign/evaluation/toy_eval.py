@@ -464,20 +464,22 @@ def run_eval(config: EvalConfig) -> dict:
     Returns the GenEval summary and prints its table. Bad settings raise ValueError, a missing model, LoRA or prompt
     file FileNotFoundError (both name what is wrong), all before the model loads.
     """
+    from flowalign.errors import setup_phase
     from flowalign.export import base_model_path, load_model
 
-    config.validate()
-    lora = config.lora_source()
-    prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
-    if not prompts_path.is_file():
-        raise FileNotFoundError(f"prompt file {str(prompts_path)!r} does not exist")
-    metadata = load_metadata(prompts_path)
-    if config.max_prompts is not None:
-        metadata = metadata[: config.max_prompts]
-    if not metadata:
-        raise ValueError(f"prompt file {str(prompts_path)!r} has no prompts")
-    model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
-    model = load_model(model_path, lora, dtype=config.dtype, device=str(resolve_device(config.device)))
+    with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
+        config.validate()
+        lora = config.lora_source()
+        prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
+        if not prompts_path.is_file():
+            raise FileNotFoundError(f"prompt file {str(prompts_path)!r} does not exist")
+        metadata = load_metadata(prompts_path)
+        if config.max_prompts is not None:
+            metadata = metadata[: config.max_prompts]
+        if not metadata:
+            raise ValueError(f"prompt file {str(prompts_path)!r} has no prompts")
+        model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
+        model = load_model(model_path, lora, dtype=config.dtype, device=str(resolve_device(config.device)))
 
     counts = images_per_tag(metadata, config.images_per_tag) if config.images_per_tag else config.images_per_prompt
     results, summary, images = evaluate(

@@ -255,7 +255,11 @@ def main(args) -> None:
         for key in ("out", "seed", "vae_steps", "steps", "batch_size")
         if getattr(args, key, None) is not None
     }
-    for key in ("vae_steps", "steps", "batch_size"):
-        if key in overrides and overrides[key] < 1:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
-    pretrain(PretrainConfig(**overrides))
+    from flowalign.errors import setup_phase
+
+    with setup_phase():
+        for key in ("vae_steps", "steps", "batch_size"):
+            if key in overrides and overrides[key] < 1:
+                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
+        config = PretrainConfig(**overrides)
+    pretrain(config)
