@@ -74,21 +74,31 @@ def fingerprint() -> str:
     return " | ".join(parts)
 
 
-def run_settings(name: str, model_path: Path, out: Path) -> list[str]:
-    """The small run of a preset: the same shapes as tests/test_presets.py, 2 iterations."""
-    values = {
+# Rollout sizes that fit each preset's shape in a small run: a tree's leaves are its group, a probed trunk's chunk
+# holds all of a prompt's probe groups; the tiny FLUX runs without gradient checkpointing.
+SMALL_RUN_SHAPE = {
+    "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
+    "tempflow_grpo": {"sampling.batch_size": 8},
+}
+
+
+def small_run_values(model_path: Path, out: Path) -> dict:
+    """A preset's small run (tiny model, brightness reward, 2 prompts x 2 samples at 32 px, 2 iterations), shared
+    by the golden runs and tests/test_presets.py."""
+    return {
         "model.path": str(model_path), "model.lora_rank": 4, "model.lora_alpha": 8,
         "reward.rewards": "[{name: brightness}]",
         "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
         "data.group_size": 2, "sampling.image_size": 32, "sampling.batch_size": 2, "train.iterations": 2,
         "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0, "train.out_dir": str(out),
-        "train.checkpoint_every": 0,
     }
-    values.update({
-        "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
-        "tempflow_grpo": {"sampling.batch_size": 8},
-        "flux_dev": {"model.gradient_checkpointing": "false"},
-    }.get(name, {}))
+
+
+def run_settings(name: str, model_path: Path, out: Path) -> list[str]:
+    """The golden run of a preset: its small run, with the preset's shape, and only the final checkpoint."""
+    values = {**small_run_values(model_path, out), "train.checkpoint_every": 0, **SMALL_RUN_SHAPE.get(name, {})}
+    if name == "flux_dev":
+        values["model.gradient_checkpointing"] = "false"
     return [f"{k}={v}" for k, v in values.items()]
 
 

@@ -21,8 +21,3 @@ def test_setup_phase_turns_input_errors_into_setup_errors_and_keeps_the_cause():
             raise config_error
     assert raised.value is config_error and raised.value.key == "optim.lr"
 
-
-def test_the_same_error_outside_set_up_is_no_setup_error():
-    with pytest.raises(ValueError) as raised:
-        raise ValueError("at iteration 200")
-    assert not isinstance(raised.value, SetupError)

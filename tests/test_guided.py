@@ -285,14 +285,14 @@ class TransformerCounter:
         self.rows += kwargs["hidden_states"].shape[0]
 
 
-@pytest.mark.parametrize("guidance,budget", [("none", 3), ("bon", 7), ("fk", 7), ("dts", 8), ("rgs", 8)])
-def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidance, budget):
+def _counted_toy_run(model, metadata, guidance, budget, cfg=1.0):
+    """``run_guided`` on the toy prompts at 3 steps (RGS on seeded registers), counting the transformer's rows."""
     from flowalign.guided_sampling import SampleConfig, run_guided
     from flowalign.reward_models.registers import LatentRegisters
     from flowalign.toy.reward import ToyGenEvalReward
 
-    model, metadata = toy
-    config = SampleConfig(guidance=guidance, budget=budget, steps=3, registers="unused" if guidance == "rgs" else None)
+    config = SampleConfig(guidance=guidance, budget=budget, steps=3, cfg=cfg,
+                          registers="unused" if guidance == "rgs" else None)
     config.validate()
     registers = None
     if guidance == "rgs":
@@ -304,6 +304,13 @@ def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidan
                             registers=registers)
     finally:
         counter.handle.remove()
+    return result, counter
+
+
+@pytest.mark.parametrize("guidance,budget", [("none", 3), ("bon", 7), ("fk", 7), ("dts", 8), ("rgs", 8)])
+def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidance, budget):
+    model, metadata = toy
+    result, counter = _counted_toy_run(model, metadata, guidance, budget)
     assert result.final.shape == (2, *model.latent_shape(1)[1:])
     assert torch.isfinite(result.reward).all() and ((result.reward >= 0) & (result.reward <= 1)).all()
     assert (result.nfe <= budget).all()
@@ -602,24 +609,8 @@ def test_bon_with_one_particle_at_cfg_3_is_the_pipelines_own_sample(sd3_pipe):
 def test_every_guidance_mode_counts_two_nfes_per_cfg_step(toy, guidance, budget, nfe):
     """3 steps at CFG 3 on the toy model: every transformer pass doubles its batch (counted at the transformer) and
     every method reports exactly those NFEs; RGS on registers also counts 2 per backward (2 guided steps): 6 + 4."""
-    from flowalign.guided_sampling import SampleConfig, run_guided
-    from flowalign.reward_models.registers import LatentRegisters
-    from flowalign.toy.reward import ToyGenEvalReward
-
     model, metadata = toy
-    config = SampleConfig(guidance=guidance, budget=budget, steps=3, cfg=3.0,
-                          registers="unused" if guidance == "rgs" else None)
-    config.validate()
-    registers = None
-    if guidance == "rgs":
-        torch.manual_seed(0)
-        registers = LatentRegisters.for_transformer(model.transformer, num_registers=4, width=32)
-    counter = TransformerCounter(model.transformer)
-    try:
-        result = run_guided(model, metadata, config, reward_fn=ToyGenEvalReward(partial_credit=True),
-                            registers=registers)
-    finally:
-        counter.handle.remove()
+    result, counter = _counted_toy_run(model, metadata, guidance, budget, cfg=3.0)
     if guidance == "rgs":
         assert result.nfe.tolist() == [nfe, nfe] and counter.rows == 2 * 2 * 3 and result.info["guided_steps"] == 2
     elif guidance == "dts":
@@ -628,8 +619,7 @@ def test_every_guidance_mode_counts_two_nfes_per_cfg_step(toy, guidance, budget,
     else:
         assert result.nfe.tolist() == [nfe, nfe] and counter.rows == 2 * nfe
     if guidance == "none":
-        plain = run_guided(model, metadata, SampleConfig(guidance="none", steps=3),
-                           reward_fn=ToyGenEvalReward(partial_credit=True))
+        plain, _ = _counted_toy_run(model, metadata, "none", 3)
         assert not torch.equal(result.final, plain.final)
 
 

@@ -12,6 +12,8 @@ from flowalign.toy.prompts import split_prompts
 from flowalign.train_config import TrainConfig
 from flowalign.trainer import GRPOTrainer
 
+from golden_runs import SMALL_RUN_SHAPE, small_run_values
+
 REPO = Path(__file__).resolve().parents[1]
 METHODS = sorted((REPO / "configs/methods").glob("*.yaml"))
 MODELS = sorted((REPO / "configs/models").glob("*.yaml"))
@@ -31,14 +33,7 @@ def tiny_paths(tmp_path_factory):
 
 
 def small_run(model_path, out, **extra):
-    values = {
-        "model.path": str(model_path), "model.lora_rank": 4, "model.lora_alpha": 8,
-        "reward.rewards": "[{name: brightness}]",
-        "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
-        "data.group_size": 2, "sampling.image_size": 32, "sampling.batch_size": 2, "train.iterations": 2,
-        "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0, "train.out_dir": str(out),
-    }
-    values.update(extra)
+    values = {**small_run_values(model_path, out), **extra}
     return [f"{k}={v}" for k, v in values.items()]
 
 
@@ -54,12 +49,6 @@ def test_the_expected_presets_ship():
         assert yaml.safe_load(path.read_text())["distributed_type"] in SUPPORTED_DISTRIBUTED_TYPES
 
 
-# Rollout sizes that fit each preset's shape in a small run: a tree's leaves are its group, a probed trunk's
-# chunk holds all of a prompt's probe groups.
-SMALL_RUN_SHAPE = {
-    "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
-    "tempflow_grpo": {"sampling.batch_size": 8},
-}
 # (stochastic steps, NFEs of one iteration of 2 prompts: rollout + completions) at 10 steps, group 2 (16 for trees).
 EXPECTED = {
     "flow_grpo": (9, 2 * 2 * 10),
