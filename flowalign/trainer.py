@@ -130,6 +130,8 @@ class GRPOTrainer:
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.stop_requested = False
+        if self.checkpoint is not None:  # loading it is set-up too: a file that does not fit is the user's to fix
+            self.resume(self.checkpoint)
 
     # ------------------------------------------------------------------------------------------------- setup
     @property
@@ -755,8 +757,6 @@ class GRPOTrainer:
         from .config import save_config
 
         cfg = self.config
-        if self.checkpoint is not None:
-            self.resume(self.checkpoint)
         if self.is_main:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out_dir / "config.yaml")

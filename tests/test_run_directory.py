@@ -187,3 +187,15 @@ def test_sharded_launches_are_refused_before_the_model_loads(tmp_path, kind):
     with pytest.raises(SetupError, match=f"distributed_type {kind} is not supported.*ddp.yaml"):
         GRPOTrainer(config, accelerator=launch)
     assert not (tmp_path / "run").exists()
+
+
+def test_resuming_a_checkpoint_whose_optimizer_file_carries_code_is_a_user_error(tiny_model, tmp_path, capsys):
+    from test_checkpoint import CodePayload
+
+    run, marker = tmp_path / "run", tmp_path / "payload-ran"
+    make_trainer(tiny_model, run, **{"train.iterations": 1}).train()
+    torch.save({"state": CodePayload(marker)}, final_checkpoint(run) / "optimizer.pt")
+    with pytest.raises(SystemExit) as refused:
+        main(["train", *overrides(tiny_model, run, **{"train.iterations": 2, "train.resume": "latest"})])
+    assert refused.value.code == 2 and not marker.exists()
+    assert f"refusing to load '{final_checkpoint(run) / 'optimizer.pt'}'" in capsys.readouterr().err
