@@ -1,3 +1,44 @@
-"""flowalign: align flow-matching text-to-image models with reward models."""
+"""flowalign: align flow-matching text-to-image models with reward models.
+
+The names a user needs, imported on first use (PEP 562), so ``import flowalign`` loads neither torch nor diffusers:
+
+    import flowalign
+
+    config = flowalign.load_config(flowalign.TrainConfig, "configs/methods/flow_grpo.yaml", ["train.iterations=2"])
+    flowalign.register_reward("my_reward", MyReward)     # a callable (images, prompts, metadata) -> scores
+    flowalign.GRPOTrainer(config).train()
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+# exported name -> the module that defines it
+_EXPORTS = {
+    "TrainConfig": "flowalign.train_config",
+    "load_config": "flowalign.config",
+    "GRPOTrainer": "flowalign.trainer",
+    "load_flow_model": "flowalign.models",
+    "FlowModel": "flowalign.models",
+    "Reward": "flowalign.rewards",
+    "register_reward": "flowalign.rewards",
+    "Registry": "flowalign.registry",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flowalign' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from flowalign.advantages import STD_MODES, group_normalize
+from flowalign.registry import Registry
 
 __all__ = [
     "COMBINE_MODES",
@@ -140,33 +141,31 @@ def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
     return factory
 
 
-REWARDS: dict[str, Callable[..., Reward]] = {
-    "toy_geneval": _toy_geneval,
-    "toy_geneval_soft": _toy_geneval_soft,
-    "brightness": BrightnessReward,
-    # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
-    "pickscore": _lazy("pickscore", "PickScore"),
-    "hps": _lazy("hps", "HPSv2"),
-    "imagereward": _lazy("imagereward", "ImageRewardModel"),
-    "clipscore": _lazy("clipscore", "CLIPScore"),
-    "aesthetic": _lazy("aesthetic", "LaionAesthetic"),
-    "jpeg_compressibility": _lazy("jpeg", "JpegCompressibility"),
-    "jpeg_incompressibility": _lazy("jpeg", "JpegCompressibility", incompressible=True),
-    "geneval": _lazy("geneval", "GenEvalReward"),
-}
+REWARDS: Registry[Reward] = Registry("reward")  # name -> factory (flowalign.registry); add with register_reward
+REWARDS.register("toy_geneval", _toy_geneval)
+REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
+REWARDS.register("brightness", BrightnessReward)
+# The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
+REWARDS.register("pickscore", _lazy("pickscore", "PickScore"))
+REWARDS.register("hps", _lazy("hps", "HPSv2"))
+REWARDS.register("imagereward", _lazy("imagereward", "ImageRewardModel"))
+REWARDS.register("clipscore", _lazy("clipscore", "CLIPScore"))
+REWARDS.register("aesthetic", _lazy("aesthetic", "LaionAesthetic"))
+REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility"))
+REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
+REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:
-    """Add a reward factory to ``REWARDS`` under ``name``."""
-    if name in REWARDS and not overwrite:
-        raise ValueError(f"reward {name!r} is already registered (pass overwrite=True to replace it)")
-    REWARDS[name] = factory
+    """Add a reward factory (a class, or a callable of the reward's keyword arguments) to ``REWARDS`` under
+    ``name``; a name already registered is a ValueError unless ``overwrite``."""
+    REWARDS.register(name, factory, overwrite=overwrite)
 
 
 def reward_class(name: str) -> type | None:
     """The class the registered reward ``name`` builds, found without building it (no weights load), or None when
     its factory does not say (a custom ``register_reward`` factory that is not a class). Unknown names: ValueError."""
-    factory = _factory(name)
+    factory = REWARDS.get(name)
     if isinstance(factory, type):
         return factory
     find = getattr(factory, "reward_class", None)
@@ -246,15 +245,9 @@ def differentiable_score(reward: Any, images: Tensor, prompts: Sequence[str],
     return scores.float().to(images.device)
 
 
-def _factory(name: str) -> Callable[..., Reward]:
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}: known rewards are {', '.join(sorted(REWARDS)) or '(none)'}")
-    return REWARDS[name]
-
-
 def build_reward(name: str, **kwargs: Any) -> Reward:
     """Build the registered reward ``name`` with ``kwargs``; an unknown name is a ValueError listing the known ones."""
-    return _factory(name)(**kwargs)
+    return REWARDS.build(name, **kwargs)
 
 
 @dataclass

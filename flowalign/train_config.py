@@ -487,8 +487,10 @@ class LossConfig:
         if self.rg_opd_reward is not None:
             from .rewards import REWARDS
 
+            close = REWARDS.closest(self.rg_opd_reward)
             _check(self.rg_opd_reward in REWARDS, "loss.rg_opd_reward",
-                   f"= {self.rg_opd_reward!r} is not a registered reward; known: {', '.join(sorted(REWARDS))}")
+                   f"= {self.rg_opd_reward!r} is not a registered reward; known: {', '.join(REWARDS.names())}"
+                   + (f"; did you mean {close!r}?" if close else ""))
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""A registry of components by name: the one mechanism behind ``register_reward`` and the later component kinds.
+
+    REWARDS = Registry("reward")
+    REWARDS.register("brightness", BrightnessReward)    # a factory: a class, or any callable
+    REWARDS.build("brightness", channel=1)              # factory(**kwargs)
+
+A component may be registered with its *config dataclass*; it is then built from one instance of it:
+
+    CREDIT = Registry("credit estimator")
+
+    @CREDIT.register("tree", config=TreeCreditConfig)
+    class TreeCredit: ...
+
+    CREDIT.build("tree", TreeCreditConfig(fusion="mean"))   # factory(config)
+    CREDIT.build("tree", fusion="mean")                     # the same: TreeCreditConfig(fusion="mean"), validated
+
+Keyword arguments become the dataclass (an unknown key is a ValueError with the closest field), and its
+``validate()`` runs when it has one. An unknown name is a ValueError listing the known names, with a did-you-mean
+(``difflib``); registering a name twice is refused unless ``overwrite=True``. ``kind`` names the component in every
+message ("unknown reward 'nope': known rewards are ...").
+
+A registry answers ``name in registry``, ``len(registry)`` and iterates over its names (sorted), like the dict of
+factories it replaces; ``get(name)`` is the factory, ``unregister(name)`` removes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Callable, Generic, Iterator, Mapping, TypeVar
+
+__all__ = ["Registry"]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    factory: Callable[..., Any]
+    config: type | None
+
+
+class Registry(Generic[T]):
+    """Components of one ``kind`` by name (module docstring); ``plural`` defaults to ``kind + "s"``."""
+
+    def __init__(self, kind: str, *, plural: str | None = None):
+        self.kind = kind
+        self.plural = plural or f"{kind}s"
+        self._entries: dict[str, _Entry] = {}
+
+    # ----------------------------------------------------------------------------------------- registering
+    def register(self, name: str, factory: Callable[..., T] | None = None, *, config: type | None = None,
+                 overwrite: bool = False) -> Any:
+        """Register ``factory`` (a class or callable) under ``name``, built from ``config`` instances when given.
+
+        Returns ``factory``; without one, a decorator that registers what it decorates. A name already registered
+        is a ValueError unless ``overwrite``."""
+        if factory is None:
+            return lambda decorated: self.register(name, decorated, config=config, overwrite=overwrite)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a {self.kind} name must be a non-empty string, got {name!r}")
+        if not callable(factory):
+            raise TypeError(f"{self.kind} {name!r}: the factory must be callable, got {type(factory).__name__}")
+        if config is not None and not (isinstance(config, type) and dataclasses.is_dataclass(config)):
+            raise TypeError(f"{self.kind} {name!r}: config must be a dataclass type, got {config!r}")
+        if name in self._entries and not overwrite:
+            raise ValueError(f"{self.kind} {name!r} is already registered (pass overwrite=True to replace it)")
+        self._entries[name] = _Entry(factory, config)
+        return factory
+
+    def unregister(self, name: str) -> Callable[..., T]:
+        """Remove ``name``; returns its factory."""
+        factory = self.get(name)
+        del self._entries[name]
+        return factory
+
+    # --------------------------------------------------------------------------------------------- looking up
+    def names(self) -> list[str]:
+        """The registered names, sorted."""
+        return sorted(self._entries)
+
+    def closest(self, name: str) -> str | None:
+        """The registered name closest to ``name`` (``difflib``, cutoff 0.6), or None."""
+        close = difflib.get_close_matches(str(name), self.names(), n=1, cutoff=0.6)
+        return close[0] if close else None
+
+    def get(self, name: str) -> Callable[..., T]:
+        """The factory of ``name``; an unknown name is a ValueError listing the known ones, with a did-you-mean."""
+        return self._entry(name).factory
+
+    def config_class(self, name: str) -> type | None:
+        """The config dataclass ``name`` was registered with, or None."""
+        return self._entry(name).config
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None:
+            close = self.closest(name)
+            hint = f"; did you mean {close!r}?" if close is not None and close != name else ""
+            raise ValueError(f"unknown {self.kind} {name!r}: known {self.plural} are "
+                             f"{', '.join(self.names()) or '(none)'}{hint}")
+        return entry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+    # ------------------------------------------------------------------------------------------------ building
+    def make_config(self, name: str, values: Mapping[str, Any] | None = None) -> Any:
+        """``name``'s config dataclass from ``values``: an unknown key is a ValueError naming the closest field, a
+        missing required one a ValueError naming it; the instance's ``validate()`` runs when it has one."""
+        cls = self.config_class(name)
+        if cls is None:
+            raise TypeError(f"{self.kind} {name!r} has no config dataclass; build it with keyword arguments")
+        values = dict(values or {})
+        fields = [f.name for f in dataclasses.fields(cls) if f.init]
+        for key in values:
+            if key not in fields:
+                close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]!r}?" if close else f"its settings are: {', '.join(fields) or '(none)'}"
+                raise ValueError(f"{self.kind} {name!r} has no setting {key!r}: {hint}")
+        missing = [f.name for f in dataclasses.fields(cls) if f.init and f.name not in values
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ValueError(f"{self.kind} {name!r} needs the setting{'s' if len(missing) > 1 else ''} "
+                             f"{', '.join(map(repr, missing))}")
+        config = cls(**values)
+        if callable(getattr(config, "validate", None)):
+            config.validate()
+        return config
+
+    def build(self, name: str, config: Any = None, /, **kwargs: Any) -> T:
+        """Build ``name``: ``factory(**kwargs)``, or, for a component with a config dataclass, ``factory(config)``
+        with ``config`` given or made from ``kwargs`` (``make_config``)."""
+        entry = self._entry(name)
+        if entry.config is None:
+            if config is not None:
+                raise TypeError(f"{self.kind} {name!r} has no config dataclass; build it with keyword arguments")
+            return entry.factory(**kwargs)
+        if config is None:
+            config = self.make_config(name, kwargs)
+        elif kwargs:
+            raise TypeError(f"{self.kind} {name!r}: pass a config or keyword arguments, not both")
+        elif not isinstance(config, entry.config):
+            raise TypeError(f"{self.kind} {name!r} is built from a {entry.config.__name__}, got "
+                            f"{type(config).__name__}")
+        return entry.factory(config)
