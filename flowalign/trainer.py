@@ -22,6 +22,7 @@ from __future__ import annotations
 
 
 import json
+import logging
 import math
 import signal
 import time
@@ -40,6 +41,7 @@ from .advantages import group_advantages, group_normalize
 from .credit import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree_advantages, width_prune_mask
 from .checkpoint import load_checkpoint, save_checkpoint, save_process_rng
 from .config import to_dict
+from .ema import EMA
 from .errors import SetupError, setup_phase
 from .evaluation.geneval import load_metadata
 from .kernels import use_backend
@@ -59,6 +61,8 @@ from .samplers import (
 )
 from .seeding import generator, numpy_rng
 from .train_config import TrainConfig
+
+logger = logging.getLogger(__name__)
 
 # Purposes of random draws (the last element of a seed key).
 _PROMPTS, _WINDOW, _INIT_NOISE, _SDE_NOISE, _STEP_SUBSET, _SHUFFLE = range(6)
@@ -126,7 +130,7 @@ class GRPOTrainer:
             self.params, lr=config.optim.lr, betas=tuple(config.optim.betas), eps=config.optim.eps,
             weight_decay=config.optim.weight_decay,
         ))
-        self.ema = [p.detach().clone() for p in self.params] if config.optim.ema_decay > 0 else None
+        self.ema = EMA(self.trainable_state(), config.optim.ema_decay) if config.optim.ema_decay > 0 else None
         self.iteration = 0
         self.history: list[dict[str, float]] = []
         self.stop_requested = False
@@ -623,7 +627,8 @@ class GRPOTrainer:
                 records[-1]["grad_norm"] = float(grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                self._update_ema()
+                if self.ema is not None:
+                    self.ema.update()
         summary = {key: sum(r[key] for r in records) / len(records)
                    for key in ("loss", "policy_loss", "kl", "approx_kl", "clip_frac", "ratio_mean")}
         summary["ratio_max"] = max(r["ratio_max"] for r in records)
@@ -644,14 +649,6 @@ class GRPOTrainer:
                                     schedule=optim.lr_schedule, floor=optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.optim.lr * scale
-
-    @torch.no_grad()
-    def _update_ema(self) -> None:
-        if self.ema is None:
-            return
-        decay = self.config.optim.ema_decay
-        for avg, param in zip(self.ema, self.params):
-            avg.lerp_(param.detach(), 1 - decay)
 
     # -------------------------------------------------------------------------------------------- iteration
     def train_iteration(self, iteration: int) -> dict[str, float]:
@@ -709,7 +706,7 @@ class GRPOTrainer:
         if self.is_main:
             last = getattr(self, "last_advantages", None)
             state = {"history": self.history, "last_advantages": None if last is None else last.tolist()}
-            ema = {n: e for (n, _), e in zip(self.trainable_state().items(), self.ema)} if self.ema else None
+            ema = self.ema.state_dict() if self.ema is not None else None
             path = save_checkpoint(
                 self.out_dir, self.iteration, trainable=self.trainable_state(), optimizer=self.optimizer.optimizer
                 if hasattr(self.optimizer, "optimizer") else self.optimizer, state=state, config_yaml=self.config_yaml(),
@@ -739,7 +736,7 @@ class GRPOTrainer:
         state, ema = load_checkpoint(checkpoint, trainable=self.trainable_state(), optimizer=optimizer,
                                      rank=self.accelerator.process_index)
         if self.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
-            self.ema = [ema[n].to(device=p.device, dtype=p.dtype).clone() for n, p in self.trainable_state().items()]
+            self.ema.load_state_dict(ema)
         self.iteration = int(state["iteration"])
         self.history = state["history"]
 
@@ -783,8 +780,8 @@ class GRPOTrainer:
                     self.save()
                 if stop:
                     if self.is_main:
-                        print(f"stopped by signal after iteration {iteration}; checkpoint saved, resume with "
-                              f"train.resume=latest")
+                        logger.warning("stopped by signal after iteration %d; checkpoint saved, resume with "
+                                       "train.resume=latest", iteration)
                     break
         finally:
             for s, handler in previous.items():
@@ -849,20 +846,9 @@ class GRPOTrainer:
         seed = self.config.train.eval_seed
         return self.config.train.seed + 10_000 if seed is None else seed
 
-    @contextmanager
     def ema_weights(self):
         """Context in which the trainable weights are their EMA (a no-op without EMA)."""
-        if self.ema is None:
-            yield
-            return
-        saved = [p.detach().clone() for p in self.params]
-        for param, average in zip(self.params, self.ema):
-            param.data.copy_(average)
-        try:
-            yield
-        finally:
-            for param, kept in zip(self.params, saved):
-                param.data.copy_(kept)
+        return self.ema.swapped_in() if self.ema is not None else nullcontext()
 
 
 def prompt_weights(prompts: list[dict], sampling: str) -> np.ndarray | None:

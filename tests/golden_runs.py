@@ -131,7 +131,7 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
         initial = {n: p.detach().clone() for n, p in trainer.trainable_state().items()}
         trainer.train()
     weights = {n: p.detach().cpu() for n, p in trainer.trainable_state().items()}
-    ema = None if trainer.ema is None else dict(zip(weights, (e.detach().cpu() for e in trainer.ema)))
+    ema = None if trainer.ema is None else {n: e.detach().cpu() for n, e in trainer.ema.state_dict().items()}
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
                for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -121,10 +121,12 @@ def test_resumed_ema_sits_on_its_parameters_device_and_dtype(tiny_model, tmp_pat
         param.data = param.data.double()
     trainer.resume(trainer.checkpoint)
     saved = load_file(str(tmp_path / "run" / "checkpoint-000001" / "ema.safetensors"))
-    for (name, param), average in zip(trainer.trainable_state().items(), trainer.ema):
-        assert average.device == param.device and average.dtype == param.dtype == torch.float64
-        assert torch.equal(average, saved[name].double())
-    trainer._update_ema()  # lerp_ of mismatched dtypes would raise
+    averages = trainer.ema.state_dict()
+    assert set(averages) == set(trainer.trainable_state()) == set(saved)
+    for name, param in trainer.trainable_state().items():
+        assert averages[name].device == param.device and averages[name].dtype == param.dtype == torch.float64
+        assert torch.equal(averages[name], saved[name].double())
+    trainer.ema.update()  # lerp_ of mismatched dtypes would raise
 
 
 def _failing_at_iteration(n):
@@ -151,7 +153,7 @@ def test_a_failure_after_set_up_is_no_user_error(tiny_model, tmp_path):
             main(["train", *overrides(tmp_path / "no-model", tmp_path / "fresh")])
         assert refused.value.code == 2
     finally:
-        REWARDS.pop("fails_on_second_call")
+        REWARDS.unregister("fails_on_second_call")
 
 
 def test_the_command_line_shows_the_traceback_of_a_failure_after_set_up(tiny_model, tmp_path):

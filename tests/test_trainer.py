@@ -204,7 +204,7 @@ def test_nan_rewards_are_masked_and_counted(tiny_model, tmp_path):
                                                                  "train.iterations": 2})
         history = trainer.train()
     finally:
-        REWARDS.pop("half_nan")
+        REWARDS.unregister("half_nan")
     assert all(m["reward_invalid"] == 4 for m in history)
     assert all(torch.isfinite(p).all() for p in trainer.params)
     assert all(m["reward"] == m["reward"] for m in history)
@@ -223,7 +223,7 @@ def test_a_failing_reward_names_itself_and_the_prompt(tiny_model, tmp_path):
         with pytest.raises(RuntimeError, match=r"reward 'broken' failed .*first prompt: 'a photo of"):
             trainer.train()
     finally:
-        REWARDS.pop("broken")
+        REWARDS.unregister("broken")
 
 
 def test_all_zero_variance_skips_the_update(tiny_model, tmp_path):
@@ -345,11 +345,13 @@ def test_sigterm_finishes_the_iteration_checkpoints_and_exits_zero(tiny_model, t
 def test_ema_weights_swap_in_and_back(tiny_model, tmp_path):
     trainer = make_trainer(tiny_model, tmp_path / "run", **{"train.iterations": 2, "optim.ema_decay": 0.5})
     trainer.train()
-    live = [p.detach().clone() for p in trainer.params]
+    live = {n: p.detach().clone() for n, p in trainer.trainable_state().items()}
+    averages = trainer.ema.state_dict()
+    assert set(averages) == set(live)
     with trainer.ema_weights():
-        assert all(torch.equal(p, e) for p, e in zip(trainer.params, trainer.ema))
-    assert all(torch.equal(p, q) for p, q in zip(trainer.params, live))
-    assert any(not torch.equal(p, e) for p, e in zip(live, trainer.ema))
+        assert all(torch.equal(p, averages[n]) for n, p in trainer.trainable_state().items())
+    assert all(torch.equal(p, live[n]) for n, p in trainer.trainable_state().items())
+    assert any(not torch.equal(live[n], averages[n]) for n in live)
 
 
 def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
@@ -367,7 +369,7 @@ def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
         make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: counting_brightness}]",
                                                        "train.iterations": 2, "train.sample_every": 1}).train()
     finally:
-        REWARDS.pop("counting_brightness")
+        REWARDS.unregister("counting_brightness")
     assert sorted(p.name for p in (tmp_path / "run" / "samples").iterdir()) == \
         ["iteration-000000.png", "iteration-000001.png"]
     assert calls == [8, 8]  # one scoring pass per iteration, none for the grids
@@ -439,7 +441,7 @@ def test_tree_nan_leaves_are_not_trained(tiny_model, tmp_path):
         trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"reward.rewards": "[{name: first_nan}]"})
         chunks, _, _ = _credited(trainer)
     finally:
-        REWARDS.pop("first_nan")
+        REWARDS.unregister("first_nan")
     t = chunks[0].rollout.transitions
     # From the last split (step 1) on, the edges leading only to leaf 0 are not trained; the step-0 edge above it
     # also leads to the valid leaf 1 and is.
