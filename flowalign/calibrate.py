@@ -18,6 +18,7 @@ in the config is kept for training but ignored while calibrating, so every step 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tempfile
 
 import os
@@ -32,6 +33,8 @@ from .step_rewards import calibrate_noise, dense_increments
 from .train_config import TrainConfig
 
 __all__ = ["calibrate", "write_calibrated_config"]
+
+logger = logging.getLogger(__name__)
 
 
 def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: float = 0.01) -> tuple[list[float], list[dict]]:
@@ -77,8 +80,8 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
             "negative": [int((dr[:, t] < 0).sum()) for t in range(num_steps)],
         })
         levels = calibrate_noise(levels, dr, eps1=eps1, eps2=eps2, steps=stochastic, high=high)
-        print(f"round {r}: dR>0 {history[-1]['positive']}, dR<0 {history[-1]['negative']} -> "
-              f"levels {[round(float(x), 3) for x in levels]}")
+        logger.info("round %d: dR>0 %s, dR<0 %s -> levels %s", r, history[-1]["positive"], history[-1]["negative"],
+                    [round(float(x), 3) for x in levels])
     return [round(float(x), 6) for x in levels], history
 
 

@@ -11,6 +11,9 @@ status 2, without a traceback. Only set-up errors count as bad input (``flowalig
 handler, a ``SetupError`` (every ``ConfigError`` is one), or an error raised inside ``setup_phase()``. A failure after
 the work has begun (iteration 200 of a training run) keeps its traceback and exits with status 1.
 
+The library reports progress through ``logging`` (loggers under ``flowalign``) and prints nothing itself but the
+results its commands exist for; the command line shows those log records, INFO and above, as plain lines on stdout.
+
 Commands:
 
 * ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.trainer``).
@@ -31,6 +34,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from pathlib import Path
@@ -567,10 +571,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StdoutLines(logging.Handler):
+    """Log records as bare message lines on the current ``sys.stdout`` (looked up per record, so a redirected or
+    captured stdout is honoured): the library's progress lines, which it logs, print as they did when it printed."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - logging's contract: report through handleError, never raise
+            self.handleError(record)
+
+
+def show_library_logs() -> None:
+    """Show the ``flowalign`` loggers' INFO and above on stdout (once per process; a level already set is kept)."""
+    logger = logging.getLogger("flowalign")
+    if not any(isinstance(handler, _StdoutLines) for handler in logger.handlers):
+        logger.addHandler(_StdoutLines())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns 0 on success, exits with status 2 on bad input."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    show_library_logs()
     from flowalign.errors import SetupError
 
     try:

@@ -290,5 +290,5 @@ def export_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weight
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("exported %s to %s", source.describe(), out)
+    logger.debug("exported %s to %s", source.describe(), out)  # the command line says "wrote" itself
     return out

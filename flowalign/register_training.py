@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,8 @@ from torch import Tensor
 from flowalign.devices import resolve_device
 
 __all__ = ["RegisterTrainConfig", "collect_states", "evaluate_registers", "train_registers"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -264,7 +267,7 @@ def _train_registers(config: RegisterTrainConfig, model, reward_fn, train_meta, 
                 best = (score, iteration, copy.deepcopy(registers.state_dict()))
         history.append(record)
         shown = f", validation {record['val_score']:.3f}" if "val_score" in record else ""
-        print(f"registers iteration {iteration}: thurstone loss {record['loss']:.4f}{shown}", flush=True)
+        logger.info("registers iteration %d: thurstone loss %.4f%s", iteration, record["loss"], shown)
     if best is not None:
         registers.load_state_dict(best[2])
     selected = best[1] if best is not None else config.iterations - 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import os
 import shutil
@@ -37,6 +38,8 @@ from ..lr_schedule import learning_rate_scale
 from ..models.tiny import tiny_sd3_pipeline
 from .prompts import split_prompts
 from .scenes import render, scene_for
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -235,7 +238,7 @@ def pretrain(config: PretrainConfig) -> Path:
     train_vae(pipe.vae, stream, config, log)
     shift, scale, recon = calibrate_latents(pipe.vae, stream)
     log.update(vae_seconds=time.time() - start, latent_shift=shift, latent_scale=scale, vae_recon_mse=recon)
-    print(f"vae: recon MSE {recon:.4f} (pixels in [0,1]), latent shift {shift:.3f}, scale {scale:.3f}")
+    logger.info("vae: recon MSE %.4f (pixels in [0,1]), latent shift %.3f, scale %.3f", recon, shift, scale)
     ema = train_flow(pipe, stream, config, log)
     for live, avg in zip(trainable_modules(pipe), ema):
         live.load_state_dict(avg.state_dict())
@@ -245,7 +248,7 @@ def pretrain(config: PretrainConfig) -> Path:
     save_atomically(pipe, out)
     (out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
-    print(f"saved {out} ({size:.1f} MB) after {log['total_seconds'] / 60:.1f} min")
+    logger.info("saved %s (%.1f MB) after %.1f min", out, size, log["total_seconds"] / 60)
     return out
 
 

@@ -17,6 +17,7 @@ with the training settings and the measured accuracy); ``load_segmenter()`` load
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ __all__ = ["CLASSES", "DEFAULT_SEGMENTER", "SegmenterConfig", "ShapeSegmenter", 
 CLASSES = ("background", *SHAPES)
 DEFAULT_SEGMENTER = Path(__file__).resolve().parents[2] / "assets" / "toy-segmenter"
 _RELATIONS = ("left of", "right of", "above", "below")
+
+logger = logging.getLogger(__name__)
 
 
 class ShapeSegmenter(nn.Module):
@@ -173,8 +176,8 @@ def _train(config: SegmenterConfig, out: str | Path | None, log_every: int) -> S
         optimizer.step()
         schedule.step()
         if log_every and (step + 1) % log_every == 0:
-            print(f"segmenter step {step + 1}/{config.steps} loss {loss.item():.4f} ({time.time() - start:.0f} s)",
-                  flush=True)
+            logger.info("segmenter step %d/%d loss %.4f (%.0f s)", step + 1, config.steps, loss.item(),
+                        time.time() - start)
     model.eval()
     report = measure(model, np.random.default_rng(config.seed + 1), generator, config)
     if out is not None:
