@@ -66,11 +66,14 @@ def test_golden_run(name, golden_models, tmp_path):
         assert not problems, f"{name} on {fingerprint()}: " + "; ".join(problems)
 
 
+# Checks against the record: not while it is being written (FLOWALIGN_GOLDEN=record|reference, never in CI).
+checking = pytest.mark.skipif(mode() != "check", reason="recording golden runs")
+
+
+@checking
 @pytest.mark.parametrize("change", [{"optim.lr": 3.15e-4}, {"advantage.std": "global"}], ids=["lr+5%", "global-std"])
 def test_both_checks_catch_a_real_change_of_the_math(change, golden_models, tmp_path):
     """A 5% larger learning rate or another advantage normalisation moves the digests and fails the tolerances."""
-    if mode() != "check":
-        pytest.skip("recording golden runs")  # only in FLOWALIGN_GOLDEN=record|reference sessions, never in CI
     digests, values = _run("flow_grpo", golden_models, tmp_path / "changed", extra=change)
     recorded = load_baselines()["digests"].get(fingerprint(), {}).get("flow_grpo")
     if recorded is not None:
@@ -112,11 +115,10 @@ def test_the_tolerance_ignores_a_few_sign_flips_and_catches_a_turned_or_scaled_u
     assert 0 < COSINE_MIN < 1
 
 
+@checking
 def test_other_float_kernels_move_the_digests_but_stay_within_the_tolerance(golden_models, tmp_path):
     """Two threads instead of one change the order of float reductions, as another CPU's kernels do: the digests of
     dense_grpo move (measured), and the tolerance check still accepts the run."""
-    if mode() != "check":
-        pytest.skip("recording golden runs")  # only in FLOWALIGN_GOLDEN=record|reference sessions, never in CI
     digests, values = run_golden("dense_grpo", golden_models["sd3"], tmp_path / "two-threads", threads=2)
     recorded = load_baselines()["digests"].get(fingerprint(), {}).get("dense_grpo")
     if recorded is not None:
