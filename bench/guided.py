@@ -38,7 +38,7 @@ COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), 
 
 def run_method(model, metadata, config, reward_fn, registers, guide_reward=None) -> dict:
     from flowalign.evaluation.geneval import summarize
-    from flowalign.guided_sampling import sample_prompts
+    from flowalign.inference.sample import sample_prompts
     from flowalign.toy.reward import ToyGenEvalReward
 
     start_time = time.perf_counter()
@@ -137,7 +137,7 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.guided_sampling import RGS_GRADIENTS, SampleConfig, build_guide_reward
+    from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
@@ -235,7 +235,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1))
     text = table(rows)
     if register_report:
-        from flowalign.register_training import format_accuracy
+        from flowalign.training.registers import format_accuracy
 
         text += "\n\nRegister pairwise accuracy by sigma band (held-out):\n\n" + format_accuracy(register_report)
     out.with_suffix(".md").write_text(text + "\n")

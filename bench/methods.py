@@ -39,8 +39,8 @@ def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt:
     from flowalign.config import load_config
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import evaluate, paired_difference
-    from flowalign.train_config import TrainConfig
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
 
     overrides = [*COMMON, f"train.seed={seed}", f"train.out_dir={out / f'{preset}-seed{seed}.run'}", *extra]
     config = load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides)

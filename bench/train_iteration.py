@@ -23,8 +23,8 @@ PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo
 CHILD = r"""
 import json, resource, sys, torch
 from flowalign.config import load_config
-from flowalign.train_config import TrainConfig
-from flowalign.trainer import GRPOTrainer
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import GRPOTrainer
 config = load_config(TrainConfig, sys.argv[1] or None, sys.argv[2:])
 history = GRPOTrainer(config).train()
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 
 # exported name -> the module that defines it
 _EXPORTS = {
-    "TrainConfig": "flowalign.train_config",
+    "TrainConfig": "flowalign.training.config",
     "load_config": "flowalign.config",
-    "GRPOTrainer": "flowalign.trainer",
+    "GRPOTrainer": "flowalign.training.trainer",
     "load_flow_model": "flowalign.models",
     "FlowModel": "flowalign.models",
     "Reward": "flowalign.rewards",

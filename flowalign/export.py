@@ -2,7 +2,7 @@
 
 A LoRA source (``resolve_lora``) is one of two directories that ``flowalign train`` writes:
 
-* a **checkpoint** ``checkpoint-NNNNNN/`` (``flowalign.checkpoint``), with ``trainable.safetensors`` (the last
+* a **checkpoint** ``checkpoint-NNNNNN/`` (``flowalign.training.checkpoint``), with ``trainable.safetensors`` (the last
   weights), ``ema.safetensors`` (their EMA, when ``optim.ema_decay > 0``) and the run's ``config.yaml``. ``weights``
   picks ``"ema"`` or ``"last"`` (default: ``ema`` when the checkpoint has it). Loading re-creates the trainer's
   adapter exactly: ``FlowModel.add_lora`` with the config's ``model.lora_rank`` / ``lora_alpha`` / ``lora_targets``,

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowalign.advantages import STD_MODES, group_normalize
+from flowalign.credit.group import STD_MODES, group_normalize
 from flowalign.registry import Registry
 
 __all__ = [

@@ -18,7 +18,7 @@ registers), built as forward hooks that only *read* the blocks' outputs: the gen
 are bitwise those of the model without registers (tests/test_registers.py), and one transformer pass yields both
 the velocity and the register scores. Gradients reach ``x_t`` through the tapped hidden states, which RGS uses.
 
-Training (``flowalign.register_training``) uses the pairwise Thurstone loss on noisy latents of one prompt
+Training (``flowalign.training.registers``) uses the pairwise Thurstone loss on noisy latents of one prompt
 (DESIGN.md §4): with scores ``r_i, r_j`` of two states at sigma ``s`` whose final images got rewards ``y_i != y_j``,
 
     v = 2 s^2 + 0.05,   p = Phi(sign(y_i - y_j) (r_i - r_j) / sqrt(v_i + v_j)),   loss = 1 - sqrt(p).
@@ -27,7 +27,7 @@ The variance grows with the noise level, so pairs that noise makes hard to tell 
 
 A checkpoint stores the register weights, their settings and the transformer config they were trained on;
 ``load_registers`` refuses one from a different transformer config. It is read with ``torch.load(weights_only=True)``
-(``flowalign.checkpoint.safe_load``): a file that would run code while unpickling is refused, naming the file.
+(``flowalign.serialization.safe_load``): a file that would run code while unpickling is refused, naming the file.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from flowalign.checkpoint import safe_load
+from flowalign.serialization import safe_load
 
 __all__ = [
     "LatentRegisters",

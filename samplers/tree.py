@@ -16,7 +16,7 @@ drawn from; the training-time recomputation gets ``c`` through ``Transitions.noi
 
 Node layout. Nodes are numbered level by level (all roots, then every node after step 0, ...) and tree-major within
 a level, so the nodes of the last level (the leaves) come last, in tree order; ``parents`` is the forest's parent
-list in the format of ``flowalign.credit.tree_advantages``. Noise for tree ``r`` comes from ``generator[r]`` when a
+list in the format of ``flowalign.credit.tree.tree_advantages``. Noise for tree ``r`` comes from ``generator[r]`` when a
 list is given (one per tree), drawn in node order: a tree's samples do not depend on which other trees share its
 batch.
 """

@@ -120,8 +120,8 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
                threads: int = 1):
     """Train preset ``name`` for 2 iterations in one thread (or ``threads``); returns ``(digests, values)``."""
     from flowalign.config import load_config
-    from flowalign.train_config import TrainConfig
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
 
     settings = run_settings(name, model_path, out) + [f"{k}={v}" for k, v in (extra or {}).items()]
     if registers is not None:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowalign.checkpoint import load_checkpoint, rng_state, safe_load, save_checkpoint, save_process_rng, set_rng_state
+from flowalign.serialization import safe_load
+from flowalign.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_process_rng, set_rng_state
 from flowalign.reward_models.registers import LatentRegisters, load_registers
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flowalign.config import ConfigError, diff_configs, format_help, load_config, save_config, to_dict, validate_config
-from flowalign.train_config import RewardSpec, TrainConfig
+from flowalign.training.config import RewardSpec, TrainConfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flowalign.credit import Tree, depth_prune_mask, sliding_prune_steps, tree_advantages, width_prune_mask
+from flowalign.credit.tree import Tree, depth_prune_mask, sliding_prune_steps, tree_advantages, width_prune_mask
 
 # root 0 -> {1, 2}; 1 -> {3, 4}; 2 -> {5, 6}: two levels, factor 2, leaves 3..6.
 TWO_LEVEL = [None, 0, 0, 1, 1, 2, 2]

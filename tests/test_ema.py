@@ -1,9 +1,9 @@
-"""The EMA of named parameters (flowalign.ema): hand-computed updates, its state, placement and the swap."""
+"""The EMA of named parameters (flowalign.training.ema): hand-computed updates, its state, placement and the swap."""
 
 import pytest
 import torch
 
-from flowalign.ema import EMA
+from flowalign.training.ema import EMA
 
 
 def params(*values, dtype=torch.float32):

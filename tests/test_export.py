@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from flowalign import cli
-from flowalign.checkpoint import save_checkpoint
+from flowalign.training.checkpoint import save_checkpoint
 from flowalign.config import load_config, to_dict
 from flowalign.evaluation.toy_eval import evaluate, generate
 from flowalign.export import LORA_FILE, apply_lora, base_model_path, export_lora, load_model, resolve_lora
@@ -33,7 +33,7 @@ from flowalign.models import wrap_pipeline
 from flowalign.models.loading import load_flow_model
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.samplers import rollout
-from flowalign.train_config import TrainConfig
+from flowalign.training.config import TrainConfig
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "a photo of an the red green blue yellow purple white circle square triangle circles squares two".split()
 TOY = REPO / "assets" / "toy-sd3"
@@ -171,7 +171,7 @@ def test_ema_last_and_the_lora_folder(trained):
 
 @pytest.mark.slow  # the trained run: about a minute
 def test_sample_takes_the_lora_and_defaults_to_the_checkpoints_model(trained, tmp_path):
-    from flowalign.guided_sampling import SampleConfig, run_sample
+    from flowalign.inference.sample import SampleConfig, run_sample
 
     config = SampleConfig(lora=str(trained["checkpoint"]), guidance="none", steps=2, max_prompts=2,
                           prompts=str(trained["prompts"]), out_dir=str(tmp_path / "sample"))

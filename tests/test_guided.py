@@ -287,7 +287,7 @@ class TransformerCounter:
 
 def _counted_toy_run(model, metadata, guidance, budget, cfg=1.0):
     """``run_guided`` on the toy prompts at 3 steps (RGS on seeded registers), counting the transformer's rows."""
-    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.inference.sample import SampleConfig, run_guided
     from flowalign.reward_models.registers import LatentRegisters
     from flowalign.toy.reward import ToyGenEvalReward
 
@@ -326,7 +326,7 @@ def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidan
 
 def test_rgs_bands_choose_the_guided_steps_and_their_cost(toy):
     """Only the band above sigma 0.8 guided: of the 3 steps (sigmas 1, 0.5, 0.001) one is, so 3 + 1 NFEs."""
-    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.inference.sample import SampleConfig, run_guided
     from flowalign.reward_models.registers import LatentRegisters
     from flowalign.toy.reward import ToyGenEvalReward
 
@@ -343,7 +343,7 @@ def test_rgs_bands_choose_the_guided_steps_and_their_cost(toy):
 def test_rgs_on_a_differentiable_image_reward_runs_within_its_budget(toy, gradient, nfe):
     """toy_geneval_soft on the decoded x0_hat: through the velocity, 3 forwards + 2 guided backwards (sigmas 1 and 0.5
     are above 0.2); on x0_hat alone, the 3 forwards only."""
-    from flowalign.guided_sampling import SampleConfig, build_guide_reward, run_guided
+    from flowalign.inference.sample import SampleConfig, build_guide_reward, run_guided
     from flowalign.toy.reward import ToyGenEvalReward
 
     model, metadata = toy
@@ -362,7 +362,7 @@ def test_rgs_on_a_differentiable_image_reward_runs_within_its_budget(toy, gradie
 
 
 def test_fk_with_rgs_guided_proposals_spends_the_same_nfes_and_moves_the_particles(toy):
-    from flowalign.guided_sampling import SampleConfig, build_guide_reward, run_guided
+    from flowalign.inference.sample import SampleConfig, build_guide_reward, run_guided
     from flowalign.toy.reward import ToyGenEvalReward
 
     model, metadata = toy
@@ -396,7 +396,7 @@ def test_x0_gradient_correction_moves_only_the_steps_inside_its_bands():
 
 
 def test_an_image_reward_without_a_gradient_is_refused_for_rgs(toy):
-    from flowalign.guided_sampling import build_guide_reward, latent_reward
+    from flowalign.inference.sample import build_guide_reward, latent_reward
     from flowalign.toy.reward import ToyGenEvalReward
 
     with pytest.raises(ValueError, match="'toy_geneval' is not differentiable"):
@@ -533,7 +533,7 @@ def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name
     from flowalign.rewards import build_differentiable_reward
     from flowalign.samplers.rgs import rgs_velocity_target
     from flowalign.samplers.sde import predict_x0
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.trainer import GRPOTrainer
 
     model, metadata = toy
     reward = build_differentiable_reward(name, "loss.rg_opd_reward", **_zoo_kwargs(zoo, name))
@@ -556,8 +556,8 @@ def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name
 def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it(tmp_path):
     from flowalign.config import load_config
     from flowalign.errors import SetupError
-    from flowalign.train_config import TrainConfig
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
 
     for name in ("geneval", "jpeg_compressibility", "toy_geneval"):  # the model path does not exist: never loaded
         config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", "loss.rg_opd_weight=1",
@@ -572,7 +572,7 @@ def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it(tmp_path)
 def test_bon_with_one_particle_at_cfg_3_is_the_pipelines_own_sample(sd3_pipe):
     """Best-of-N with N = 1 (budget = one CFG trajectory, 2 NFEs per step) at CFG 3 on the tiny SD3 pipeline equals
     ``StableDiffusion3Pipeline(guidance_scale=3)`` from the same initial latents, bit for bit."""
-    from flowalign.guided_sampling import SampleConfig, run_guided
+    from flowalign.inference.sample import SampleConfig, run_guided
     from flowalign.models import wrap_pipeline
     from flowalign.rewards import BrightnessReward
     from flowalign.samplers.guided import initial_noise

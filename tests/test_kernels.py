@@ -34,9 +34,9 @@ from flowalign.kernels import (  # noqa: E402
     sde_transition,
     use_backend,
 )
-from flowalign.loss import transition_grpo_loss  # noqa: E402
+from flowalign.losses.grpo import transition_grpo_loss  # noqa: E402
 from flowalign.samplers import sde_step  # noqa: E402
-from flowalign.train_config import TrainConfig  # noqa: E402
+from flowalign.training.config import TrainConfig  # noqa: E402
 
 KINDS = ("flow_grpo", "dance", "cps")
 SHAPE = (6, 3, 5, 7)  # 105 elements per row: 4 chunks of 32, the last one partial
@@ -319,7 +319,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     from flowalign.kernels import loss_triton, sde_triton
     from flowalign.models.tiny import tiny_sd3_pipeline
     from flowalign.toy.prompts import split_prompts
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.trainer import GRPOTrainer
 
     train, test = split_prompts()
     model = tmp_path / "tiny-sd3"

@@ -135,8 +135,8 @@ def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
     sampling.shared_noise the K members start from one noise, and the stored log-probs are those of the model."""
     from flowalign.config import load_config
     from flowalign.toy.prompts import split_prompts
-    from flowalign.train_config import TrainConfig
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
 
     train, test = split_prompts()
     tiny_sd3_pipeline(sorted({w for e in train + test for w in e["prompt"].split()}), seed=0).save_pretrained(

@@ -3,8 +3,8 @@
 import pytest
 
 from flowalign.config import load_config
-from flowalign.train_config import TrainConfig
-from flowalign.trainer import GRPOTrainer
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import GRPOTrainer
 
 from test_presets import METHODS, SMALL_RUN_SHAPE, small_run, tiny_paths  # noqa: F401 - the fixture
 

@@ -9,8 +9,8 @@ import yaml
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.toy.prompts import split_prompts
-from flowalign.train_config import TrainConfig
-from flowalign.trainer import GRPOTrainer
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import GRPOTrainer
 
 from golden_runs import SMALL_RUN_SHAPE, small_run_values
 
@@ -41,7 +41,7 @@ def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "register_grpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
-    from flowalign.trainer import SUPPORTED_DISTRIBUTED_TYPES
+    from flowalign.training.trainer import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))
     assert {p.stem for p in launches} == {"ddp", "multi_node"}

@@ -9,9 +9,9 @@ import pytest
 import flowalign
 
 EXPORTS = {
-    "TrainConfig": ("flowalign.train_config", "TrainConfig"),
+    "TrainConfig": ("flowalign.training.config", "TrainConfig"),
     "load_config": ("flowalign.config", "load_config"),
-    "GRPOTrainer": ("flowalign.trainer", "GRPOTrainer"),
+    "GRPOTrainer": ("flowalign.training.trainer", "GRPOTrainer"),
     "load_flow_model": ("flowalign.models", "load_flow_model"),
     "FlowModel": ("flowalign.models", "FlowModel"),
     "Reward": ("flowalign.rewards", "Reward"),
@@ -26,7 +26,7 @@ start = time.perf_counter()
 import flowalign
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "heavy": sorted(m for m in ("torch", "diffusers", "transformers", "numpy",
-                                                                  "flowalign.trainer") if m in sys.modules),
+                                                                  "flowalign.training.trainer") if m in sys.modules),
                   "dir": dir(flowalign), "all": flowalign.__all__}))
 """
 

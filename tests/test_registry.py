@@ -158,7 +158,7 @@ def test_the_reward_registry_is_a_registry_and_keeps_its_messages():
 
 def test_an_unknown_rg_opd_reward_is_a_config_error_with_a_did_you_mean(tmp_path):
     from flowalign.config import ConfigError, load_config
-    from flowalign.train_config import TrainConfig
+    from flowalign.training.config import TrainConfig
 
     settings = ["loss.rg_opd_weight=1", "loss.rg_opd_reward=brightnes"]
     with pytest.raises(ConfigError, match="'brightnes' is not a registered reward; known: .*brightness.*; did you "

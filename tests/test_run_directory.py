@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from flowalign.cli import main
 from flowalign.errors import SetupError
 from flowalign.rewards import REWARDS, register_reward
-from flowalign.run_directory import holds_run, trim_metrics
+from flowalign.training.run_directory import holds_run, trim_metrics
 
 from test_trainer import final_checkpoint, make_trainer, overrides, tiny_model  # noqa: F401 - the fixture
 
@@ -181,8 +181,8 @@ def test_sharded_launches_are_refused_before_the_model_loads(tmp_path, kind):
     from accelerate.utils import DistributedType
 
     from flowalign.config import load_config
-    from flowalign.train_config import TrainConfig
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
 
     launch = SimpleNamespace(distributed_type=DistributedType[kind], num_processes=8)
     config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run"))

@@ -8,7 +8,7 @@ import torch
 
 from flowalign.reward_models.intermediate import IntermediateScorer, completion_sigmas
 from flowalign.samplers import rollout
-from flowalign.step_rewards import calibrate_noise, dense_increments, return_to_go, turning_point_rewards
+from flowalign.credit.step_rewards import calibrate_noise, dense_increments, return_to_go, turning_point_rewards
 from gaussian_flow import gaussian_velocity
 
 # R_0 .. R_4 of scripted trajectories (T = 4 transitions).

@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 
 from flowalign.config import ConfigError, load_config
 from flowalign.errors import SetupError
-from flowalign.credit import tree_advantages
+from flowalign.credit.tree import tree_advantages
 from flowalign.models.tiny import tiny_sd3_pipeline
 from flowalign.rewards import REWARDS, register_reward
 from flowalign.toy.prompts import split_prompts
-from flowalign.train_config import TrainConfig
-from flowalign.trainer import GRPOTrainer
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -376,7 +376,7 @@ def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
 
 
 def test_tag_balanced_prompt_sampling_gives_every_tag_equal_mass():
-    from flowalign.trainer import prompt_weights
+    from flowalign.training.trainer import prompt_weights
 
     prompts = [{"prompt": f"p{i}", "tag": "a"} for i in range(9)] + [{"prompt": "q", "tag": "b"}, {"prompt": "r"}]
     weights = prompt_weights(prompts, "tag_balanced")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from scipy import stats
 
-from flowalign.credit import Tree, tree_advantages
+from flowalign.credit.tree import Tree, tree_advantages
 from flowalign.samplers import TreeSchedule, rollout, sde_mean_std, sde_step, tree_rollout
 
 from gaussian_flow import C, M, Counting, gaussian_velocity, levels, sigmas

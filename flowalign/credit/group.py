@@ -136,3 +136,4 @@ def _check_inputs(
             raise ValueError(f"valid must be a bool tensor of shape {tuple(values.shape)}, got {valid.dtype} "
                              f"{tuple(valid.shape)}")
     return values.detach(), group_ids, valid
+

@@ -37,21 +37,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .advantages import group_advantages, group_normalize
-from .credit import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree_advantages, width_prune_mask
-from .checkpoint import load_checkpoint, save_checkpoint, save_process_rng
-from .config import to_dict
-from .ema import EMA
-from .errors import SetupError, setup_phase
-from .evaluation.geneval import load_metadata
-from .kernels import use_backend
-from .loss import noise_aware_weights, transition_grpo_loss
-from .lr_schedule import learning_rate_scale
-from .models import FlowModel, load_flow_model
-from .models.base import Cond
-from .rewards import build_differentiable_reward, build_reward, combine_rewards, differentiable_score, score_all
-from .run_directory import check_new_run, clear_run, resolve_resume, trim_metrics
-from .samplers import (
+from flowalign.credit.group import group_advantages, group_normalize
+from flowalign.credit.tree import Tree, depth_prune_mask, leaf_mean, sliding_prune_steps, tree_advantages, width_prune_mask
+from flowalign.training.checkpoint import load_checkpoint, save_checkpoint, save_process_rng
+from flowalign.config import to_dict
+from flowalign.training.ema import EMA
+from flowalign.errors import SetupError, setup_phase
+from flowalign.evaluation.geneval import load_metadata
+from flowalign.kernels import use_backend
+from flowalign.losses.grpo import noise_aware_weights, transition_grpo_loss
+from flowalign.lr_schedule import learning_rate_scale
+from flowalign.models import FlowModel, load_flow_model
+from flowalign.models.base import Cond
+from flowalign.rewards import build_differentiable_reward, build_reward, combine_rewards, differentiable_score, score_all
+from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume, trim_metrics
+from flowalign.samplers import (
     Rollout,
     TreeSchedule,
     noise_schedule,
@@ -59,8 +59,8 @@ from .samplers import (
     rollout,
     tree_rollout,
 )
-from .seeding import generator, numpy_rng
-from .train_config import TrainConfig
+from flowalign.seeding import generator, numpy_rng
+from flowalign.training.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +243,7 @@ class GRPOTrainer:
 
     def step_registers(self):
         """The latent registers of ``step_reward.registers``, loaded once (checked against this transformer)."""
-        from .reward_models.registers import load_registers
+        from flowalign.reward_models.registers import load_registers
 
         if getattr(self, "registers", None) is None:
             self.registers = load_registers(self.config.step_reward.registers, dict(self.model.transformer.config))
@@ -341,7 +341,7 @@ class GRPOTrainer:
         Groups: a trajectory's transitions share its group advantage, or (``step_reward.estimator``) each trained
         transition gets its own step reward from the rewards of intermediate states, normalised per step within its
         group. Trees: an edge gets the depth-wise advantage of the node it leads to
-        (``flowalign.credit.tree_advantages``), and pruning zeroes the weights of some edges. Returns the NFEs spent
+        (``flowalign.credit.tree.tree_advantages``), and pruning zeroes the weights of some edges. Returns the NFEs spent
         on intermediate completions.
 
         Scores and credit are computed on the CPU; the per-transition advantages and weights live with the
@@ -379,7 +379,7 @@ class GRPOTrainer:
         ``IntermediateScorer``: the clean estimate of ``x_k`` (``step_reward.clean``: an ODE completion or the x0
         projection), decoded and scored with the weighted sum of the rewards.
         """
-        from .reward_models.intermediate import IntermediateScorer
+        from flowalign.reward_models.intermediate import IntermediateScorer
 
         cfg = self.config
         t = chunk.rollout.transitions
@@ -406,9 +406,9 @@ class GRPOTrainer:
 
     def step_credit(self, prompts: list[dict], chunk: Chunk, steps: list[int], combined: Tensor,
                     valid: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Per-transition advantages from the step rewards of ``flowalign.step_rewards``, normalised per
+        """Per-transition advantages from the step rewards of ``flowalign.credit.step_rewards``, normalised per
         (group, step); a mask of the trained transitions with a finite step reward; the NFEs of the completions."""
-        from .step_rewards import dense_increments, return_to_go, turning_point_rewards
+        from flowalign.credit.step_rewards import dense_increments, return_to_go, turning_point_rewards
 
         cfg = self.config
         num_steps = cfg.sampling.num_steps
@@ -550,7 +550,7 @@ class GRPOTrainer:
         """RG-OPD (on-policy distillation of RGS): per-state velocity targets ``v_ref + delta / dt`` where ``delta``
         is the RGS correction from the register heads' gradients at ``x`` (``samplers.rgs.rgs_velocity_target``), all
         on the reference model (LoRA off). Detached."""
-        from .samplers.rgs import rgs_velocity_target
+        from flowalign.samplers.rgs import rgs_velocity_target
 
         self.step_registers()
         scale = self.config.sampling.guidance_scale
@@ -574,7 +574,7 @@ class GRPOTrainer:
         the reward of the decoded ``x0_hat = x - s v_ref`` with respect to ``x0_hat`` (``v_ref`` held fixed, as RGS's
         ``--rgs-gradient x0``: no backward through the transformer), turned into the target ``v_ref + delta / dt`` by
         ``rgs_velocity_target`` with the bands ``loss.rg_opd_bands``. Detached."""
-        from .samplers.rgs import rgs_velocity_target, x0_hat_gradient
+        from flowalign.samplers.rgs import rgs_velocity_target, x0_hat_gradient
 
         cfg = self.config
         if v_ref is None:
@@ -688,7 +688,7 @@ class GRPOTrainer:
     def save_samples(self, iteration: int, prompts: list[dict], chunks: list[Chunk], images: Tensor,
                      rewards: Tensor) -> None:
         """A grid of this process's first 16 samples captioned ``prompt | reward`` (the scores ``score`` computed)."""
-        from .evaluation.images import save_grid
+        from flowalign.evaluation.images import save_grid
 
         ids = torch.cat([c.sample_ids for c in chunks])[:16]
         captions = [f"{prompts[int(j) // self.config.samples_per_prompt()]['prompt']} | {float(r):.2f}"
@@ -720,7 +720,7 @@ class GRPOTrainer:
 
     def _check_run_directory(self) -> Path | None:
         """The checkpoint ``train.resume`` names (checked against this config), or None for a new run, which may not
-        write into a directory holding another run (``flowalign.run_directory``); ``train.overwrite`` clears it."""
+        write into a directory holding another run (``flowalign.training.run_directory``); ``train.overwrite`` clears it."""
         cfg = self.config.train
         if cfg.resume:
             return resolve_resume(cfg.resume, self.config, self.out_dir,
@@ -751,7 +751,7 @@ class GRPOTrainer:
     def train(self) -> list[dict[str, float]]:
         from tqdm import tqdm
 
-        from .config import save_config
+        from flowalign.config import save_config
 
         cfg = self.config
         if self.is_main:
@@ -811,8 +811,8 @@ class GRPOTrainer:
         """
         from accelerate.utils import gather_object
 
-        from .evaluation.geneval import summarize
-        from .evaluation.toy_eval import evaluate, images_per_tag, paired_difference
+        from flowalign.evaluation.geneval import summarize
+        from flowalign.evaluation.toy_eval import evaluate, images_per_tag, paired_difference
 
         cfg = self.config
         metadata = load_metadata(cfg.data.eval_prompts)
@@ -868,8 +868,8 @@ def prompt_weights(prompts: list[dict], sampling: str) -> np.ndarray | None:
 def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images,
                        *, seed: int | None = None) -> dict:
     """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed``: the evaluation's)."""
-    from .evaluation.geneval import TAGS
-    from .evaluation.images import save_grid
+    from flowalign.evaluation.geneval import TAGS
+    from flowalign.evaluation.images import save_grid
 
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| tag | before | after | paired gain | SE | z |", "|---|---|---|---|---|---|"]

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .advantages import ZERO_STD
+from flowalign.credit.group import ZERO_STD
 
 __all__ = [
     "FUSIONS",
@@ -251,3 +251,4 @@ def sliding_prune_steps(drop_steps: Sequence[int], progress: float, last_step: i
         return []
     shift = round(progress * max(0, last_step - drop[-1]))
     return [s + shift for s in drop]
+

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
-from .config import diff_configs, to_dict
-from .errors import SetupError
+from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
+from flowalign.config import diff_configs, to_dict
+from flowalign.errors import SetupError
 
 __all__ = ["RESUMABLE_KEYS", "RUN_FILES", "check_new_run", "clear_run", "holds_run", "resolve_resume",
            "trim_metrics"]

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernels import clipped_policy_loss, grpo_transition_loss
-from .kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
+from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
+from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
 
 __all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "transition_grpo_loss", "velocity_mse_kl"]
 

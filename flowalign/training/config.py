@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import ConfigError
+from flowalign.config import ConfigError
 
 __all__ = [
     "TrainConfig",
@@ -478,14 +478,14 @@ class LossConfig:
         _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
         _finite("loss.beta", self.beta, 0.0)
         _finite("loss.rg_opd_weight", self.rg_opd_weight, 0.0)
-        from .samplers.rgs import check_bands
+        from flowalign.samplers.rgs import check_bands
 
         try:
             check_bands(self.rg_opd_bands)
         except ValueError as error:
             raise ConfigError(f"loss.rg_opd_bands: {error}", key="loss.rg_opd_bands") from None
         if self.rg_opd_reward is not None:
-            from .rewards import REWARDS
+            from flowalign.rewards import REWARDS
 
             close = REWARDS.closest(self.rg_opd_reward)
             _check(self.rg_opd_reward in REWARDS, "loss.rg_opd_reward",

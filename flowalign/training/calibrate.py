@@ -4,7 +4,7 @@ Reference: Deng et al. 2026, "DenseGRPO" (arXiv:2601.20218), Algorithm 1, and DE
 round samples a batch of trajectories (the training config's prompts, group size and reward) with the current
 per-step noise levels ``psi``, scores the full ODE completion of every state (``R_0 .. R_T``), takes the dense
 rewards ``dR_t = R_{t+1} - R_t`` and updates every stochastic step's level with
-:func:`flowalign.step_rewards.calibrate_noise` (``+eps2`` where the signs of ``dR_t`` are balanced within ``eps1``,
+:func:`flowalign.credit.step_rewards.calibrate_noise` (``+eps2`` where the signs of ``dR_t`` are balanced within ``eps1``,
 ``-eps2`` otherwise). The paper's ``psi`` is the SDE's diffusion coefficient itself; here it is the noise *level*
 ``a`` of ``sampling.kind`` per step (for ``flow_grpo`` the coefficient is ``a sqrt(s / (1 - s))``), so the table
 plugs into ``sampling.noise_table`` and works for every SDE kind.
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from .config import parse_yaml
-from .samplers import PerStepNoise
-from .step_rewards import calibrate_noise, dense_increments
-from .train_config import TrainConfig
+from flowalign.config import parse_yaml
+from flowalign.samplers import PerStepNoise
+from flowalign.credit.step_rewards import calibrate_noise, dense_increments
+from flowalign.training.config import TrainConfig
 
 __all__ = ["calibrate", "write_calibrated_config"]
 
@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: float = 0.01) -> tuple[list[float], list[dict]]:
     """Run ``rounds`` calibration rounds; returns ``(levels, history)`` (one entry per round: levels used, the counts
     of positive and negative ``dR`` per step)."""
-    from .errors import SetupError
-    from .trainer import GRPOTrainer
+    from flowalign.errors import SetupError
+    from flowalign.training.trainer import GRPOTrainer
 
     if rounds < 1:
         raise SetupError(f"rounds must be >= 1, got {rounds}")

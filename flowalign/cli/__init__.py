@@ -16,17 +16,17 @@ results its commands exist for; the command line shows those log records, INFO a
 
 Commands:
 
-* ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.trainer``).
+* ``flowalign train [CONFIG] [key=value ...]``: GRPO fine-tuning (``flowalign.training.trainer``).
 * ``flowalign eval toy``: GenEval-style evaluation on the toy world (``flowalign.evaluation.toy_eval``).
 * ``flowalign eval geneval``: GenEval on any model or image folder (``flowalign.evaluation.geneval_eval``).
 * ``flowalign eval hpd``: the HPD v2 benchmark with HPS v2.1 (``flowalign.evaluation.hpd_eval``).
 * ``flowalign toy pretrain``: pre-train the toy SD3 model (``flowalign.toy.pretrain``).
 * ``flowalign toy segmenter``: train the shape segmenter of the differentiable toy reward (``flowalign.toy.segmenter``).
 * ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration
-  (``flowalign.calibrate``), written as a config for ``flowalign train``.
+  (``flowalign.training.calibrate``), written as a config for ``flowalign train``.
 * ``flowalign sample --guidance none|rgs|fk|dts|bon --budget NFE [--cfg SCALE]``: reward-guided sampling
-  (``flowalign.guided_sampling``).
-* ``flowalign registers train``: latent reward registers (``flowalign.register_training``).
+  (``flowalign.inference.sample``).
+* ``flowalign registers train``: latent reward registers (``flowalign.training.registers``).
 * ``flowalign export CHECKPOINT --out DIR [--weights ema|last] [--merge]``: a trained LoRA for diffusers
   (``flowalign.export``). ``sample`` and every ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
@@ -260,7 +260,7 @@ def _add_train(commands) -> None:
 
 def _run_train(args: argparse.Namespace) -> None:
     from flowalign.config import format_help, load_config
-    from flowalign.train_config import TrainConfig
+    from flowalign.training.config import TrainConfig
 
     if args.help_config:
         print(format_help(TrainConfig))
@@ -269,7 +269,7 @@ def _run_train(args: argparse.Namespace) -> None:
     if args.resume is not None:
         overrides.append(f"train.resume={args.resume}")
     config = load_config(TrainConfig, path, overrides)  # every check runs before any model loads
-    from flowalign.trainer import GRPOTrainer
+    from flowalign.training.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
@@ -294,11 +294,11 @@ def _add_calibrate(commands) -> None:
 
 def _run_calibrate(args: argparse.Namespace) -> None:
     from flowalign.config import load_config
-    from flowalign.train_config import TrainConfig
+    from flowalign.training.config import TrainConfig
 
     path, overrides = _config_and_overrides(args.items)
     config = load_config(TrainConfig, path, overrides)
-    from flowalign.calibrate import calibrate, write_calibrated_config
+    from flowalign.training.calibrate import calibrate, write_calibrated_config
 
     levels, history = calibrate(config, rounds=args.rounds, eps1=args.eps1, eps2=args.eps2)  # set-up: the trainer's
     out = write_calibrated_config(args.out, levels, history, base=path, overrides=overrides, eps1=args.eps1,
@@ -371,7 +371,7 @@ def _run_toy_segmenter(args: argparse.Namespace) -> None:
 
 
 def _add_sample(commands) -> None:
-    from flowalign.guided_sampling import RGS_GRADIENTS, SampleConfig
+    from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig
     from flowalign.samplers.fk import POTENTIALS
     from flowalign.samplers.guided import GUIDANCE
 
@@ -425,7 +425,7 @@ def _add_sample(commands) -> None:
 
 
 def _run_sample(args: argparse.Namespace) -> None:
-    from flowalign.guided_sampling import SampleConfig, run_sample
+    from flowalign.inference.sample import SampleConfig, run_sample
 
     config = SampleConfig(
         model=args.model, prompts=args.prompts, guidance=args.guidance, budget=args.budget, steps=args.steps,
@@ -485,7 +485,7 @@ def _run_export(args: argparse.Namespace) -> None:
 
 
 def _add_registers_train(group) -> None:
-    from flowalign.register_training import RegisterTrainConfig
+    from flowalign.training.registers import RegisterTrainConfig
 
     defaults = RegisterTrainConfig()
     parser = group.add_parser(
@@ -523,7 +523,7 @@ def _add_registers_train(group) -> None:
 
 
 def _run_registers_train(args: argparse.Namespace) -> None:
-    from flowalign.register_training import RegisterTrainConfig, train_registers
+    from flowalign.training.registers import RegisterTrainConfig, train_registers
 
     config = RegisterTrainConfig(
         model=args.model, prompts=args.prompts, eval_prompts=args.eval_prompts,
@@ -605,6 +605,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.exit(2, f"{PROG}: error: {error}\n")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
