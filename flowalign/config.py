@@ -9,6 +9,16 @@ dataclasses, builds them, and runs their ``validate`` methods, so that every mis
 Merging works on dotted leaf keys: a child file or an override replaces single fields, so sections merge deeply,
 while a field's value (a list, a free-form dict) is replaced whole.
 
+A field made with ``component(registry, default)`` is a *component section*: its ``name`` picks a registered component
+and the rest of the section are that component's settings, checked against the settings dataclass the registry holds
+for it (``flowalign.components``). A layer that sets ``name`` starts the section afresh (the settings earlier layers
+gave another component are dropped). ``component_map(registry, defaults)`` is a mapping of such sections keyed by
+name, several active at once (the loss terms): ``loss: {grpo: {clip_range: 1e-4}, rg_opd: {weight: 0.5}}``; an entry
+set to ``null`` is switched off.
+
+A schema may define ``migrate(layer) -> (layer, notices)`` (a classmethod): every YAML file and override passes through
+it before its keys are checked, so keys of an older schema keep working (each moved key is announced once).
+
 YAML is read with YAML 1.2 rules for floats and bools: ``3e-4`` is a float (PyYAML's YAML 1.1 makes it a string),
 and only ``true``/``false`` are bools (YAML 1.1 turns ``no``, ``off`` and ``y`` into bools, which would break
 ``mixed_precision: no``).
@@ -104,12 +114,76 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
+# ------------------------------------------------------------------------------------------------ components
+
+
+def component(registry: str, default: str, help: str) -> Any:
+    """A component section (module docstring): ``registry`` is ``"module:NAME"`` of a ``Registry`` whose entries
+    have settings dataclasses, ``default`` the component used when no layer names one."""
+    return dataclasses.field(default_factory=lambda: _registry(registry).make_config(default, {"name": default}),
+                             metadata={"help": help, "registry": registry, "default": default})
+
+
+def component_map(registry: str, defaults: Sequence[str], help: str) -> Any:
+    """A mapping of component sections keyed by registered name (module docstring), ``defaults`` on by default."""
+    return dataclasses.field(
+        default_factory=lambda: {n: _registry(registry).make_config(n, {"name": n}) for n in defaults},
+        metadata={"help": help, "registry": registry, "defaults": tuple(defaults), "map": True},
+    )
+
+
+def _registry(ref: str) -> Any:
+    import importlib
+
+    module, _, attribute = ref.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def _component_meta(cls: type, name: str) -> Mapping[str, Any] | None:
+    """The component metadata of field ``name`` of ``cls``, or None for an ordinary field."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata if "registry" in f.metadata else None
+    return None
+
+
+def _component_fields(cls: type, prefix: str = "") -> dict[str, Mapping[str, Any]]:
+    """Every component field of the schema by dotted key."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if "registry" in f.metadata:
+            out[prefix + f.name] = f.metadata
+        elif _is_section(tp):
+            out.update(_component_fields(tp, f"{prefix}{f.name}."))
+    return out
+
+
+def _settings_keys(registry: Any, prefix: str) -> list[str]:
+    """The dotted keys of every registered component's settings under ``prefix`` (for did-you-mean)."""
+    keys = {prefix + "name"}
+    for name in registry.names():
+        cls = registry.config_class(name)
+        if cls is not None:
+            keys.update(prefix + f.name for f in dataclasses.fields(cls))
+    return sorted(keys)
+
+
 def _schema_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every dotted key of the schema: sections and leaves."""
+    """Every dotted key of the schema: sections and leaves (a component section's: every component's settings)."""
     keys = []
     for name, tp in _hints(cls).items():
         keys.append(prefix + name)
-        if _is_section(tp):
+        meta = _component_meta(cls, name)
+        if meta is not None:
+            registry = _registry(meta["registry"])
+            if meta.get("map"):
+                for entry in registry.names():
+                    keys.extend(k for k in _settings_keys(registry, f"{prefix}{name}.{entry}.") if not k.endswith(
+                        ".name"))
+            else:
+                keys.extend(_settings_keys(registry, f"{prefix}{name}."))
+        elif _is_section(tp):
             keys.extend(_schema_keys(tp, f"{prefix}{name}."))
     return keys
 
@@ -149,10 +223,54 @@ def _flatten_layer(cls: type, root: type, data: Any, prefix: str, where: str, ou
         key = str(key)
         if key not in hints:
             raise _unknown_key(cls, root, prefix, key, where)
-        if _is_section(hints[key]):
+        meta = _component_meta(cls, key)
+        if meta is not None:
+            _flatten_component(meta, value, f"{prefix}{key}", where, out)
+        elif _is_section(hints[key]):
             _flatten_layer(hints[key], root, value, f"{prefix}{key}.", where, out)
         else:
             out[prefix + key] = value
+
+
+def _flatten_component(meta: Mapping[str, Any], value: Any, dotted: str, where: str, out: dict[str, Any]) -> None:
+    """A component section's values as dotted keys (checked when the section is built, once its name is known).
+
+    A map entry is also recorded as itself: ``{}`` (on) or ``None`` (off)."""
+    if value is None:
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{dotted}: expected a mapping (name and settings), got {_show(value)} {_source_tag(where)}",
+                          key=dotted)
+    if not meta.get("map"):
+        for k, v in value.items():
+            out[f"{dotted}.{k}"] = v
+        return
+    for entry, settings in value.items():
+        entry_key = f"{dotted}.{entry}"
+        if settings is None:
+            out[entry_key] = None
+            continue
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"{entry_key}: expected a mapping of settings or null (off), got {_show(settings)} "
+                              f"{_source_tag(where)}", key=entry_key)
+        out[entry_key] = {}
+        for k, v in settings.items():
+            out[f"{entry_key}.{k}"] = v
+
+
+def _merge(flat: dict[str, Any], values: Mapping[str, Any], components: Mapping[str, Mapping[str, Any]]) -> None:
+    """``flat.update(values)``, where a layer naming a component drops the settings earlier layers gave its section,
+    and a map entry switched off drops that entry's settings."""
+    for prefix, meta in components.items():
+        if meta.get("map"):
+            for key in [k for k in values if k.startswith(prefix + ".") and k.count(".") == prefix.count(".") + 1]:
+                if values[key] is None:
+                    for old in [k for k in flat if k.startswith(key + ".")]:
+                        del flat[old]
+        elif prefix + ".name" in values:
+            for old in [k for k in flat if k.startswith(prefix + ".")]:
+                del flat[old]
+    flat.update(values)
 
 
 def _leaf_type(cls: type, dotted: str) -> Any:
@@ -300,7 +418,12 @@ def _build(cls: type[T], root: type, flat: Mapping[str, Any], prefix: str, sourc
     kwargs = {}
     for name, tp in _hints(cls).items():
         dotted = prefix + name
-        if _is_section(tp):
+        meta = _component_meta(cls, name)
+        if meta is not None:
+            if any(k.startswith(dotted + ".") for k in flat):
+                kwargs[name] = (_build_component_map if meta.get("map") else _build_component)(meta, root, flat, dotted,
+                                                                                                sources)
+        elif _is_section(tp):
             if any(k.startswith(dotted + ".") for k in flat):
                 kwargs[name] = _build(tp, root, flat, dotted + ".", sources)
         elif dotted in flat:
@@ -310,6 +433,61 @@ def _build(cls: type[T], root: type, flat: Mapping[str, Any], prefix: str, sourc
             except _Mismatch as e:
                 raise ConfigError(f"{e.message()} {_source_tag(where)}", key=e.key) from None
     return cls(**kwargs)
+
+
+def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any], dotted: str,
+                     sources: Mapping[str, str], name: str | None = None) -> Any:
+    """The settings dataclass of the component a section names, from its dotted keys (unknown keys: did-you-mean)."""
+    registry = _registry(meta["registry"])
+    values = {k[len(dotted) + 1:]: v for k, v in flat.items() if k.startswith(dotted + ".")}
+    if name is not None and values.get("name", name) == name:  # a map entry may repeat its key as its name
+        values.pop("name", None)
+    if name is None:  # a plain section: its 'name' key, or the default
+        name = values.pop("name", meta.get("default"))
+        where = sources.get(dotted + ".name", "the config")
+        if not isinstance(name, str) or name not in registry:
+            close = registry.closest(str(name))
+            hint = f"; did you mean {close!r}?" if close else ""
+            raise ConfigError(f"{dotted}.name: unknown {registry.kind} {name!r} {_source_tag(where)}: known "
+                              f"{registry.plural} are {', '.join(registry.names())}{hint}", key=dotted + ".name")
+    settings_cls = registry.config_class(name)
+    hints = _hints(settings_cls)
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        where = sources.get(f"{dotted}.{key}", "the config")
+        if key not in hints or key == "name":
+            fields = [f for f in hints if f != "name"]
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = (f"did you mean '{dotted}.{close[0]}'?" if close
+                    else f"its settings are: {', '.join(fields) or '(none)'}")
+            raise ConfigError(f"unknown key '{dotted}.{key}' in {where}: {registry.kind} {name!r} has no setting "
+                              f"{key!r}; {hint}", key=f"{dotted}.{key}")
+        try:
+            kwargs[key] = _coerce(value, hints[key], f"{dotted}.{key}", root, where)
+        except _Mismatch as e:
+            raise ConfigError(f"{e.message()} {_source_tag(where)}", key=e.key) from None
+    return settings_cls(name=name, **kwargs)
+
+
+def _build_component_map(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any], dotted: str,
+                         sources: Mapping[str, str]) -> dict[str, Any]:
+    """The entries of a component map: the defaults, and every entry a layer names, minus those switched off."""
+    registry = _registry(meta["registry"])
+    depth = dotted.count(".") + 1
+    named = {k.split(".")[depth] for k in flat if k.startswith(dotted + ".")}
+    entries = {}
+    for entry in list(meta.get("defaults", ())) + sorted(named - set(meta.get("defaults", ()))):
+        key = f"{dotted}.{entry}"
+        if flat.get(key, {}) is None:
+            continue
+        if entry not in registry:
+            close = registry.closest(entry)
+            hint = f"; did you mean '{dotted}.{close}'?" if close else ""
+            where = sources.get(key) or next((sources[k] for k in sources if k.startswith(key + ".")), "the config")
+            raise ConfigError(f"unknown {registry.kind} '{key}' in {where}: known {registry.plural} are "
+                              f"{', '.join(registry.names())}{hint}", key=key)
+        entries[entry] = _build_component(meta, root, flat, key, sources, name=entry)
+    return entries
 
 
 def _source_tag(where: str) -> str:
@@ -380,17 +558,35 @@ def validate_config(config: Any, sources: Mapping[str, str] | None = None) -> No
     knows where that key was set, the message says so.
     """
 
-    def visit(obj: Any) -> None:
+    from .components import ComponentConfig
+
+    def visit(obj: Any, path: str) -> None:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            for item in value if isinstance(value, list) else [value]:
+            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else [
+                (None, value)]
+            for index, item in items:
                 if dataclasses.is_dataclass(item) and not isinstance(item, type):
-                    visit(item)
-        if hasattr(obj, "validate"):
+                    where = f"{path}{f.name}" + ("" if index is None else f"[{index}]" if isinstance(index, int)
+                                                 else f".{index}")
+                    visit(item, where + ".")
+        if not hasattr(obj, "validate"):
+            return
+        if not isinstance(obj, ComponentConfig):
             obj.validate()
+            return
+        try:  # a component names its own settings; put its section in front
+            obj.validate()
+        except ConfigError as e:
+            key = f"{path}{e.key}" if e.key else path.rstrip(".")
+            message = str(e)
+            if e.key and message.startswith(e.key):
+                message = message[len(e.key):]
+                raise ConfigError(f"{key}{message}", key=key) from None
+            raise ConfigError(f"{path.rstrip('.')}: {message}", key=key) from None
 
     try:
-        visit(config)
+        visit(config, "")
     except ConfigError as e:
         where = _lookup_source(e.key, sources or {})
         if where is None:
@@ -419,16 +615,34 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
         raise TypeError("overrides must be a list of 'key=value' strings, not one string")
     layers = _read_layers(path) if path is not None else []
     layers += [_override_layer(cls, text) for text in overrides]
+    components = _component_fields(cls)
+    migrate = getattr(cls, "migrate", None)
     flat: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for where, data in layers:
+        if migrate is not None:
+            data, notices = migrate(data)
+            for notice in notices:
+                _announce(f"{where}: {notice}")
         values: dict[str, Any] = {}
         _flatten_layer(cls, cls, data, "", where, values)
-        flat.update(values)
+        _merge(flat, values, components)
         sources.update(dict.fromkeys(values, where))
     config = _build(cls, cls, flat, "", sources)
     validate_config(config, sources)
     return config
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def _announce(notice: str) -> None:
+    """A one-line notice of a migrated key, once per process (``logging``, logger ``flowalign.config``)."""
+    import logging
+
+    if notice not in _ANNOUNCED:
+        _ANNOUNCED.add(notice)
+        logging.getLogger(__name__).warning("%s", notice)
 
 
 # ------------------------------------------------------------------------------------------------ saving, diffing
@@ -494,6 +708,26 @@ def _same(a: Any, b: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ help
 
 
+def _component_help(meta: Mapping[str, Any], dotted: str, help_text: str) -> str:
+    """A component section's help: the choice of component, then each registered one's settings."""
+    registry = _registry(meta["registry"])
+    if meta.get("map"):
+        on = ", ".join(meta.get("defaults", ())) or "none"
+        lines = [f"{dotted}:  {help_text} (a mapping of {registry.plural} by name; on by default: {on}; "
+                 f"null switches one off)"]
+    else:
+        lines = [f"{dotted}:  {help_text}",
+                 f"  {dotted}.name = {meta['default']!r}  (one of {', '.join(map(repr, registry.names()))})"]
+    for name in registry.names():
+        settings = registry.config_class(name)
+        summary = (registry.get(name).__doc__ or "").strip().split("\n")[0]
+        lines.append(f"  [{name}] {summary}".rstrip())
+        base = f"{dotted}.{name}." if meta.get("map") else f"{dotted}."
+        body = format_help(settings, base)
+        lines.extend("  " + line for line in body.splitlines() if not line.lstrip().startswith(base + "name ="))
+    return "\n".join(lines)
+
+
 def format_help(cls: type, prefix: str = "") -> str:
     """One line per dotted key: type, default and help string (for ``flowalign train --help-config``)."""
     lines = []
@@ -501,6 +735,9 @@ def format_help(cls: type, prefix: str = "") -> str:
         tp = _hints(cls)[f.name]
         dotted = prefix + f.name
         help_text = f.metadata.get("help", "")
+        if "registry" in f.metadata:
+            lines.append(_component_help(f.metadata, dotted, help_text))
+            continue
         if _is_section(tp):
             lines.append(f"{dotted}:  {help_text}".rstrip())
             lines.append(format_help(tp, dotted + "."))

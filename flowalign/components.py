@@ -1,0 +1,79 @@
+"""What every registered part of a training run shares: its settings, its checks and its set-up.
+
+A *component* (a rollout shape, a credit estimator, a step selection or weighting, a loss term, an objective) is a
+class registered by name with its settings dataclass, a subclass of ``ComponentConfig``:
+
+    @dataclass
+    class TreeCreditConfig(ComponentConfig):
+        fusion: Literal["mean", "prob_weighted"] = option("mean", "how a node's reward is fused from its leaves")
+
+    @CREDIT.register("tree", config=TreeCreditConfig)
+    class TreeCredit(Component):
+        shapes = ("tree",)
+        ...
+
+In a config file the component's section names it and holds its settings (``credit: {name: tree, fusion: mean}``);
+``flowalign.config`` builds the settings dataclass the registry names, checks every key against it (with a
+did-you-mean), and runs its ``validate``. A layer that names another component starts that section afresh: the
+settings earlier layers gave the old component are dropped.
+
+A component lives through four moments, each a method with a default that does nothing:
+
+* ``validate()`` (on its settings): its own ranges, naming its own keys (``fusion``); the loader puts the section in
+  front (``credit.fusion``). No file is read.
+* ``check(config)``: what spans sections (``config`` is the whole ``TrainConfig``), again without reading files.
+* ``check_files()``: at start-up, before any model loads: the files its settings name exist.
+* ``set_up(parts)``: once the model is loaded (``parts`` is the trainer's ``Parts``: model, accelerator, rewards).
+
+It also declares what the rest of the run needs to know of it, instead of the trainer asking by name:
+``progress_dependent()`` (settings that read the run's progress, so ``train.iterations`` may not change on resume)
+and ``resumable`` (its settings that change no math, so a resumed run may change them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+__all__ = ["Component", "ComponentConfig"]
+
+
+@dataclasses.dataclass
+class ComponentConfig:
+    """The settings of one component; ``name`` is the registered name it was built under (set by the loader)."""
+
+    name: str = ""
+
+    def validate(self) -> None:
+        """Own ranges; raise ``ConfigError`` naming the setting (``key="fusion"``)."""
+
+
+class Component:
+    """Base of the registered parts: the settings, and the lifecycle of the module docstring (all optional)."""
+
+    config_class: ClassVar[type[ComponentConfig]] = ComponentConfig
+    # Settings of this component a resumed run may change (they change no math).
+    resumable: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: ComponentConfig | None = None):
+        self.config = config if config is not None else self.config_class()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def check(self, config: Any) -> None:
+        """Checks that span sections of the whole ``TrainConfig``; no file is read."""
+
+    def check_files(self) -> None:
+        """Start-up checks of the files the settings name (before any model loads)."""
+
+    def set_up(self, parts: Any) -> None:
+        """Once the model is loaded: load what the component needs (register heads, a reward)."""
+
+    def progress_dependent(self) -> list[str]:
+        """The settings in use that read the run's progress ``iteration / train.iterations``."""
+        return []
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r})"
