@@ -5,7 +5,7 @@ Two ops at two latent sizes, for a batch of 24 transitions: SD3.5 at 512 px (16x
 - ``sde_step``: one flow_grpo SDE step from given noise (mean, sample, mean-reduced log-prob).
 - ``loss``: the per-transition GRPO loss with the latent-mean KL, forward and backward to ``dL/dv``.
 Reports the median time and the peak memory above the inputs of each, as a table and JSON. The ratios are measured
-in one run on one machine (DESIGN.md §7).
+in one run on one machine (docs/contributing/architecture.md#invariants).
 
 On a machine without CUDA it runs only the correctness check of the kernels under Triton's interpreter (it restarts
 itself with TRITON_INTERPRET=1) and writes that instead.
@@ -23,7 +23,8 @@ import sys
 from pathlib import Path
 
 # This file is named kernels.py: keep its folder off sys.path, so that nothing in this process finds it as a top-level
-# `kernels` module (transformers and diffusers probe for the Hugging Face `kernels` package by that name; DESIGN.md §2).
+# `kernels` module (transformers and diffusers probe for the Hugging Face `kernels` package by that name;
+# docs/contributing/architecture.md#installed-names).
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402

@@ -54,12 +54,11 @@ def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt:
     curve, nfe, wall, iteration = [], 0, 0.0, 0
     while targets:
         start = time.perf_counter()
-        metrics = trainer.train_iteration(iteration)
+        metrics = trainer.step()
         wall += time.perf_counter() - start
         if iteration == 0:  # the schedule's progress (sliding windows) needs the run length
             config.train.iterations = max(2, math.ceil(budget / metrics["nfe"]))
         iteration += 1
-        trainer.iteration = iteration
         nfe += int(metrics["nfe"])
         if nfe >= targets[0]:
             while targets and nfe >= targets[0]:

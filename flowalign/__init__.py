@@ -25,6 +25,10 @@ _EXPORTS = {
     "FlowModel": "flowalign.models",
     "Reward": "flowalign.rewards",
     "register_reward": "flowalign.rewards",
+    "register_credit": "flowalign.credit",
+    "register_loss": "flowalign.losses",
+    "register_objective": "flowalign.objectives",
+    "register_shape": "flowalign.rollout",
     "Registry": "flowalign.registry",
 }
 

@@ -22,7 +22,8 @@ A component lives through four moments, each a method with a default that does n
 * ``validate()`` (on its settings): its own ranges, naming its own keys (``fusion``); the loader puts the section in
   front (``credit.fusion``). No file is read.
 * ``check(config)``: what spans sections (``config`` is the whole ``TrainConfig``), again without reading files.
-* ``check_files()``: at start-up, before any model loads: the files its settings name exist.
+* ``start_up()``: at start-up, before any model loads: the files its settings name exist; what needs no model (a
+  reward) is built.
 * ``set_up(parts)``: once the model is loaded (``parts`` is the trainer's ``Parts``: model, accelerator, rewards).
 
 It also declares what the rest of the run needs to know of it, instead of the trainer asking by name:
@@ -65,11 +66,15 @@ class Component:
     def check(self, config: Any) -> None:
         """Checks that span sections of the whole ``TrainConfig``; no file is read."""
 
-    def check_files(self) -> None:
-        """Start-up checks of the files the settings name (before any model loads)."""
+    def start_up(self) -> None:
+        """Start-up, before any model loads: check the files the settings name, build what needs no model."""
 
     def set_up(self, parts: Any) -> None:
         """Once the model is loaded: load what the component needs (register heads, a reward)."""
+
+    def rollout_hooks(self) -> list:
+        """The ``flowalign.rollout.RolloutHook``s that must read the rollout's passes for this component."""
+        return []
 
     def progress_dependent(self) -> list[str]:
         """The settings in use that read the run's progress ``iteration / train.iterations``."""

@@ -107,7 +107,11 @@ def parse_yaml(text: str, source: str, *, lines: bool = True) -> Any:
 
 
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    """The types of ``cls``'s dataclass fields (class variables such as ``resumable`` are not settings)."""
+    hints = typing.get_type_hints(cls)
+    if dataclasses.is_dataclass(cls):
+        return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return hints
 
 
 def _is_section(tp: Any) -> bool:

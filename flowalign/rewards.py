@@ -17,6 +17,11 @@ scores back; ``require_differentiable`` checks for the entry point (a ``differen
 enough: ``RewardModel.__call__`` scores under ``torch.no_grad()``), and ``build_differentiable_reward`` does so on the
 registered class before anything is built or loaded.
 
+A *groupwise* reward (``groupwise = True`` on the callable) scores one GRPO group at a time, so its score may depend on
+the whole group (a rank, a diversity bonus, a pairwise preference): ``score_all`` calls it once per group with that
+group's images, prompts and metadata, in order, given the batch's ``group_ids``; the trainer requires every process to
+hold whole groups for it.
+
 ``score_all`` runs every reward on one batch and keeps the raw scores ``[R, B]``. A non-finite score (a reward that
 returns NaN for an image it cannot judge) is not an error: the sample is marked invalid (``valid[b]`` is False when
 any reward of sample ``b`` is non-finite), counted, and left out of every later mean, std and advantage.
@@ -26,7 +31,7 @@ any reward of sample ``b`` is non-finite), counted, and left out of every later 
 * ``sum_then_normalize``: ``r_b = sum_k w_k s_kb``; the group normalisation happens once, in the advantages. A reward
   with a larger scale then dominates the ranking inside a group.
 * ``normalize_then_sum``: ``r_b = sum_k w_k (s_kb - mean_g(s_k)) / (std(s_k) + eps)``, each reward first normalised
-  within its group with the same group/global std rule and eps as the advantages (``advantages.group_normalize``), so
+  within its group with the same group/global std rule and eps as the advantages (``flowalign.normalization.group_normalize``), so
   the weights, not the scales, set each reward's influence. (The advantages then normalise the sum once more.)
 """
 
@@ -41,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowalign.credit.group import STD_MODES, group_normalize
+from flowalign.normalization import STD_MODES, group_normalize
 from flowalign.registry import Registry
 
 __all__ = [
@@ -58,6 +63,7 @@ __all__ = [
     "require_differentiable",
     "require_differentiable_reward",
     "reward_class",
+    "is_groupwise",
     "score_all",
 ]
 
@@ -208,7 +214,7 @@ def require_differentiable_reward(name: str, key: str) -> None:
 
 def build_differentiable_reward(name: str, key: str, **kwargs: Any) -> Reward:
     """Build the registered reward ``name`` for a gradient consumer configured by ``key`` (``--rgs-reward``,
-    ``loss.rg_opd_reward``): refused (ValueError naming ``key``) before it is built, and so before any weights load,
+    ``loss.rg_opd.reward``): refused (ValueError naming ``key``) before it is built, and so before any weights load,
     when its registered class has no differentiable entry point; checked again on the built instance."""
     require_differentiable_reward(name, key)
     return require_differentiable(build_reward(name, **kwargs), key)
@@ -271,9 +277,11 @@ RewardSpec = tuple[str, float, Callable[..., Any]]
 
 @torch.no_grad()
 def score_all(
-    rewards: Sequence[RewardSpec], images: Tensor, prompts: Sequence[str], metadata: Sequence[dict]
+    rewards: Sequence[RewardSpec], images: Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+    group_ids: Tensor | Sequence[int] | None = None,
 ) -> RewardScores:
-    """Run each ``(name, weight, fn)`` on the batch; see the module docstring for invalid scores.
+    """Run each ``(name, weight, fn)`` on the batch; see the module docstring for invalid scores and for groupwise
+    rewards, which need ``group_ids`` (one per image).
 
     A reward that raises is re-raised as RuntimeError naming the reward and the batch's first prompt (the original
     exception is chained). A reward that returns the wrong number of scores or a non-numeric value is a ValueError
@@ -294,7 +302,8 @@ def score_all(
             raise ValueError(f"reward {name!r}: weight must be a finite number, got {weight!r}")
         first = repr(prompts[0]) if batch else "(empty batch)"
         try:
-            out = fn(images, list(prompts), list(metadata))
+            out = _groupwise(name, fn, images, prompts, metadata, group_ids) if is_groupwise(fn) else fn(
+                images, list(prompts), list(metadata))
         except Exception as error:
             raise RuntimeError(
                 f"reward {name!r} failed on a batch of {batch} images (first prompt: {first}): "
@@ -312,6 +321,25 @@ def score_all(
         valid=valid,
         num_invalid=int((~valid).sum()),
     )
+
+
+def is_groupwise(reward: Any) -> bool:
+    """Whether ``reward`` scores whole groups (its ``groupwise`` attribute)."""
+    return bool(getattr(reward, "groupwise", False))
+
+
+def _groupwise(name: str, fn, images: Tensor, prompts, metadata, group_ids) -> Tensor:
+    """``fn`` called once per group (in the order the groups appear), its scores put back in batch order."""
+    if group_ids is None:
+        raise ValueError(f"reward {name!r} is groupwise: score_all needs the batch's group_ids")
+    group_ids = torch.as_tensor(group_ids)
+    scores = torch.empty(len(group_ids), dtype=torch.float64)
+    for group in torch.unique_consecutive(group_ids):
+        rows = (group_ids == group).nonzero().flatten()
+        picked = rows.tolist()
+        out = fn(images[rows.to(images.device)], [prompts[r] for r in picked], [metadata[r] for r in picked])
+        scores[rows] = _as_scores(name, out, len(picked)).double().cpu()
+    return scores
 
 
 def combine_rewards(

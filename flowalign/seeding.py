@@ -8,6 +8,8 @@ whether it is rolled out alone, in a batch of 64, or on process 3 of 8: that is 
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 import torch
 
@@ -25,3 +27,15 @@ def generator(*key: int) -> torch.Generator:
 
 def numpy_rng(*key: int) -> np.random.Generator:
     return np.random.default_rng(mixed_seed(*key))
+
+
+class Purpose(IntEnum):
+    """What a random draw is for: the last element of its key. The numbers are part of every recorded run."""
+
+    PROMPTS = 0  # the iteration's prompts
+    WINDOW = 1  # where the SDE window sits
+    INIT_NOISE = 2  # a trajectory's (tree's, trunk's) initial noise
+    SDE_NOISE = 3  # the noise of its stochastic steps
+    STEP_SUBSET = 4  # DanceGRPO's subset of trained steps
+    SHUFFLE = 5  # the order of the trained steps in each inner epoch
+    OBJECTIVE = 6  # an objective's data units (noise levels, noise, picks)

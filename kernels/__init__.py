@@ -11,7 +11,7 @@ through an op's ``backend=`` argument, a ``use_backend(...)`` block, or the ``FL
 The Triton modules are imported only when the Triton path runs.
 
 Never install this folder as a top-level ``kernels`` package: transformers and diffusers probe for the Hugging Face
-``kernels`` hub package under that import name (DESIGN.md §2).
+``kernels`` hub package under that import name (docs/contributing/architecture.md#installed-names).
 """
 
 from .backend import BACKENDS, ENV_VAR, requested_backend, resolve_backend, use_backend

@@ -1,7 +1,8 @@
 """Plain torch reference of one SDE transition: its mean, std, sample and exact Gaussian log-prob.
 
 This is the math every sampler uses on CPU and the reference the Triton kernel (``sde_triton``) is tested against.
-The formulas of the three kinds are in ``flowalign.samplers.sde`` (DESIGN.md §4): ``flow_grpo`` (Liu et al. 2025,
+The formulas of the three kinds are in ``flowalign.samplers.sde`` (docs/design/math.md#sde-steps): ``flow_grpo`` (Liu et
+al. 2025,
 "Flow-GRPO", eq. 9), ``dance`` (Xue et al. 2025, "DanceGRPO") and ``cps`` (Wang & Yu 2025, coefficient-preserving
 sampling). All arithmetic is fp32 whatever the input dtype.
 """

@@ -1,6 +1,7 @@
 """Fused Triton SDE step: mean, sample from given noise, and the per-row Gaussian log-prob in one pass.
 
-Every SDE kind's mean is affine in the state and the velocity, with per-row coefficients (DESIGN.md §4):
+Every SDE kind's mean is affine in the state and the velocity, with per-row coefficients
+(docs/design/math.md#sde-steps):
 
 * ``flow_grpo`` (Flow-GRPO, Liu et al. 2025, eq. 9), with ``std_t = a sqrt(s / (1 - s))`` (``1 - s'`` at ``s = 1``):
   ``c_x = 1 + std_t^2 dt / (2 s)``, ``c_v = (1 + std_t^2 (1 - s) / (2 s)) dt``, ``std = std_t sqrt(-dt)``.

@@ -1,6 +1,6 @@
 """Rewards of intermediate states: map ``x_t`` to a clean estimate, decode it and score it (DenseGRPO, TP-GRPO).
 
-Two clean estimates of a state ``x`` at sigma ``s = sigmas[k]`` (DESIGN.md §4):
+Two clean estimates of a state ``x`` at sigma ``s = sigmas[k]`` (docs/design/math.md#step-rewards):
 
 * ``"x0"``: the one-step projection ``x0_hat = x - s v(x, s)`` (1 NFE).
 * ``"ode"``: an Euler ODE completion. With ``ode_steps=None`` (or at least the ``T - k`` steps left) it follows the

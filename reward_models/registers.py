@@ -1,6 +1,6 @@
 """Latent reward registers: learnable tokens that read a frozen SD3/FLUX transformer's hidden states and score x_t.
 
-Reference: DESIGN.md §4 ("Latent Reward Registers"); the register idea follows Darcet et al. 2024, "Vision
+Reference: docs/design/math.md#registers; the register idea follows Darcet et al. 2024, "Vision
 Transformers Need Registers", used here as an auxiliary *read* path of a frozen DiT.
 
 ``N`` register tokens ``R in R^{N x d}`` (default ``N = 32``) read the token sequence (text + image) that leaves
@@ -19,7 +19,8 @@ are bitwise those of the model without registers (tests/test_registers.py), and 
 the velocity and the register scores. Gradients reach ``x_t`` through the tapped hidden states, which RGS uses.
 
 Training (``flowalign.training.registers``) uses the pairwise Thurstone loss on noisy latents of one prompt
-(DESIGN.md §4): with scores ``r_i, r_j`` of two states at sigma ``s`` whose final images got rewards ``y_i != y_j``,
+(docs/design/math.md#registers): with scores ``r_i, r_j`` of two states at sigma ``s`` whose final images got rewards
+``y_i != y_j``,
 
     v = 2 s^2 + 0.05,   p = Phi(sign(y_i - y_j) (r_i - r_j) / sqrt(v_i + v_j)),   loss = 1 - sqrt(p).
 

@@ -1,7 +1,7 @@
 """Diffusion tree search (DTS, DTS*): a search tree over denoising steps with soft-value backups.
 
 Reference: Jain et al. 2025, "Diffusion Tree Sampling: Scalable inference-time alignment of diffusion models"
-(arXiv:2506.20701), and DESIGN.md §4.
+(arXiv:2506.20701), and docs/design/math.md#guided-sampling.
 
 A node at depth ``d`` holds a state ``x_d`` at ``sigmas[d]``; the root is the initial noise, a node at depth ``T`` is
 a finished sample (a leaf) whose value is its reward, ``V = r``. An internal node's value is the soft value of its

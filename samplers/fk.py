@@ -1,7 +1,7 @@
 """Feynman-Kac steering: N interacting particles per prompt, resampled by reward potentials of ``x0_hat``.
 
 Reference: Singhal et al. 2025, "A General Framework for Inference-time Scaling and Steering of Diffusion Models"
-(FK steering, arXiv:2501.06848), and DESIGN.md §4.
+(FK steering, arXiv:2501.06848), and docs/design/math.md#guided-sampling.
 
 Each prompt runs ``N`` SDE particles. At a *resampling step* ``t`` every particle's clean estimate
 ``x0_hat = x_t - s_t v(x_t)`` is scored (the velocity is the one the step needs anyway, so the potentials cost no

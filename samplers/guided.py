@@ -5,7 +5,7 @@ One NFE is one transformer pass over one sample (``evals_per_sample`` of them wi
 ``samplers.rollout.count_nfe``); RGS also counts each backward pass through the transformer as ``backward_nfe``
 NFEs. The NFEs a sampler reports are the ones it spent, counted call by call, never a formula.
 
-Callables (samplers never import models or reward models, DESIGN.md §3):
+Callables (samplers never import models or reward models, docs/contributing/architecture.md#layers):
 
 * ``velocity(x, sigma, rows) -> v``: ``rows[i]`` is the prompt (``0..B-1``) of row ``i`` of ``x``;
 * ``reward(x0, rows) -> [n]``: a score of clean latents ``x0`` (a final sample or a one-step estimate

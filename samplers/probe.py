@@ -1,7 +1,8 @@
 """Branch-at-step probes (TempFlow-GRPO): an ODE trunk, SDE children at chosen steps, each ODE-completed.
 
 Reference: He et al. 2025, "TempFlow-GRPO: When Timing Matters for GRPO in Flow Models" (arXiv:2508.04324), and
-DESIGN.md §4. For each prompt a deterministic ODE trunk runs from its initial noise. At every *probe step* ``j`` the
+docs/design/math.md#step-rewards. For each prompt a deterministic ODE trunk runs from its initial noise. At every *probe
+step* ``j`` the
 trunk state ``x_j`` branches into ``K`` SDE children ``x_{j+1}^k ~ N(mu(x_j), std_j^2)``, and each child is
 completed to an image by the ODE. The reward of that completion is the *process reward* of the one stochastic
 transition ``x_j -> x_{j+1}^k``: everything else on its path is deterministic, so the reward difference between

@@ -1,6 +1,7 @@
 """Reward-guided sampling (RGS): a magnitude-matched reward-gradient correction of each sampler step.
 
-Reference: DESIGN.md §4 (latent reward registers and RGS); the gradient-of-a-reward-on-x0_hat variant is the
+Reference: docs/design/math.md#guided-sampling (latent reward registers and RGS); the gradient-of-a-reward-on-x0_hat
+variant is the
 "universal guidance" idea of Bansal et al. 2023 applied to flow steps. For a state ``x`` at sigma ``s`` with base
 step ``x_base`` (the ODE or SDE step the sampler would take) and reward heads ``r_h`` (differentiable in ``x``):
 

@@ -1,6 +1,7 @@
 """Rollouts that return transitions, not just images.
 
-Everything the trainer trains is a transition ``x_t -> x_{t+1}`` (DESIGN.md §3). States are stored once, as nodes;
+Everything the trainer trains is a transition ``x_t -> x_{t+1}`` (docs/design/math.md#iteration). States are stored
+once, as nodes;
 a transition points at its source and destination node. A group of independent trajectories is a forest of chains,
 and a tree (later) is the same structure with shared source nodes, so one loss path serves every rollout shape.
 

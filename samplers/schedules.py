@@ -11,7 +11,7 @@ level are stochastic, and only stochastic steps are trained.
   high noise to low noise as training progresses (MixGRPO).
 
 By default the last step is an ODE step (``last_step_ode=True``): its next sigma is 0 (or tiny), where the
-transition std vanishes and the likelihood blows up, so it is never trained (DESIGN.md §5).
+transition std vanishes and the likelihood blows up, so it is never trained (docs/design/math.md#noise-schedules).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One step of the flow ODE, or of an SDE that shares its marginals, with the exact transition log-prob.
 
-Notation (DESIGN.md §4): sigma ``s`` falls from 1 (noise) to 0 (data), ``s'`` is the next sigma,
+Notation (docs/design/math.md#notation): sigma ``s`` falls from 1 (noise) to 0 (data), ``s'`` is the next sigma,
 ``dt = s' - s < 0``, ``v`` is the predicted velocity and the forward process is ``x_s = (1 - s) x0 + s eps``.
 From ``v`` follow the two endpoint predictions ``x0_hat = x - s v`` and ``x1_hat = x + (1 - s) v``.
 

@@ -1,7 +1,8 @@
 """Tree rollouts (BranchGRPO): trajectories that share their prefixes and branch at chosen steps.
 
 Reference: Li et al. 2025, "BranchGRPO: Stable and Efficient GRPO with Structured Branching in Diffusion Models"
-(arXiv:2509.06040), and DESIGN.md §4. Each root (one per prompt) starts one tree. At a *split step* every live node
+(arXiv:2509.06040), and docs/design/math.md#tree-credit. Each root (one per prompt) starts one tree. At a *split step*
+every live node
 is evaluated once and then draws ``b`` children, each an independent SDE sample around the same mean; at any other
 step every live node takes one step (SDE or ODE, by the noise schedule). The leaves are the finished images.
 

@@ -125,7 +125,7 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
 
     settings = run_settings(name, model_path, out) + [f"{k}={v}" for k, v in (extra or {}).items()]
     if registers is not None:
-        settings.append(f"step_reward.registers={registers}")
+        settings.append(f"credit.registers={registers}")
     with torch_threads(threads):
         trainer = GRPOTrainer(load_config(TrainConfig, preset_path(name), settings))
         initial = {n: p.detach().clone() for n, p in trainer.trainable_state().items()}

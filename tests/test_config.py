@@ -147,10 +147,10 @@ def test_overrides_of_every_type():
 
 
 def test_yaml_12_scalars(tmp_path):
-    path = write(tmp_path / "x.yaml", "model:\n  mixed_precision: no\nloss:\n  clip_range: 2e-4\n")
+    path = write(tmp_path / "x.yaml", "model:\n  mixed_precision: no\nloss:\n  grpo:\n    clip_range: 2e-4\n")
     config = load(path=path)
     assert config.model.mixed_precision == "no"  # not False, as YAML 1.1 would have it
-    assert config.loss.clip_range == 2e-4
+    assert config.loss["grpo"].clip_range == 2e-4
     assert "expected a bool (true or false), got 'yes' (str)" in error("model.gradient_checkpointing=yes")
 
 
@@ -198,14 +198,15 @@ def test_bad_literal_lists_allowed_values():
     message = error("sampling.kind=cpss")
     assert message.startswith("sampling.kind: expected one of 'flow_grpo', 'dance', 'cps', got 'cpss' (str)")
     assert "did you mean 'cps'?" in message
-    assert "model.family: expected one of 'sd3', 'flux' or null, got 'sdxl' (str)" in error("model.family=sdxl")
+    assert "model.family = 'sdxl' is not a registered model family; known: flux, sd3" in error("model.family=sdxl")
+    assert "did you mean 'flux'?" in error("model.family=flxu")
 
 
 RANGE_ERRORS = [
     (["optim.lr=0"], "optim.lr must be > 0, got 0"),
     (["optim.lr=.nan"], "optim.lr must be a finite number"),
-    (["loss.clip_range=0"], "loss.clip_range must be > 0"),
-    (["loss.beta=-0.1"], "loss.beta must be >= 0"),
+    (["loss.grpo.clip_range=0"], "loss.grpo.clip_range must be > 0"),
+    (["loss.grpo.beta=-0.1"], "loss.grpo.beta must be >= 0"),
     (["optim.ema_decay=1"], "optim.ema_decay must be in [0, 1), got 1"),
     (["optim.betas=[0.9]"], "optim.betas must hold two numbers"),
     (["optim.minibatches=0"], "optim.minibatches must be >= 1, got 0"),
@@ -232,36 +233,45 @@ RANGE_ERRORS = [
     (["sampling.window_start=random"], "sampling.window_start = 'random' needs sampling.window_size"),
     (["sampling.num_steps=4", "sampling.noise_table=[1, 0, 1, 0]", "sampling.window_size=1",
       "sampling.window_start=random"], "rollouts would have [0, 1] stochastic steps"),
-    (["sampling.train_steps_per_rollout=10"], "sampling.train_steps_per_rollout must be in 1..9"),
-    (["sampling.window_size=2", "sampling.train_steps_per_rollout=3"], "must be in 1..2"),
+    (["step_selection.name=random_subset", "step_selection.count=10"], "step_selection.count must be in 1..9"),
+    (["sampling.window_size=2", "step_selection.name=random_subset", "step_selection.count=3"], "must be in 1..2"),
+    (["step_selection.name=random_subset", "step_selection.count=0"], "step_selection.count must be >= 1, got 0"),
+    (["step_selection.name=random_subset", "rollout.name=probe"], "does not apply to rollout.name = 'probe'"),
     (["sampling.guidance_scale=-1"], "sampling.guidance_scale must be >= 0"),
     (["advantage.clip=0"], "advantage.clip must be in (0, inf], got 0"),
     (["reward.rewards=[]"], "reward.rewards must list at least one reward"),
     (["reward.rewards=[{weight: .inf}]"], "reward.rewards[0].weight must be finite"),
     (["train.keep_checkpoints=0"], "train.keep_checkpoints must be >= 1"),
     # trees, probes and step rewards
-    (["rollout.shape=tree", "data.group_size=16", "rollout.split_steps=[0, 2, 9]"],
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "rollout.split_steps=[0, 2, 9]"],
      "rollout.split_steps [9] are not stochastic (trained) steps"),
-    (["rollout.shape=tree", "data.group_size=16", "rollout.split_steps=[2, 2]"], "rollout.split_steps must strictly"),
-    (["rollout.shape=tree", "data.group_size=16", "rollout.split_steps=[4, 1]"], "rollout.split_steps must strictly"),
-    (["rollout.shape=tree", "rollout.branching=[0]"], "rollout.branching[0] must be >= 1, got 0"),
-    (["rollout.shape=tree", "rollout.branching=[2, 2]"], "rollout.branching has 2 factors for 4 split steps"),
-    (["rollout.shape=tree", "data.group_size=8"], "data.group_size = 8 must equal the leaves of one tree"),
-    (["rollout.shape=tree", "data.group_size=16", "rollout.width_prune=top", "rollout.width_prune_fraction=0"],
-     "rollout.width_prune_fraction must be in (0, 1], got 0"),
-    (["rollout.shape=tree", "data.group_size=16", "rollout.width_prune_fraction=1.5"],
-     "rollout.width_prune_fraction must be in (0, 1], got 1.5"),
-    (["rollout.shape=tree", "data.group_size=16", "rollout.depth_prune_steps=[12]"],
-     "rollout.depth_prune_steps [12] are past the last step"),
-    (["rollout.width_prune=top"], "rollout.width_prune = 'top' needs rollout.shape = 'tree'"),
-    (["rollout.shape=probe", "rollout.probe_steps=[0, 9]"], "rollout.probe_steps [9] are not stochastic steps"),
-    (["rollout.shape=probe", "rollout.probe_steps=[3, 1]"], "rollout.probe_steps must strictly increase"),
-    (["rollout.shape=probe", "sampling.batch_size=16"], "is not a multiple of the 64 samples of one prompt"),
-    (["step_reward.estimator=dense", "reward.combine=normalize_then_sum"],
-     "reward.combine must be 'sum_then_normalize' with step_reward.estimator = 'dense'"),
-    (["step_reward.estimator=dense", "rollout.shape=tree", "data.group_size=16"], "needs rollout.shape = 'group'"),
-    (["step_reward.balanced=true"], "step_reward.balanced only applies"),
-    (["step_reward.ode_steps=0"], "step_reward.ode_steps must be >= 1"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "rollout.split_steps=[2, 2]"],
+     "rollout.split_steps must strictly"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "rollout.split_steps=[4, 1]"],
+     "rollout.split_steps must strictly"),
+    (["rollout.name=tree", "credit.name=tree", "rollout.branching=[0]"], "rollout.branching[0] must be >= 1, got 0"),
+    (["rollout.name=tree", "credit.name=tree", "rollout.branching=[2, 2]"],
+     "rollout.branching has 2 factors for 4 split steps"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=8"],
+     "data.group_size = 8 must equal the leaves of one tree"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "credit.width_prune=top",
+      "credit.width_prune_fraction=0"], "credit.width_prune_fraction must be in (0, 1], got 0"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "credit.width_prune_fraction=1.5"],
+     "credit.width_prune_fraction must be in (0, 1], got 1.5"),
+    (["rollout.name=tree", "credit.name=tree", "data.group_size=16", "credit.depth_prune_steps=[12]"],
+     "credit.depth_prune_steps [12] are past the last step"),
+    (["rollout.name=tree", "data.group_size=16"], "rollout.name = 'tree' is not a shape credit.name = 'group' accepts "
+     "('group', 'probe'); trees take credit.name = 'tree'"),
+    (["credit.name=tree"], "credit.name = 'tree' accepts rollout shapes 'tree', not rollout.name = 'group'"),
+    (["rollout.name=probe", "rollout.probe_steps=[0, 9]"], "rollout.probe_steps [9] are not stochastic steps"),
+    (["rollout.name=probe", "rollout.probe_steps=[3, 1]"], "rollout.probe_steps must strictly increase"),
+    (["rollout.name=probe", "sampling.batch_size=16"], "is not a multiple of the 64 samples of one prompt"),
+    (["credit.name=dense", "reward.combine=normalize_then_sum"],
+     "reward.combine must be 'sum_then_normalize' with credit.name = 'dense'"),
+    (["credit.name=dense", "rollout.name=tree", "data.group_size=16"],
+     "credit.name = 'dense' accepts rollout shapes 'group', not rollout.name = 'tree'"),
+    (["credit.name=dense", "credit.ode_steps=0"], "credit.ode_steps must be >= 1"),
+    (["credit.name=registers", "credit.register_pass=polcy"], "did you mean 'policy'"),
 ]
 
 
@@ -270,6 +280,11 @@ def test_out_of_range(overrides, expected):
     message = error(*overrides, path=EVERY_STEP)
     assert expected in message
     assert "[from override" in message  # points at where the value was set
+
+
+def test_a_setting_of_another_component_is_an_unknown_key():
+    assert "credit estimator 'dense' has no setting 'balanced'; its settings are: clean, ode_steps" in error(
+        "credit.name=dense", "credit.balanced=true")
 
 
 def test_out_of_range_in_file_names_file(tmp_path):
@@ -301,7 +316,8 @@ def test_batch_arithmetic_one_process():
     assert "optim.minibatches = 2 does not divide the 9 stochastic steps of the noise schedule" in message
     assert "sampling.batch_size = 5 does not divide the 64 samples per process" in error("sampling.batch_size=5")
     # the trained steps are what gets split: 4 chunks of 16 samples x 4 steps = 16 micro-batches, 8 per minibatch
-    config = load("sampling.train_steps_per_rollout=4", "sampling.batch_size=16", "optim.minibatches=2", path=EVERY_STEP)
+    config = load("step_selection.name=random_subset", "step_selection.count=4", "sampling.batch_size=16",
+                  "optim.minibatches=2", path=EVERY_STEP)
     layout = config.check_batch(1)
     assert (layout.transitions_per_process, layout.micro_batches_per_process, layout.micro_batches_per_minibatch) == (
         256,

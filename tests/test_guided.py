@@ -526,26 +526,26 @@ def test_flowalign_sample_fk_with_rgs_proposals_from_a_zoo_scorer(tmp_path, zoo)
 
 @pytest.mark.parametrize("name", ZOO)
 def test_rg_opd_target_gets_a_real_gradient_from_every_zoo_scorer(toy, zoo, name):
-    """``loss.rg_opd_reward`` with a zoo scorer: the trainer's own target function (its reward built as the trainer
-    builds it), against the gradient of the scorer's ``forward`` on the decoded x0_hat by hand."""
-    from types import SimpleNamespace
+    """``loss.rg_opd.reward`` with a zoo scorer: the RG-OPD term's own target function (its reward built as the
+    trainer builds it, at start-up), against the gradient of the scorer's ``forward`` on the decoded x0_hat by hand."""
+    from contextlib import nullcontext
 
-    from flowalign.rewards import build_differentiable_reward
+    from flowalign.losses.rg_opd import RGOPDConfig, RGOPDLoss
     from flowalign.samplers.rgs import rgs_velocity_target
     from flowalign.samplers.sde import predict_x0
-    from flowalign.training.trainer import GRPOTrainer
 
     model, metadata = toy
-    reward = build_differentiable_reward(name, "loss.rg_opd_reward", **_zoo_kwargs(zoo, name))
-    trainer = SimpleNamespace(model=model, opd_reward=reward,
-                              config=SimpleNamespace(loss=SimpleNamespace(rg_opd_bands=[[0.2, 1.0]])))
+    term = RGOPDLoss(RGOPDConfig(name="rg_opd", reward=name, reward_kwargs=_zoo_kwargs(zoo, name), bands=[[0.2, 1.0]]))
+    term.start_up()
+    term.model, term.autocast, term.guidance_scale = model, nullcontext, 1.0
+    reward = term.reward
     prompts = [m["prompt"] for m in metadata]
     cond = model.encode(prompts)
     x = torch.randn(2, *model.latent_shape(1)[1:], generator=torch.Generator().manual_seed(0))
     sigma, sigma_next = torch.full((2,), 0.75), torch.full((2,), 0.5)
     with torch.no_grad():
         v_ref = model.velocity(x, sigma, cond)
-    got = GRPOTrainer.rg_opd_reward_target(trainer, x, sigma, sigma_next, cond, metadata, v_ref=v_ref)
+    got = term.reward_target(x, sigma, sigma_next, cond, metadata, v_ref)
     x0 = predict_x0(x, v_ref, sigma[0]).requires_grad_(True)
     (grad,) = torch.autograd.grad(reward.forward(model.decode(x0), prompts).sum(), x0)
     assert torch.isfinite(grad).all() and (grad.flatten(1).abs().sum(dim=1) > 0).all()
@@ -560,9 +560,9 @@ def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it(tmp_path)
     from flowalign.training.trainer import GRPOTrainer
 
     for name in ("geneval", "jpeg_compressibility", "toy_geneval"):  # the model path does not exist: never loaded
-        config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", "loss.rg_opd_weight=1",
-                                                 f"loss.rg_opd_reward={name}", f"train.out_dir={tmp_path / name}"])
-        with pytest.raises(SetupError, match=f"loss.rg_opd_reward '{name}' is not differentiable.*toy_geneval_soft"):
+        config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", "loss.rg_opd.weight=1",
+                                                 f"loss.rg_opd.reward={name}", f"train.out_dir={tmp_path / name}"])
+        with pytest.raises(SetupError, match=f"loss.rg_opd.reward '{name}' is not differentiable.*toy_geneval_soft"):
             GRPOTrainer(config)
 
 

@@ -189,7 +189,8 @@ def test_loss_kernel_gradient_keeps_the_velocity_dtype():
 
 
 def test_fused_loss_of_a_fresh_sample_has_ratio_one():
-    """The step kernel's log-prob and the loss kernel's recomputation of it agree exactly (DESIGN.md §5)."""
+    """The step kernel's log-prob and the loss kernel's recomputation of it agree exactly
+    (docs/design/math.md#first-ratio)."""
     x, v, noise, rows = step_inputs("cps")
     step = call_step(x, v, rows, "triton", kind="cps", noise=noise)
     out = grpo_transition_loss(v, x, step.prev_sample, rows["sigma"], rows["sigma_next"], step.log_prob, ADVANTAGES,
@@ -340,7 +341,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
         overrides = {
             "model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8, "model.kernels": kernels,
             "reward.rewards": "[{name: brightness}]", "data.prompts_per_iteration": 2, "data.group_size": 4,
-            "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "optim.eps": 1.0, "loss.beta": 0.01,
+            "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "optim.eps": 1.0, "loss.grpo.beta": 0.01,
             "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
             "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
             "train.out_dir": str(tmp_path / kernels),

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from flowalign.losses.grpo import grpo_loss, latent_mean_kl, noise_aware_weights, transition_grpo_loss, velocity_mse_kl
+from flowalign.credit.steps import noise_aware_weights
+from flowalign.losses.grpo import grpo_loss, latent_mean_kl, transition_grpo_loss, velocity_mse_kl
 from flowalign.samplers import sde_step
 
 

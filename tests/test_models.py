@@ -148,7 +148,7 @@ def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
                 "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
                 "train.tracker": "none", "train.eval_at_end": "false", "train.out_dir": tmp_path / "run"}
     trainer = GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in settings.items()]))
-    (chunk,) = trainer.collect(0, trainer.prompts_for(0))
+    (chunk,) = trainer.rollout(0, trainer.prompts.prompts_for(0))
     t = chunk.rollout.transitions
     x_init = t.x_t[t.step == 0]
     assert torch.equal(x_init[0], x_init[2]) and not torch.equal(x_init[0], x_init[3])
@@ -260,9 +260,10 @@ def test_unsupported_pipeline_class_is_named(sd3_pipe, tmp_path):
     data = json.loads(index.read_text())
     data["_class_name"] = "StableDiffusionXLPipeline"
     index.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=r"'StableDiffusionXLPipeline' .* is neither SD3 nor FLUX: flowalign supports StableDiffusion3Pipeline, FluxPipeline"):
+    with pytest.raises(ValueError, match=r"'StableDiffusionXLPipeline' .* is not one flowalign has an adapter for: the "
+                                         r"model families are flux \(FluxPipeline\), sd3 \(StableDiffusion3Pipeline\)"):
         load_flow_model(tmp_path / "model")
-    with pytest.raises(ValueError, match=r"'dict' .* is neither SD3 nor FLUX"):
+    with pytest.raises(ValueError, match=r"'dict' .* is not one flowalign has an adapter for"):
         wrap_pipeline({})
 
 
@@ -270,5 +271,7 @@ def test_family_mismatch_and_bad_dtype(sd3_pipe, tmp_path):
     sd3_pipe.save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match=r"is a StableDiffusion3Pipeline, not a 'flux' model"):
         load_flow_model(tmp_path / "model", family="flux")
+    with pytest.raises(ValueError, match=r"unknown model family 'flx': known model families are flux, sd3; did you mean"):
+        load_flow_model(tmp_path / "model", family="flx")
     with pytest.raises(ValueError, match=r"unknown dtype 'fp8'"):
         load_flow_model(tmp_path / "model", dtype="fp8")

@@ -29,12 +29,12 @@ def test_logged_nfes_equal_the_transformers_rows_with_cfg(preset, tiny_paths, tm
         from flowalign.reward_models.registers import LatentRegisters
 
         transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
-        extra["step_reward.registers"] = str(
+        extra["credit.registers"] = str(
             LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt"))
     trainer = GRPOTrainer(load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / "run", **extra)))
     seen, handle = count_rows(trainer.model.transformer)
     try:
-        metrics = trainer.train_iteration(0)
+        metrics = trainer.step()
     finally:
         handle.remove()
     assert metrics["nfe/rollout"] + metrics["nfe/completion"] == metrics["nfe"] == seen["rows"]

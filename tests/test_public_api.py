@@ -17,6 +17,10 @@ EXPORTS = {
     "Reward": ("flowalign.rewards", "Reward"),
     "register_reward": ("flowalign.rewards", "register_reward"),
     "Registry": ("flowalign.registry", "Registry"),
+    "register_credit": ("flowalign.credit", "register_credit"),
+    "register_loss": ("flowalign.losses", "register_loss"),
+    "register_objective": ("flowalign.objectives", "register_objective"),
+    "register_shape": ("flowalign.rollout", "register_shape"),
 }
 
 # A fresh interpreter times the import itself, then reports what it loaded.
@@ -55,6 +59,6 @@ def test_every_export_resolves_to_its_defining_object():
 
 
 def test_an_unknown_attribute_is_an_attribute_error():
-    with pytest.raises(AttributeError, match="module 'flowalign' has no attribute 'register_credit'"):
-        flowalign.register_credit  # noqa: B018 - comes with the credit protocol, not before
+    with pytest.raises(AttributeError, match="module 'flowalign' has no attribute 'register_credits'"):
+        flowalign.register_credits  # noqa: B018
     assert not hasattr(flowalign, "nope")

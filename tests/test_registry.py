@@ -160,8 +160,8 @@ def test_an_unknown_rg_opd_reward_is_a_config_error_with_a_did_you_mean(tmp_path
     from flowalign.config import ConfigError, load_config
     from flowalign.training.config import TrainConfig
 
-    settings = ["loss.rg_opd_weight=1", "loss.rg_opd_reward=brightnes"]
+    settings = ["loss.rg_opd.weight=1", "loss.rg_opd.reward=brightnes"]
     with pytest.raises(ConfigError, match="'brightnes' is not a registered reward; known: .*brightness.*; did you "
                                           "mean 'brightness'") as error:
         load_config(TrainConfig, None, settings)
-    assert error.value.key == "loss.rg_opd_reward"
+    assert error.value.key == "loss.rg_opd.reward"

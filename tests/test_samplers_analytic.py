@@ -50,7 +50,7 @@ def linear_sigmas(num_steps):
 
 
 def reference_step(kind, level, s, s_next):
-    """(mu(x) as a python function of scalar x, std) from DESIGN.md §4, for the analytic velocity."""
+    """(mu(x) as a python function of scalar x, std) from docs/design/math.md#sde-steps, for the analytic velocity."""
     dt = s_next - s
 
     def v(x):

@@ -152,28 +152,29 @@ def test_rg_opd_on_a_differentiable_reward_regresses_onto_its_rgs_targets(tiny_m
     from flowalign.samplers.rgs import rgs_velocity_target
     from flowalign.samplers.sde import predict_x0
 
-    extra = {"loss.rg_opd_weight": 0.5, "loss.rg_opd_reward": "toy_geneval_soft", "loss.rg_opd_bands": "[[0.2, 1.0]]",
+    extra = {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]",
              "train.iterations": 1}
     trainer = make_trainer(tiny_model, tmp_path / "run", **extra)
     history = trainer.train()
     assert history[0]["rg_opd"] > 0
     # The target, by hand: the soft reward's gradient on the reference x0_hat, through rgs_velocity_target.
-    prompts = trainer.prompts[:2]
+    prompts = trainer.prompts.prompts[:2]
+    term = trainer.parts.losses["rg_opd"]
     cond = trainer.model.encode([p["prompt"] for p in prompts])
     x = torch.randn(2, *trainer.model.latent_shape(1)[1:], generator=torch.Generator().manual_seed(0))
     sigma, sigma_next = torch.full((2,), 0.75), torch.full((2,), 0.5)
     with torch.no_grad(), trainer.model.reference():
         v_ref = trainer.model.velocity(x, sigma, cond)
     x0 = predict_x0(x, v_ref, sigma[0]).requires_grad_(True)
-    (grad,) = torch.autograd.grad(trainer.opd_reward(trainer.model.decode(x0), [p["prompt"] for p in prompts],
-                                                     prompts).sum(), x0)
+    (grad,) = torch.autograd.grad(term.reward(trainer.model.decode(x0), [p["prompt"] for p in prompts],
+                                              prompts).sum(), x0)
     expected = rgs_velocity_target(x, v_ref, [grad], [1.0], 0.75, 0.5, [(0.2, 1.0)])
-    got = trainer.rg_opd_reward_target(x, sigma, sigma_next, cond, prompts)
+    got = term.reward_target(x, sigma, sigma_next, cond, prompts, None)
     assert torch.allclose(got, expected, atol=1e-6) and not torch.allclose(got, v_ref)
     low = torch.full((2,), 0.1)  # below the band: the target is the reference velocity itself
     with torch.no_grad(), trainer.model.reference():
         v_low = trainer.model.velocity(x, low, cond)
-    assert torch.equal(trainer.rg_opd_reward_target(x, low, torch.full((2,), 0.05), cond, prompts), v_low.float())
+    assert torch.equal(term.reward_target(x, low, torch.full((2,), 0.05), cond, prompts, None), v_low.float())
 
 
 def test_cosine_schedule_sets_each_iterations_learning_rate(tiny_model, tmp_path):
@@ -244,10 +245,11 @@ def test_bad_configs_fail_before_any_model_loads(tmp_path):
         ({"data.group_size": 1}, "data.group_size"),
         ({"sampling.noise_level": -1}, "sampling.noise_level"),
         ({"sampling.batch_size": 3}, "sampling.batch_size = 3 does not divide"),
-        ({"loss.rg_opd_reward": "toy_geneval_soft"}, "loss.rg_opd_reward is set but loss.rg_opd_weight = 0"),
-        ({"loss.rg_opd_weight": 1, "loss.rg_opd_reward": "nope"}, "'nope' is not a registered reward"),
-        ({"loss.rg_opd_weight": 1}, "needs step_reward.registers"),
-        ({"loss.rg_opd_bands": "[[0.2, 1.0], [0.5, 0.1]]"}, "loss.rg_opd_bands"),
+        ({"loss.rg_opd.reward_kwargs": "{channel: 0}"}, "loss.rg_opd.reward_kwargs are the constructor arguments"),
+        ({"loss.rg_opd.weight": 1, "loss.rg_opd.reward": "nope"}, "'nope' is not a registered reward"),
+        ({"loss.rg_opd.weight": 1}, "loss.rg_opd.registers or reward: give RG-OPD exactly one gradient source"),
+        ({"loss.rg_opd.reward": "brightness", "loss.rg_opd.bands": "[[0.2, 1.0], [0.5, 0.1]]"}, "loss.rg_opd.bands"),
+        ({"loss.rg_opd.reward": "brightness", "loss.rg_opd.weight": 0}, "loss.rg_opd.weight must be > 0"),
     ]:
         with pytest.raises(ConfigError, match=message):
             load_config(TrainConfig, None, overrides(missing_model, tmp_path, **extra))
@@ -316,7 +318,7 @@ def test_two_processes_match_one_process(tiny_model, tmp_path):
 @pytest.mark.parametrize("shape", ["tree", "dense"])
 def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
     """Each process grows whole trees / scores whole groups' intermediate states: the run does not depend on it."""
-    extra = TREE if shape == "tree" else {"step_reward.estimator": "dense"}
+    extra = TREE if shape == "tree" else {"credit.name": "dense"}
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **extra)
     _assert_same_run(a, b)
 
@@ -376,7 +378,7 @@ def test_sample_grids_are_written_without_rescoring(tiny_model, tmp_path):
 
 
 def test_tag_balanced_prompt_sampling_gives_every_tag_equal_mass():
-    from flowalign.training.trainer import prompt_weights
+    from flowalign.data.prompts import prompt_weights
 
     prompts = [{"prompt": f"p{i}", "tag": "a"} for i in range(9)] + [{"prompt": "q", "tag": "b"}, {"prompt": "r"}]
     weights = prompt_weights(prompts, "tag_balanced")
@@ -390,14 +392,16 @@ def test_tag_balanced_prompt_sampling_gives_every_tag_equal_mass():
 
 # ------------------------------------------------------------------------------------------------- trees
 def _credited(trainer, iteration=0):
-    prompts = trainer.prompts_for(iteration)
-    chunks = trainer.collect(iteration, prompts)
-    scores = trainer.score(prompts, chunks)
-    nfe = trainer.assign_credit(iteration, prompts, chunks, scores)
+    from flowalign.training.scoring import score_iteration
+
+    prompts = trainer.prompts.prompts_for(iteration)
+    chunks = trainer.rollout(iteration, prompts)
+    scores = score_iteration(trainer, chunks)
+    nfe, _ = trainer.assign_credit(iteration, chunks, scores, trainer.trained_steps(iteration, chunks))
     return chunks, scores, nfe
 
 
-TREE = {"rollout.shape": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
+TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
         "rollout.split_noise_scale": 2.0}
 
 
@@ -413,8 +417,8 @@ def test_tree_rollouts_train_with_ratio_one_and_count_nfes(tiny_model, tmp_path)
 
 
 def test_tree_credit_gives_edges_their_childs_depthwise_advantage(tiny_model, tmp_path):
-    trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"rollout.width_prune": "top",
-                                                                     "rollout.width_prune_fraction": 0.5})
+    trainer = make_trainer(tiny_model, tmp_path / "run", **TREE, **{"credit.width_prune": "top",
+                                                                     "credit.width_prune_fraction": 0.5})
     chunks, scores, _ = _credited(trainer)
     chunk = chunks[0]
     result, t = chunk.rollout, chunk.rollout.transitions
@@ -464,8 +468,8 @@ def test_tree_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
 # ------------------------------------------------------------------------------- probes and step rewards
 def test_probe_groups_are_normalised_per_prompt_and_step_with_noise_aware_weights(tiny_model, tmp_path):
     trainer = make_trainer(tiny_model, tmp_path / "run", **{
-        "rollout.shape": "probe", "rollout.probe_steps": "[0, 2]", "sampling.batch_size": 8,
-        "loss.step_weighting": "noise_aware"})
+        "rollout.name": "probe", "rollout.probe_steps": "[0, 2]", "sampling.batch_size": 8,
+        "step_weighting.name": "noise_aware"})
     chunks, scores, _ = _credited(trainer)
     t = chunks[0].rollout.transitions
     assert len(t) == 8 and sorted(set(t.step.tolist())) == [0, 2]
@@ -480,7 +484,7 @@ def test_probe_groups_are_normalised_per_prompt_and_step_with_noise_aware_weight
 
 @pytest.mark.parametrize("estimator", ["dense", "return_to_go", "turning_point"])
 def test_step_reward_estimators_give_per_step_group_normalised_advantages(tiny_model, tmp_path, estimator):
-    trainer = make_trainer(tiny_model, tmp_path / "run", **{"step_reward.estimator": estimator})
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"credit.name": estimator})
     chunks, _, nfe = _credited(trainer)
     # sampling.num_steps 4: completions from x_0..x_3 cost 4 + 3 + 2 + 1 evaluations per sample (8 samples); dense
     # and turning points need every state, return-to-go only the trained steps' sources (x_0, x_1, x_2).
@@ -513,9 +517,9 @@ def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
 
 
 def test_rg_opd_reward_kwargs_reach_its_constructor_before_the_model_loads(tmp_path):
-    settings = {"loss.rg_opd_weight": 1, "loss.rg_opd_reward": "brightness", "loss.rg_opd_reward_kwargs": "{channel: 7}"}
+    settings = {"loss.rg_opd.weight": 1, "loss.rg_opd.reward": "brightness", "loss.rg_opd.reward_kwargs": "{channel: 7}"}
     config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run", **settings))
     with pytest.raises(SetupError, match="brightness channel must be 0, 1, 2 or None"):
         GRPOTrainer(config)
-    with pytest.raises(ConfigError, match="loss.rg_opd_reward is set but loss.rg_opd_weight = 0"):
-        load_config(TrainConfig, None, overrides(tmp_path, tmp_path, **{"loss.rg_opd_reward_kwargs": "{channel: 0}"}))
+    with pytest.raises(ConfigError, match="loss.rg_opd.reward_kwargs are the constructor arguments of reward"):
+        load_config(TrainConfig, None, overrides(tmp_path, tmp_path, **{"loss.rg_opd.reward_kwargs": "{channel: 0}"}))

@@ -25,7 +25,7 @@ per-transition values ``[B, T]``; NaN marks a value that cannot be computed (an 
 
 DenseGRPO's noise calibration (:func:`calibrate_noise`) adjusts a per-step noise level ``psi(t)`` from the signs of
 the dense rewards its SDE steps produce: ``psi(t) += eps2`` where ``|#(dR_t > 0) - #(dR_t < 0)| < eps1``, else
-``psi(t) -= eps2`` (DESIGN.md §4; eps1 = 2, eps2 = 0.01).
+``psi(t) -= eps2`` (docs/design/math.md#calibration; eps1 = 2, eps2 = 0.01).
 """
 
 from __future__ import annotations

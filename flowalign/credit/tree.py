@@ -1,7 +1,8 @@
 """Credit assignment on rollout trees (BranchGRPO).
 
 Reference: Li et al. 2025, "BranchGRPO: Stable and Efficient GRPO with Structured Branching in Diffusion Models"
-(arXiv:2509.06040), and DESIGN.md §4. A tree of denoising trajectories shares its prefixes: node ``i`` is a latent
+(arXiv:2509.06040), and docs/design/math.md#tree-credit. A tree of denoising trajectories shares its prefixes: node
+``i`` is a latent
 state, the edge into it is the transition ``x_parent -> x_i``, and the leaves are finished images with rewards.
 
 Reward fusion (bottom up):
@@ -38,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flowalign.credit.group import ZERO_STD
+from flowalign.normalization import ZERO_STD
 
 __all__ = [
     "FUSIONS",
@@ -252,3 +253,84 @@ def sliding_prune_steps(drop_steps: Sequence[int], progress: float, last_step: i
     shift = round(progress * max(0, last_step - drop[-1]))
     return [s + shift for s in drop]
 
+
+# ------------------------------------------------------------------------------------------------ the estimator
+
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
+
+from flowalign.components import ComponentConfig  # noqa: E402
+from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit  # noqa: E402
+from flowalign.settings import at_least, check, finite, option  # noqa: E402
+
+
+@dataclass
+class TreeCreditConfig(ComponentConfig):
+    fusion: Literal["mean", "prob_weighted"] = option(
+        "mean", "a node's reward is the mean of its leaves, or the softmax(edge log-prob) mix of its children")
+    width_prune: Literal["none", "top", "extremes"] = option(
+        "none", "after the last split train only the best children of each parent (top) or the best and worst "
+        "branches of each tree (extremes)")
+    width_prune_fraction: float = option(0.5, "the fraction of branches width pruning keeps, in (0, 1]")
+    depth_prune_steps: list[int] = option([], "steps whose edges get no gradient (depth pruning)")
+    depth_prune_sliding: bool = option(
+        False, "slide the depth-pruned steps from where they are towards the last trained step over training")
+
+    def validate(self) -> None:
+        finite("width_prune_fraction", self.width_prune_fraction, 0.0, strict=True, high=1.0)
+        for i, step in enumerate(self.depth_prune_steps):
+            at_least(f"depth_prune_steps[{i}]", step, 0)
+
+
+@register_credit("tree", config=TreeCreditConfig)
+class TreeCredit(CreditEstimator):
+    """BranchGRPO: an edge gets the depth-wise advantage of the node it leads to; pruning zeroes some edges."""
+
+    shapes = ("tree",)
+    whole_prompts = True
+
+    def check(self, config) -> None:
+        num_steps = config.sampling.num_steps
+        late = [s for s in self.config.depth_prune_steps if s >= num_steps]
+        check(not late, "credit.depth_prune_steps", f"{late} are past the last step ({num_steps - 1})")
+
+    def progress_dependent(self) -> list[str]:
+        if self.config.depth_prune_steps and self.config.depth_prune_sliding:
+            return ["credit.depth_prune_sliding (BranchGRPO's sliding depth pruning)"]
+        return []
+
+    def assign(self, batch, scores: BatchScores, context: CreditContext) -> Credit:
+        t = batch.rollout.transitions
+        device = t.step.device
+        advantages, keep = self.node_credit(batch.rollout, scores.combined, scores.valid, context)
+        return Credit(advantages.to(device)[t.dst].float(), keep.to(device)[t.dst].float())
+
+    def node_credit(self, result, combined: Tensor, valid: Tensor, context: CreditContext) -> tuple[Tensor, Tensor]:
+        """Per-node advantages (clipped) and per-node 'the edge into it is trained' masks of a chunk's trees.
+
+        A leaf with an invalid reward takes its tree's mean valid reward (so it ranks nowhere) and the edges that
+        lead only to invalid leaves are not trained; a tree without a valid leaf trains nothing.
+        """
+        cfg, config = self.config, context.config
+        tree = Tree(result.parents)
+        leaf_tree = result.tree_of_node[result.leaf_nodes].cpu()
+        rewards = combined.double().clone()
+        for r in leaf_tree.unique():
+            members = leaf_tree == r
+            good = members & valid
+            rewards[members & ~valid] = rewards[good].mean() if good.any() else 0.0
+        edge_log_probs = torch.zeros(len(tree), dtype=torch.float64)
+        edge_log_probs[result.transitions.dst.cpu()] = result.transitions.log_prob.double().cpu()
+        _, advantages = tree_advantages(tree, rewards, fusion=cfg.fusion, edge_log_probs=edge_log_probs)
+        advantages = advantages.clamp(-config.advantage.clip, config.advantage.clip)
+        keep = torch.tensor([p is not None for p in tree.parents])
+        keep &= leaf_mean(tree, valid.double()) > 0
+        if cfg.width_prune != "none":
+            keep &= width_prune_mask(tree, advantages, split_depth=config.rollout.split_steps[-1] + 1,
+                                     mode=cfg.width_prune, fraction=cfg.width_prune_fraction)
+        if cfg.depth_prune_steps:
+            drop = cfg.depth_prune_steps
+            if cfg.depth_prune_sliding:
+                drop = sliding_prune_steps(drop, context.progress, last_step=config.sampling.num_steps - 2)
+            keep &= depth_prune_mask(result.node_step.cpu(), drop)
+        return advantages, keep

@@ -1,6 +1,7 @@
-"""The GRPO loss over a minibatch of transitions, its KL terms, and per-step weights.
+"""The GRPO loss over a minibatch of transitions and its KL terms (the per-step weights: ``flowalign.credit.steps``).
 
-Every trained unit is one transition ``x_t -> x_{t+1}`` (DESIGN.md §3); this module sees only per-transition tensors.
+Every trained unit is one transition ``x_t -> x_{t+1}`` (docs/design/math.md#iteration); this module sees only
+per-transition tensors.
 
 PPO-clip objective (Flow-GRPO, Liu et al. 2025, eq. 6; Schulman et al. 2017), per transition ``n``:
 
@@ -10,7 +11,7 @@ PPO-clip objective (Flow-GRPO, Liu et al. 2025, eq. 6; Schulman et al. 2017), pe
 
 ``old_log_prob`` is the log-prob the rollout stored and is treated as a constant; with Flow-GRPO's ``mean`` log-prob
 reduction the clip range is tiny (around 1e-4). All arithmetic is fp32: bf16 log-probs drift, so the ratio would not
-be 1 on the first inner step (DESIGN.md §5).
+be 1 on the first inner step (docs/design/math.md#first-ratio).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
 from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
 
-__all__ = ["grpo_loss", "latent_mean_kl", "noise_aware_weights", "transition_grpo_loss", "velocity_mse_kl"]
+__all__ = ["grpo_loss", "latent_mean_kl", "transition_grpo_loss", "velocity_mse_kl"]
 
 
 def grpo_loss(
@@ -110,34 +111,54 @@ def loss_stats(loss: Tensor, policy_loss: Tensor, kl: Tensor, log_ratio: Tensor,
         }
 
 
-def noise_aware_weights(std: Tensor, stochastic_mask: Tensor | None = None) -> Tensor:
-    """TempFlow-GRPO's noise-aware step weights ``w_t = c * std_t sqrt(-dt)`` (He et al. 2025, "TempFlow-GRPO").
-
-    ``std`` is the transition std ``std_t sqrt(-dt)`` the rollout stores in ``Transitions.std``. ``c`` makes the mean
-    weight over the trained transitions (``stochastic_mask``, all of them by default) exactly 1, so the loss keeps
-    its scale; untrained transitions get weight 0. Returns ``[N]`` fp32, detached.
-    """
-    std = std.detach().float()
-    if std.ndim != 1 or std.numel() == 0:
-        raise ValueError(f"std must be a non-empty 1-D tensor [N], got shape {tuple(std.shape)}")
-    if stochastic_mask is None:
-        mask = torch.ones_like(std, dtype=torch.bool)
-    else:
-        mask = torch.as_tensor(stochastic_mask, device=std.device)
-        if mask.shape != std.shape or mask.dtype != torch.bool:
-            raise ValueError(f"stochastic_mask must be a bool tensor of shape {tuple(std.shape)}, got {mask.dtype} "
-                             f"{tuple(mask.shape)}")
-    trained = std[mask]
-    if not torch.isfinite(trained).all() or (trained < 0).any():
-        raise ValueError("transition stds of trained transitions must be finite and >= 0")
-    if trained.numel() == 0 or not trained.sum() > 0:
-        raise ValueError("noise-aware weights need at least one trained transition with std > 0")
-    c = 1.0 / trained.mean()
-    return torch.where(mask, c * std, torch.zeros_like(std))
-
-
 def _check_shape(name: str, tensor: Tensor, shape: torch.Size) -> None:
     if tensor.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)} like log_prob, got {tuple(tensor.shape)}")
 
 
+
+
+# ------------------------------------------------------------------------------------------------ the term
+
+from dataclasses import dataclass  # noqa: E402
+from typing import Literal  # noqa: E402
+
+from flowalign.components import ComponentConfig  # noqa: E402
+from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss  # noqa: E402
+from flowalign.settings import finite, option  # noqa: E402
+
+
+@dataclass
+class GRPOLossConfig(ComponentConfig):
+    clip_range: float = option(1e-4, "PPO ratio clip range: ratios outside [1 - c, 1 + c] get no gradient")
+    beta: float = option(0.0, "weight of the KL penalty to the reference model; 0 = none")
+    kl: Literal["latent_mean", "velocity_mse"] = option(
+        "latent_mean", "KL estimate: between the transition means in latent space, or the velocity MSE")
+
+    def validate(self) -> None:
+        finite("clip_range", self.clip_range, 0.0, strict=True)
+        finite("beta", self.beta, 0.0)
+
+
+@register_loss("grpo", config=GRPOLossConfig)
+class GRPOLoss(LossTerm):
+    """the PPO-clipped GRPO loss on each transition's recomputed log-prob, plus beta * KL to the reference."""
+
+    def wants_reference(self) -> bool:
+        """A KL penalty, or the velocity MSE logged, needs the reference velocity."""
+        return self.config.beta > 0 or self.config.kl == "velocity_mse"
+
+    def loss(self, micro: MicroBatch, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
+        st, cfg = micro.transitions, self.config
+        # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
+        return transition_grpo_loss(
+            policy.v, st.x_t, st.x_next, st.sigma, st.sigma_next, st.log_prob, micro.advantages, kind=st.kind,
+            noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=st.reduce, clip_range=cfg.clip_range,
+            weights=micro.weights, v_ref=policy.v_ref if self.wants_reference() else None, beta=cfg.beta, kl=cfg.kl,
+            backend=self.backend,
+        )
+
+    def set_up(self, parts) -> None:
+        self.backend = parts.config.model.kernels
+
+    backend = "auto"

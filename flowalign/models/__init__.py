@@ -1,12 +1,14 @@
-"""Model adapters: one FlowModel interface over diffusers' SD3/3.5 and FLUX pipelines."""
+"""Model adapters: one FlowModel interface over diffusers' flow pipelines (SD3/3.5 and FLUX built in), registered by
+family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
-from .base import Cond, FlowModel
+from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .flux import FluxModel, pack_latents, unpack_latents
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 
 __all__ = [
     "ADAPTERS",
+    "MODEL_FAMILIES",
     "JOINT_ATTENTION_TARGETS",
     "Cond",
     "FlowModel",
@@ -14,6 +16,7 @@ __all__ = [
     "SD3Model",
     "load_flow_model",
     "pack_latents",
+    "register_model_family",
     "resolve_dtype",
     "unpack_latents",
     "wrap_pipeline",

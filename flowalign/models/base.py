@@ -4,7 +4,7 @@ Everything above this layer (rollouts, rewards, the trainer) sees only:
 
 * ``encode(prompts) -> Cond``
 * ``velocity(x, sigma, cond, guidance_scale=1.0) -> v`` with ``x`` in the unpacked latent layout ``[B, C, h, w]``
-* ``decode(latents) -> images in [0, 1]``, ``[B, 3, H, W]``
+* ``decode(latents) -> images in [0, 1]``, ``[B, 3, H, W]``, and its inverse ``encode_images(images) -> latents``
 * ``sigmas(num_steps, image_size)`` from the pipeline's own scheduler rules (shift, resolution-dependent ``mu``)
 * ``latent_shape`` / ``prepare_noise`` helpers drawing noise exactly as the pipeline does
 * ``transformer``: the trainable module, with LoRA and the reference model (``reference()``: adapter disabled)
@@ -23,6 +23,25 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
+
+from flowalign.registry import Registry
+
+
+# Model families by name: an adapter registers itself (``@register_model_family("sd3")``) with its diffusers
+# ``pipeline_class_name``; ``load_flow_model`` picks it from a model's ``model_index.json``.
+MODEL_FAMILIES: Registry = Registry("model family", plural="model families")
+
+
+def register_model_family(name: str):
+    """Class decorator registering a ``FlowModel`` adapter as model family ``name``."""
+
+    def register(adapter: type) -> type:
+        if not getattr(adapter, "pipeline_class_name", ""):
+            raise TypeError(f"model family {name!r}: {adapter.__name__} must set pipeline_class_name")
+        MODEL_FAMILIES.register(name, adapter)
+        return adapter
+
+    return register
 
 
 @dataclass
@@ -175,6 +194,69 @@ class FlowModel:
         latents = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
         images = vae.decode(latents, return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    @property
+    def image_multiple(self) -> int:
+        """Image sides must be multiples of this: the VAE's downsampling (families add the transformer's patching)."""
+        return self.vae_scale_factor
+
+    def encode_images(
+        self,
+        images: Tensor,
+        *,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        sample: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """Images in [0, 1], ``[B, 3, H, W]`` (what ``decode`` returns), to latents ``[B, C, h, w]``: decode's inverse.
+
+        As diffusers' img2img pipelines and training scripts encode: ``2 x - 1`` (the image processor's normalize),
+        the VAE's posterior in the VAE's dtype, its mean (``latent_dist.mode()``) or, with ``sample=True``, a draw
+        ``mean + std * eps`` with ``generator`` (one per row, or one for the batch), then
+        ``(z - shift_factor) * scaling_factor``. The result is in the unpacked layout ``velocity`` and
+        ``prepare_noise`` use (FLUX packs its 2x2 patches inside ``velocity``), in ``dtype`` (default: the
+        transformer's, as ``prepare_noise``). Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
+        """
+        self._check_images(images)
+        vae = self.pipe.vae
+        pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
+        posterior = vae.encode(pixels).latent_dist
+        latents = posterior.sample(generator) if sample else posterior.mode()
+        latents = (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
+        if tuple(latents.shape) != tuple(expected):
+            raise RuntimeError(
+                f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but the transformer "
+                f"takes {tuple(expected)}: the VAE's latent_channels do not match the transformer's in_channels"
+            )
+        return latents.to(dtype or self.dtype)
+
+    def _check_images(self, images: Tensor, tolerance: float = 1e-3) -> None:
+        """A clear ValueError for input ``encode_images`` cannot take: type, rank, channels, size, dtype, range."""
+        if not isinstance(images, Tensor):
+            raise ValueError(f"encode_images takes a torch.Tensor of images [B, 3, H, W], got {type(images).__name__}")
+        if images.ndim != 4:
+            hint = " (a single image: add the batch dimension with images[None])" if images.ndim == 3 else ""
+            raise ValueError(f"encode_images takes images of rank 4 [B, 3, H, W], got rank {images.ndim} "
+                             f"{tuple(images.shape)}{hint}")
+        batch, channels, height, width = images.shape
+        if channels != 3:
+            raise ValueError(f"encode_images takes RGB images with 3 channels [B, 3, H, W], got {channels} channels "
+                             f"in {tuple(images.shape)}" + (" (channels last? use images.permute(0, 3, 1, 2))"
+                                                              if images.shape[-1] == 3 else ""))
+        if batch == 0:
+            raise ValueError("encode_images got an empty batch of images")
+        multiple = self.image_multiple
+        if height % multiple or width % multiple:
+            raise ValueError(f"encode_images: the image size {height}x{width} must be a multiple of {multiple} "
+                             f"(the {self.family or 'model'}'s VAE downsampling and patching) on both sides")
+        if not images.is_floating_point():
+            raise ValueError(f"encode_images takes float images in [0, 1], got dtype {images.dtype} "
+                             "(for uint8 pixels pass images.float() / 255)")
+        low, high = float(images.min()), float(images.max())
+        if not (low >= -tolerance and high <= 1 + tolerance):
+            hint = " (images in [-1, 1]? pass (images + 1) / 2)" if low >= -1 - tolerance and low < 0 else ""
+            raise ValueError(f"encode_images takes images in [0, 1], got values in [{low:g}, {high:g}]{hint}")
 
     def timestep(self, sigma: float | Tensor, batch: int) -> Tensor:
         """The pipeline's timestep for ``sigma``: ``sigma * num_train_timesteps`` in fp32, one per row."""

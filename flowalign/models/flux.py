@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size
+from .base import Cond, FlowModel, as_image_size, register_model_family
 from .sd3 import JOINT_ATTENTION_TARGETS
 
 
@@ -30,6 +30,7 @@ def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
     return patches.reshape(b, channels // 4, height, width)
 
 
+@register_model_family("flux")
 class FluxModel(FlowModel):
     """Adapter over ``diffusers.FluxPipeline``.
 
@@ -100,6 +101,11 @@ class FluxModel(FlowModel):
             uncond = forward(cond.negative_embeds, cond.negative_pooled)
             v = uncond + guidance_scale * (v - uncond)
         return unpack_latents(v, h, w)
+
+    @property
+    def image_multiple(self) -> int:
+        """The VAE's downsampling times 2: the 2x2 packing needs even latent sides."""
+        return self.vae_scale_factor * 2
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
         height, width = as_image_size(image_size, self.default_image_size)

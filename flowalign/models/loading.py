@@ -8,27 +8,28 @@ from pathlib import Path
 import torch
 
 from ..devices import resolve_dtype
-from .base import FlowModel
-from .flux import FluxModel
-from .sd3 import SD3Model
+from . import flux, sd3  # noqa: F401 - the built-in families register themselves
+from .base import MODEL_FAMILIES, FlowModel
 
-ADAPTERS: dict[str, type[FlowModel]] = {"sd3": SD3Model, "flux": FluxModel}
-_BY_PIPELINE = {adapter.pipeline_class_name: adapter for adapter in ADAPTERS.values()}
+ADAPTERS = MODEL_FAMILIES  # the registered adapters by family name
+
+
+def _by_pipeline() -> dict[str, type[FlowModel]]:
+    return {MODEL_FAMILIES.get(name).pipeline_class_name: MODEL_FAMILIES.get(name) for name in MODEL_FAMILIES}
+
+
 def _unsupported(class_name: str, where: str) -> ValueError:
-    return ValueError(
-        f"pipeline class {class_name!r} ({where}) is neither SD3 nor FLUX: flowalign supports "
-        f"{', '.join(_BY_PIPELINE)}"
-    )
+    families = ", ".join(f"{name} ({MODEL_FAMILIES.get(name).pipeline_class_name})" for name in MODEL_FAMILIES)
+    return ValueError(f"pipeline class {class_name!r} ({where}) is not one flowalign has an adapter for: the model "
+                      f"families are {families} (register another with flowalign.models.register_model_family)")
 
 
 def wrap_pipeline(pipe, **kwargs) -> FlowModel:
-    """The adapter for a diffusers pipeline object (``StableDiffusion3Pipeline`` or ``FluxPipeline``)."""
-    from diffusers import FluxPipeline, StableDiffusion3Pipeline
-
-    if isinstance(pipe, StableDiffusion3Pipeline):
-        return SD3Model(pipe, **kwargs)
-    if isinstance(pipe, FluxPipeline):
-        return FluxModel(pipe, **kwargs)
+    """The adapter for a diffusers pipeline object (its class, or a base class, names a registered family)."""
+    by_pipeline = _by_pipeline()
+    for cls in type(pipe).__mro__:
+        if cls.__name__ in by_pipeline:
+            return by_pipeline[cls.__name__](pipe, **kwargs)
     raise _unsupported(type(pipe).__name__, "object passed to wrap_pipeline")
 
 
@@ -71,19 +72,18 @@ def load_flow_model(
     max_sequence_length: int | None = None,
     **pipeline_kwargs,
 ) -> FlowModel:
-    """Load an SD3/3.5 or FLUX pipeline with ``from_pretrained`` and wrap it.
+    """Load a pipeline of a registered model family with ``from_pretrained`` and wrap it.
 
-    ``family`` ("sd3" or "flux") must agree with the pipeline class in ``model_index.json`` when given.
+    ``family`` (a registered name: "sd3", "flux", ...) must agree with the pipeline class in ``model_index.json`` when given.
     """
     path_or_id = str(path_or_id)
     class_name = pipeline_class_name(path_or_id)
-    if class_name not in _BY_PIPELINE:
+    by_pipeline = _by_pipeline()
+    if class_name not in by_pipeline:
         raise _unsupported(class_name, f"from {path_or_id}/model_index.json")
-    adapter = _BY_PIPELINE[class_name]
+    adapter = by_pipeline[class_name]
     if family is not None:
-        if family not in ADAPTERS:
-            raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(ADAPTERS)}")
-        if ADAPTERS[family] is not adapter:
+        if MODEL_FAMILIES.get(family) is not adapter:  # an unknown family: a ValueError with a did-you-mean
             raise ValueError(f"model {path_or_id!r} is a {class_name}, not a {family!r} model")
     import diffusers
 

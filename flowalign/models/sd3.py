@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size
+from .base import Cond, FlowModel, as_image_size, register_model_family
 
 
 # Flow-GRPO's LoRA targets for SD3.5: the joint attention's image and context projections.
@@ -23,6 +23,7 @@ JOINT_ATTENTION_TARGETS = (
 )
 
 
+@register_model_family("sd3")
 class SD3Model(FlowModel):
     """Adapter over ``diffusers.StableDiffusion3Pipeline``. Latents are ``[B, 16, H/8, W/8]`` as the pipeline's."""
 
@@ -78,6 +79,11 @@ class SD3Model(FlowModel):
             uncond, text = v.chunk(2)
             v = uncond + guidance_scale * (text - uncond)
         return v
+
+    @property
+    def image_multiple(self) -> int:
+        """The VAE's downsampling times the transformer's patch size (the pipeline's ``check_inputs``)."""
+        return self.vae_scale_factor * self.transformer.config.patch_size
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
         height, width = as_image_size(image_size, self.default_image_size)

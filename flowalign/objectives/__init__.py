@@ -1,0 +1,99 @@
+"""Objectives: losses on data units instead of rollout transitions (supervised flow matching; later SOAR and the
+forward-process objectives: DiffusionNFT, AWM, online DPO).
+
+An ``Objective`` is registered in ``OBJECTIVES`` with its settings (``objectives: {flow_matching: {data: ...}}``, several
+may be on). Each iteration it makes this process's ``DataUnit``s (``units(iteration, context)``): latents ``x`` the
+policy is evaluated at, their noise levels and conditioning rows, and whatever its loss needs; every draw is keyed by
+``(seed, iteration, unit)`` (``context.generator``), so a 2-process run makes the same units as a 1-process run. The
+trainer evaluates the policy (and the reference, when ``needs_reference``) once per unit and calls ``loss(unit,
+policy)``, a ``PolicyOutput`` as the loss terms get.
+
+Interleaving. The units of an inner epoch are split over the optimizer's minibatches like the trained steps: the
+``m``-th minibatch gets the ``m``-th of ``optim.minibatches`` equal shares, and its loss is the mean over its rollout
+micro-batches plus, per objective, the mean over that objective's units in it (each objective weighs its own loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from flowalign.components import Component
+from flowalign.losses import PolicyOutput
+from flowalign.registry import Registry
+from flowalign.seeding import Purpose, generator
+
+__all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOutput", "process_slice", "register_objective"]
+
+OBJECTIVES: Registry = Registry("objective")
+register_objective = OBJECTIVES.register
+
+
+@dataclass
+class DataUnit:
+    """One micro-batch of data: latents ``x`` ``[B, ...]``, noise levels ``sigma`` ``[B]``, conditioning rows ``cond``
+    (one per sample) and what the loss needs in ``data``."""
+
+    x: Tensor
+    sigma: Tensor
+    cond: Any
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+
+@dataclass
+class ObjectiveContext:
+    """What an objective may use to make its units: the model (``encode``, ``encode_images``, ``prepare_noise``),
+    the run's config, its seed and the iteration, this process's place among ``num_processes`` and its device."""
+
+    model: Any
+    config: Any
+    seed: int
+    iteration: int
+    process_index: int = 0
+    num_processes: int = 1
+    device: torch.device | str | None = None
+
+    def generator(self, key: int, purpose: int = Purpose.OBJECTIVE) -> torch.Generator:
+        """A CPU generator keyed by ``(seed, iteration, key, purpose)`` (``flowalign.seeding``)."""
+        return generator(self.seed, self.iteration, int(key), int(purpose))
+
+    def shard(self, items: list) -> list:
+        """This process's contiguous share of ``items`` (their count must split evenly over the processes)."""
+        share = process_slice(len(items), self.process_index, self.num_processes, what="the data units")
+        return items[share.start:share.stop]
+
+
+def process_slice(count: int, process_index: int, num_processes: int, *, what: str = "units_per_iteration") -> range:
+    """The contiguous slice of ``count`` units process ``process_index`` of ``num_processes`` takes.
+
+    ``count`` must divide evenly: every process then runs the same number of backward passes (a collective each
+    under DDP), and the processes' slices, concatenated in process order, are the 1-process list."""
+    if num_processes < 1 or not 0 <= process_index < num_processes:
+        raise ValueError(f"process_index {process_index} is not in 0..{num_processes - 1}")
+    if count % num_processes:
+        raise ValueError(f"{what} = {count} must be a multiple of the number of processes ({num_processes}) so "
+                         "every process gets the same number of units")
+    share = count // num_processes
+    return range(process_index * share, (process_index + 1) * share)
+
+
+class Objective(Component):
+    """A loss on data units (module docstring)."""
+
+    needs_reference: ClassVar[bool] = False
+
+    def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
+        raise NotImplementedError
+
+    def loss(self, unit: DataUnit, policy) -> tuple[Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+
+# The built-in objectives register themselves on import.
+from flowalign.objectives import flow_matching  # noqa: E402,F401

@@ -1,0 +1,141 @@
+"""Rollout shapes: how the samples of an iteration are grown from the prompts (chains, trees, probed trunks).
+
+A ``RolloutShape`` is registered in ``SHAPES`` with its settings (``rollout: {name: tree, split_steps: [0, 2]}``) and
+declares what the batch arithmetic needs of it: how many final images a prompt gets (``samples_per_prompt``), how many
+of a rollout's steps are stochastic and so trainable (``stochastic_steps``), and whether a rollout chunk and a process
+must hold whole prompts (``whole_prompts``: a tree or a probed trunk is grown in one batched pass). ``grow(context,
+sample_ids, cond) -> Batch`` rolls out one chunk of this process's samples.
+
+Sample numbering. The ``P * K`` samples of an iteration are numbered prompt-major (sample ``j`` belongs to prompt
+``j // samples_per_prompt``), and each process takes a contiguous slice. Every random draw is keyed by what it is for
+(``flowalign.seeding.Purpose``) and by a sample, group or prompt number, never by a position in a batch, so a chunk
+gives the same latents whatever the chunking and the process count.
+
+A ``RolloutHook`` reads the policy's own passes during a chain rollout (the latent-register reader is the first): the
+component that needs it (a credit estimator) returns it from ``rollout_hooks()``, and what it read lands in
+``Batch.extras[hook.name]``.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+from torch import Tensor
+
+from flowalign.components import Component, ComponentConfig
+from flowalign.registry import Registry
+from flowalign.seeding import generator
+
+__all__ = ["SHAPES", "Batch", "RolloutContext", "RolloutHook", "RolloutShape", "per_row_velocity", "register_shape"]
+
+SHAPES: Registry = Registry("rollout shape")
+register_shape = SHAPES.register
+
+
+@dataclass
+class Batch:
+    """One rollout chunk of a process: its rollout, its samples' global ids and its conditioning rows.
+
+    ``cond`` has one row per ``transitions.prompt_id`` (per sample for chains, per tree or trunk otherwise) and
+    ``prompt_index[r]`` is the iteration prompt of row ``r``, ``metadata[r]`` that prompt's entry;
+    ``sample_metadata[i]`` is the entry of final image ``i``. ``extras`` holds what rollout hooks read. ``advantages`` and ``weights`` (one per transition) are filled in by the credit.
+    """
+
+    rollout: Any
+    sample_ids: Tensor
+    cond: Any
+    prompt_index: Tensor
+    metadata: list[dict] = field(default_factory=list)
+    sample_metadata: list[dict] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+    advantages: Tensor | None = None
+    weights: Tensor | None = None
+
+    @property
+    def transitions(self):
+        return self.rollout.transitions
+
+
+class RolloutHook:
+    """Reads the policy's passes during a chain rollout. ``watch(velocity)`` is a context manager yielding the
+    velocity to roll out with (the hook's reads must leave its values unchanged) and a function returning what was
+    read once the rollout is over."""
+
+    name: ClassVar[str] = "hook"
+
+    @contextmanager
+    def watch(self, velocity: Callable) -> Iterator[tuple[Callable, Callable[[], Any]]]:
+        yield velocity, lambda: None
+
+
+@dataclass
+class RolloutContext:
+    """What a shape needs to grow one iteration's chunks: the model, the run's config, the iteration's noise
+    schedule (``sigmas``, per-step ``levels``) and the hooks of the run's components."""
+
+    model: Any
+    config: Any
+    iteration: int
+    sigmas: Tensor
+    levels: Tensor
+    hooks: list[RolloutHook] = field(default_factory=list)
+
+    def generator(self, key: int, purpose: int) -> torch.Generator:
+        """The generator of draw ``(seed, iteration, key, purpose)``."""
+        return generator(self.config.train.seed, self.iteration, int(key), purpose)
+
+    @contextmanager
+    def watch(self, velocity: Callable) -> Iterator[tuple[Callable, Callable[[], dict[str, Any]]]]:
+        """``velocity`` wrapped by every hook; yields it and a function returning ``{hook.name: what it read}``."""
+        with ExitStack() as stack:
+            readers = {}
+            for hook in self.hooks:
+                velocity, readers[hook.name] = stack.enter_context(hook.watch(velocity))
+            yield velocity, lambda: {name: read() for name, read in readers.items()}
+
+    def per_row_velocity(self, cond) -> Callable:
+        return per_row_velocity(self.model, cond, self.config.sampling.guidance_scale)
+
+
+def per_row_velocity(model, cond, guidance_scale: float) -> Callable:
+    """``velocity(x, sigma, row)``: each state with the conditioning row ``row`` of ``cond`` (trees, probes, the
+    completions of intermediate states), ``evals_per_sample`` 2 with CFG."""
+
+    def velocity(x: Tensor, sigma: Tensor, row: Tensor) -> Tensor:
+        return model.velocity(x, sigma, cond.index(row), guidance_scale)
+
+    velocity.evals_per_sample = 2 if model.uses_cfg(guidance_scale) else 1
+    return velocity
+
+
+class RolloutShape(Component):
+    """How an iteration's samples are grown (module docstring)."""
+
+    # A chunk and a process hold whole prompts (the shape grows a prompt's samples in one batched pass).
+    whole_prompts: ClassVar[bool] = False
+
+    def samples_per_prompt(self, group_size: int) -> int:
+        """Final images per prompt."""
+        return group_size
+
+    def groups_per_prompt(self) -> int:
+        """GRPO groups (of ``data.group_size`` samples) per prompt."""
+        return 1
+
+    def stochastic_steps(self, sampling) -> int:
+        """How many steps of each rollout are stochastic (the most a step selection may train)."""
+        return sampling.stochastic_steps()
+
+    def stochastic_step_source(self) -> str:
+        """The setting that decides ``stochastic_steps`` (named in batch-arithmetic errors)."""
+        return "stochastic steps of the noise schedule"
+
+    def grow(self, context: RolloutContext, sample_ids: Tensor, cond) -> Batch:
+        raise NotImplementedError
+
+
+# The built-in shapes register themselves on import.
+from flowalign.rollout import chains, probes, trees  # noqa: E402,F401

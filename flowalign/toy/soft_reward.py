@@ -1,7 +1,8 @@
 """A differentiable surrogate of the toy verifier's partial-credit reward (registered as ``toy_geneval_soft``).
 
 The verifier (``flowalign.toy.reward``) detects connected components and applies GenEval's rules: exact, but without
-a gradient. Guidance by reward gradients (RGS on ``x0_hat``, DESIGN.md §4) needs a reward whose gradient says which
+a gradient. Guidance by reward gradients (RGS on ``x0_hat``, docs/design/math.md#guided-sampling) needs a reward whose
+gradient says which
 pixels to change, so this one replaces each discrete step by a smooth one:
 
 * **Shape per pixel**: ``p_s(u)``, the probability that pixel ``u`` belongs to a shape of class ``s``, from the

@@ -1,6 +1,7 @@
 """``flowalign calibrate``: DenseGRPO's per-step noise calibration, written as a config ``flowalign train`` takes.
 
-Reference: Deng et al. 2026, "DenseGRPO" (arXiv:2601.20218), Algorithm 1, and DESIGN.md §4. Before training, each
+Reference: Deng et al. 2026, "DenseGRPO" (arXiv:2601.20218), Algorithm 1, and docs/design/math.md#calibration. Before
+training, each
 round samples a batch of trajectories (the training config's prompts, group size and reward) with the current
 per-step noise levels ``psi``, scores the full ODE completion of every state (``R_0 .. R_T``), takes the dense
 rewards ``dR_t = R_{t+1} - R_t`` and updates every stochastic step's level with
@@ -29,6 +30,7 @@ import yaml
 
 from flowalign.config import parse_yaml
 from flowalign.samplers import PerStepNoise
+from flowalign.credit.step_credit import intermediate_rewards
 from flowalign.credit.step_rewards import calibrate_noise, dense_increments
 from flowalign.training.config import TrainConfig
 
@@ -41,13 +43,14 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     """Run ``rounds`` calibration rounds; returns ``(levels, history)`` (one entry per round: levels used, the counts
     of positive and negative ``dR`` per step)."""
     from flowalign.errors import SetupError
+    from flowalign.training.scoring import score_iteration
     from flowalign.training.trainer import GRPOTrainer
 
     if rounds < 1:
         raise SetupError(f"rounds must be >= 1, got {rounds}")
-    if config.rollout.shape != "group":
-        raise SetupError(f"calibration samples independent trajectories: rollout.shape must be 'group', got "
-                         f"{config.rollout.shape!r}")
+    if config.rollout.name != "group":
+        raise SetupError(f"calibration samples independent trajectories: rollout.name must be 'group', got "
+                         f"{config.rollout.name!r}")
     # Calibration samples with the trainer's parts but is no training run: it writes nothing into train.out_dir, so
     # the trainer gets an empty scratch directory (its run-directory checks then never refuse it).
     with tempfile.TemporaryDirectory(prefix="flowalign-calibrate-") as scratch:
@@ -60,18 +63,12 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     history = []
     trainer.model.transformer.eval()
     for r in range(rounds):
-        trainer.schedule = PerStepNoise(tuple(float(x) for x in levels))
-        prompts = trainer.prompts_for(r)
-        chunks = trainer.collect(r, prompts)
-        scores = trainer.score(prompts, chunks)
-        increments, offset = [], 0
-        for chunk in chunks:
-            count = len(chunk.sample_ids)
-            rewards, _ = trainer.intermediate_rewards(prompts, chunk, set(range(num_steps + 1)),
-                                                      scores.combined[offset: offset + count],
-                                                      scores.valid[offset: offset + count])
-            increments.append(dense_increments(rewards))
-            offset += count
+        prompts = trainer.prompts.prompts_for(r)
+        batches = trainer.rollout(r, prompts, schedule=PerStepNoise(tuple(float(x) for x in levels)))
+        scores = score_iteration(trainer, batches)
+        context = trainer.credit_context(r, stochastic)
+        increments = [dense_increments(intermediate_rewards(batch, set(range(num_steps + 1)), share, context)[0])
+                      for batch, share in zip(batches, scores.slices(batches))]
         dr = torch.cat(increments)
         history.append({
             "round": r,

@@ -5,6 +5,10 @@ which checks keys and types and then runs the ``validate`` methods below: each s
 ``TrainConfig.validate`` checks what spans sections, including the batch arithmetic for one process. The trainer
 calls ``check_batch(num_processes)`` again once it knows how many processes it runs on.
 
+The rollout shape, the credit estimator, the step selection and weighting, the loss terms and the objectives are
+registered components (``flowalign.components``): each section names one (``credit: {name: tree, fusion: mean}``) and
+holds that component's settings, and each component checks what it needs of the rest of the config.
+
 Vocabulary: a rollout samples ``group_size`` images for each of ``prompts_per_iteration`` prompts, in chunks of
 ``sampling.batch_size`` samples. Its stochastic (SDE) steps are the trainable ones; a *transition* is one
 (sample, trained step) pair. The training forward pass runs on *micro-batches* of one rollout chunk at one step: the
@@ -16,67 +20,30 @@ micro-batches. Splitting by steps rather than samples keeps the updates independ
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal
 
-from flowalign.config import ConfigError
+from flowalign.components import ComponentConfig
+from flowalign.config import ConfigError, component, component_map
+from flowalign.settings import at_least as _at_least, check as _check, finite as _finite, option, section
 
 __all__ = [
     "TrainConfig",
     "ModelConfig",
     "DataConfig",
     "SamplingConfig",
-    "RolloutConfig",
-    "StepRewardConfig",
     "RewardSpec",
     "RewardConfig",
     "AdvantageConfig",
-    "LossConfig",
     "OptimConfig",
     "RunConfig",
     "BatchLayout",
 ]
 
 
-def option(default: Any, help: str) -> Any:
-    """A field with a help string; list and dict defaults are copied for each instance."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-def section(cls: type, help: str) -> Any:
-    return field(default_factory=cls, metadata={"help": help})
-
-
 def _processes(n: int) -> str:
     return "1 process" if n == 1 else f"{n} processes"
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key} {message}", key=key)
-
-
-def _at_least(key: str, value: int | None, low: int) -> None:
-    """Integers with a lower bound (``None`` passes: it means 'not set')."""
-    if value is not None:
-        _check(value >= low, key, f"must be >= {low}, got {value}")
-
-
-def _finite(
-    key: str, value: float, low: float, *, strict: bool = False, high: float | None = None, note: str = ""
-) -> None:
-    """Floats in ``[low, high]`` (``(low, high]`` when ``strict``), finite unless ``high`` is ``math.inf``."""
-    if math.isnan(value) or (math.isinf(value) and high != math.inf):
-        raise ConfigError(f"{key} must be a finite number, got {value}", key=key)
-    lower = "> " if strict else ">= "
-    accepted = f"{lower}{low:g}" if high is None else f"in {'(' if strict else '['}{low:g}, {high:g}]"
-    in_range = (value > low if strict else value >= low) and (high is None or value <= high)
-    _check(in_range, key, f"must be {accepted}, got {value:g}{note}")
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -86,8 +53,11 @@ def _finite(
 class ModelConfig:
     """Which model to fine-tune, in which precision, and the LoRA adapter trained on it."""
 
+    resumable: ClassVar[tuple[str, ...]] = ("kernels",)  # the same math on either backend
+
     path: str = option("assets/toy-sd3", "model directory (diffusers layout) or hub id")
-    family: Literal["sd3", "flux"] | None = option(None, "model family; null = detect from the model's files")
+    family: str | None = option(None, "model family (a registered adapter: sd3, flux, ...); null = detect from the "
+                                "model's files")
     dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "dtype of the frozen base weights")
     mixed_precision: Literal["no", "bf16", "fp16"] = option("no", "autocast dtype for forward passes; no = off")
     lora_rank: int = option(8, "LoRA rank")
@@ -102,6 +72,13 @@ class ModelConfig:
     max_sequence_length: int | None = option(None, "text tokens kept per prompt; null = the model's default")
 
     def validate(self) -> None:
+        if self.family is not None:
+            from flowalign.models.base import MODEL_FAMILIES
+
+            close = MODEL_FAMILIES.closest(self.family) if self.family not in MODEL_FAMILIES else None
+            _check(self.family in MODEL_FAMILIES, "model.family",
+                   f"= {self.family!r} is not a registered model family; known: {', '.join(MODEL_FAMILIES.names())}"
+                   + (f"; did you mean {close!r}?" if close else ""))
         _at_least("model.lora_rank", self.lora_rank, 1)
         _finite("model.lora_alpha", self.lora_alpha, 0.0, strict=True)
         if self.lora_targets is not None:
@@ -163,9 +140,6 @@ class SamplingConfig:
     shared_noise: bool = option(False, "give the images of a group the same initial noise")
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
-    train_steps_per_rollout: int | None = option(
-        None, "train a random subset of this many stochastic steps per rollout (DanceGRPO); null = all of them"
-    )
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
 
     def base_levels(self) -> list[float]:
@@ -189,10 +163,6 @@ class SamplingConfig:
     def stochastic_steps(self) -> int:
         """How many steps of a rollout are stochastic (the same for every rollout of a valid config)."""
         return min(self._stochastic_counts())
-
-    def trained_steps(self) -> int:
-        """How many steps of each rollout are trained."""
-        return self.train_steps_per_rollout or self.stochastic_steps()
 
     def noise_schedule_spec(self) -> dict[str, Any]:
         """The dict ``flowalign.samplers.noise_schedule`` builds the schedule from."""
@@ -232,12 +202,6 @@ class SamplingConfig:
         stochastic = counts.pop()
         source = "sampling.noise_table" if self.noise_table is not None else "sampling.noise_level"
         _check(stochastic > 0, source, "leaves no stochastic step: every step is ODE and nothing would be trained")
-        if self.train_steps_per_rollout is not None:
-            _check(
-                1 <= self.train_steps_per_rollout <= stochastic,
-                "sampling.train_steps_per_rollout",
-                f"must be in 1..{stochastic} (the number of stochastic steps), got {self.train_steps_per_rollout}",
-            )
 
     def always_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
@@ -282,133 +246,6 @@ class SamplingConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """The shape of a rollout: independent groups, or BranchGRPO trees whose leaves form a group (DESIGN.md §4)."""
-
-    shape: Literal["group", "tree", "probe"] = option(
-        "group",
-        "group: group_size independent trajectories per prompt; tree: one branching tree per prompt (BranchGRPO); "
-        "probe: an ODE trunk per prompt with group_size ODE-completed SDE children at each probe step (TempFlow-GRPO)",
-    )
-    split_steps: list[int] = option([0, 2, 4, 6], "tree: the steps at which every live node branches (increasing)")
-    branching: list[int] = option([2], "tree: children per split, one per split step or a single factor for all")
-    split_noise_scale: float = option(
-        1.0, "tree: the split steps draw with this multiple of the SDE std (and are scored with it)"
-    )
-    fusion: Literal["mean", "prob_weighted"] = option(
-        "mean", "tree: a node's reward is the mean of its leaves, or the softmax(edge log-prob) mix of its children"
-    )
-    width_prune: Literal["none", "top", "extremes"] = option(
-        "none",
-        "tree: after the last split train only the best children of each parent (top) or the best and worst "
-        "branches of each tree (extremes)",
-    )
-    width_prune_fraction: float = option(0.5, "tree: the fraction of branches width pruning keeps, in (0, 1]")
-    depth_prune_steps: list[int] = option([], "tree: steps whose edges get no gradient (depth pruning)")
-    depth_prune_sliding: bool = option(
-        False, "tree: slide the depth-pruned steps from where they are towards the last trained step over training"
-    )
-
-    probe_steps: list[int] = option(
-        [0, 2, 4, 6], "probe: the trunk steps that branch; each gives one group of data.group_size children"
-    )
-
-    def factors(self) -> list[int]:
-        return list(self.branching) * len(self.split_steps) if len(self.branching) == 1 else list(self.branching)
-
-    def leaves(self) -> int:
-        return math.prod(self.factors())
-
-    def validate(self) -> None:
-        steps = self.split_steps
-        _check(len(steps) > 0, "rollout.split_steps", "must list at least one step")
-        _check(min(steps) >= 0, "rollout.split_steps", f"must be >= 0, got {steps}")
-        _check(
-            all(b > a for a, b in zip(steps, steps[1:])), "rollout.split_steps", f"must strictly increase, got {steps}"
-        )
-        _check(
-            len(self.branching) in (1, len(steps)),
-            "rollout.branching",
-            f"has {len(self.branching)} factors for {len(steps)} split steps: give one per split or a single one",
-        )
-        for i, factor in enumerate(self.branching):
-            _at_least(f"rollout.branching[{i}]", factor, 1)
-        _finite("rollout.split_noise_scale", self.split_noise_scale, 0.0, strict=True)
-        _finite("rollout.width_prune_fraction", self.width_prune_fraction, 0.0, strict=True, high=1.0)
-        for i, step in enumerate(self.depth_prune_steps):
-            _at_least(f"rollout.depth_prune_steps[{i}]", step, 0)
-        probes = self.probe_steps
-        _check(len(probes) > 0, "rollout.probe_steps", "must list at least one step")
-        _check(min(probes) >= 0, "rollout.probe_steps", f"must be >= 0, got {probes}")
-        _check(
-            all(b > a for a, b in zip(probes, probes[1:])), "rollout.probe_steps", f"must strictly increase, got {probes}"
-        )
-        if self.shape != "tree":
-            for key, value, default in (
-                ("width_prune", self.width_prune, "none"),
-                ("depth_prune_steps", self.depth_prune_steps, []),
-            ):
-                _check(value == default, f"rollout.{key}", f"= {value!r} needs rollout.shape = 'tree'")
-
-    def groups_per_prompt(self) -> int:
-        """GRPO groups (of data.group_size samples) per prompt: one per probe step for probes, else one."""
-        return len(self.probe_steps) if self.shape == "probe" else 1
-
-
-@dataclass
-class StepRewardConfig:
-    """Where a transition's reward comes from: the terminal reward, or the rewards of intermediate states."""
-
-    estimator: Literal["terminal", "dense", "return_to_go", "turning_point", "registers"] = option(
-        "terminal",
-        "terminal: every transition gets its trajectory's reward; dense: R_{t+1} - R_t of the clean estimates "
-        "(DenseGRPO); return_to_go: R_T - R_t; turning_point: TP-GRPO's incremental rewards with aggregated rewards "
-        "at turning points; registers: the change of the latent-register score across the transition "
-        "(step_reward.registers, read as step_reward.register_pass says). Non-terminal estimators normalise per step "
-        "within each group",
-    )
-    clean: Literal["ode", "x0"] = option(
-        "ode", "clean estimate of an intermediate state: an ODE completion, or the one-step x0 projection"
-    )
-    ode_steps: int | None = option(None, "ODE completion steps; null = the rollout's whole remaining schedule")
-    balanced: bool = option(False, "turning_point: keep as many positive as negative turning points per group")
-    registers: str | None = option(
-        None, "estimator 'registers': the register checkpoint (`flowalign registers train`) trained on this model"
-    )
-    register_pass: Literal["reference", "policy"] = option(
-        "reference",
-        "estimator 'registers': reference = one extra forward of the reference model (LoRA off, the transformer the "
-        "registers were trained on) per state, T + 1 NFEs per sample; policy = read the registers off the rollout's "
-        "own policy passes and spend one forward on the final state only, 1 NFE per sample (the LoRA shifts the "
-        "features the heads read; identical to reference while the LoRA is zero)",
-    )
-
-    def validate(self) -> None:
-        _at_least("step_reward.ode_steps", self.ode_steps, 1)
-        _check(
-            self.estimator != "registers" or self.registers is not None,
-            "step_reward.registers",
-            "must name a register checkpoint when step_reward.estimator = 'registers' (train one with "
-            "`flowalign registers train --model PATH`)",
-        )
-        _check(
-            self.registers is None or Path(self.registers).is_file(),
-            "step_reward.registers",
-            f"= {self.registers!r} does not exist",
-        )
-        _check(
-            self.register_pass == "reference" or self.estimator == "registers",
-            "step_reward.register_pass",
-            "only applies to step_reward.estimator = 'registers'",
-        )
-        _check(
-            not self.balanced or self.estimator == "turning_point",
-            "step_reward.balanced",
-            "only applies to step_reward.estimator = 'turning_point'",
-        )
-
-
-@dataclass
 class RewardSpec:
     """One reward model and its weight in the total reward."""
 
@@ -448,52 +285,6 @@ class AdvantageConfig:
 
 
 @dataclass
-class LossConfig:
-    """The clipped policy-gradient loss and its KL penalty."""
-
-    clip_range: float = option(1e-4, "PPO ratio clip range: ratios outside [1 - c, 1 + c] get no gradient")
-    beta: float = option(0.0, "weight of the KL penalty to the reference model; 0 = none")
-    kl: Literal["latent_mean", "velocity_mse"] = option(
-        "latent_mean", "KL estimate: between the transition means in latent space, or the velocity MSE"
-    )
-    step_weighting: Literal["uniform", "noise_aware"] = option(
-        "uniform", "weight of each step's loss: equal, or scaled by the step's noise"
-    )
-    rg_opd_weight: float = option(
-        0.0, "RG-OPD: weight of the regression of the policy's velocity onto RGS targets v + delta/dt (register "
-        "gradients of step_reward.registers, or of loss.rg_opd_reward, on the reference model) on trained steps; 0 = off",
-    )
-    rg_opd_reward: str | None = option(
-        None, "RG-OPD's gradient source instead of registers: a differentiable image reward (e.g. toy_geneval_soft) "
-        "of the reference model's decoded x0_hat, its gradient taken on x0_hat (no backward through the transformer)"
-    )
-    rg_opd_reward_kwargs: dict[str, Any] = option(
-        {}, "keyword arguments for loss.rg_opd_reward's constructor (e.g. local weights: {checkpoint: DIR})"
-    )
-    rg_opd_bands: list[list[float]] = option(
-        [[0.8, 0.3], [0.2, 0.05]], "RG-OPD's RGS scale per sigma band, [sigma, scale] pairs, highest sigma first"
-    )
-
-    def validate(self) -> None:
-        _finite("loss.clip_range", self.clip_range, 0.0, strict=True)
-        _finite("loss.beta", self.beta, 0.0)
-        _finite("loss.rg_opd_weight", self.rg_opd_weight, 0.0)
-        from flowalign.samplers.rgs import check_bands
-
-        try:
-            check_bands(self.rg_opd_bands)
-        except ValueError as error:
-            raise ConfigError(f"loss.rg_opd_bands: {error}", key="loss.rg_opd_bands") from None
-        if self.rg_opd_reward is not None:
-            from flowalign.rewards import REWARDS
-
-            close = REWARDS.closest(self.rg_opd_reward)
-            _check(self.rg_opd_reward in REWARDS, "loss.rg_opd_reward",
-                   f"= {self.rg_opd_reward!r} is not a registered reward; known: {', '.join(REWARDS.names())}"
-                   + (f"; did you mean {close!r}?" if close else ""))
-
-
-@dataclass
 class OptimConfig:
     """AdamW on the LoRA weights, and how each rollout's transitions are cut into optimizer steps."""
 
@@ -529,6 +320,13 @@ class OptimConfig:
 @dataclass
 class RunConfig:
     """Length of the run, logging, checkpoints and the final evaluation."""
+
+    # Settings a resumed run may change: none changes an update (train.iterations is checked on its own: it may
+    # change only when no feature depends on the run's progress).
+    resumable: ClassVar[tuple[str, ...]] = (
+        "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
+        "eval_images_per_prompt", "eval_steps", "eval_seed", "keep_checkpoints", "checkpoint_every", "out_dir",
+        "overwrite")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
@@ -592,6 +390,22 @@ class BatchLayout:
     micro_batches_per_minibatch: int
 
 
+@dataclass(frozen=True)
+class Components:
+    """The registered parts a ``TrainConfig`` names, built from its settings (cheap: nothing is loaded)."""
+
+    shape: Any
+    credit: Any
+    step_selection: Any
+    step_weighting: Any
+    losses: dict[str, Any]
+    objectives: dict[str, Any]
+
+    def all(self) -> list[Any]:
+        return [self.shape, self.credit, self.step_selection, self.step_weighting, *self.losses.values(),
+                *self.objectives.values()]
+
+
 @dataclass
 class TrainConfig:
     """Everything ``flowalign train`` needs; see the module docstring for the vocabulary."""
@@ -599,13 +413,47 @@ class TrainConfig:
     model: ModelConfig = section(ModelConfig, "the model and its LoRA adapter")
     data: DataConfig = section(DataConfig, "prompts and rollout size")
     sampling: SamplingConfig = section(SamplingConfig, "rollout sampling and noise schedule")
-    rollout: RolloutConfig = section(RolloutConfig, "rollout shape: groups, branching trees or probed trunks")
-    step_reward: StepRewardConfig = section(StepRewardConfig, "per-step rewards from intermediate states")
+    rollout: ComponentConfig = component("flowalign.rollout:SHAPES", "group",
+                                         "rollout shape: independent chains, branching trees or probed trunks")
+    credit: ComponentConfig = component("flowalign.credit:CREDIT", "group",
+                                        "how rewards become per-transition advantages")
+    step_selection: ComponentConfig = component("flowalign.credit.steps:STEP_SELECTIONS", "all",
+                                                "which stochastic steps are trained each iteration")
+    step_weighting: ComponentConfig = component("flowalign.credit.steps:STEP_WEIGHTINGS", "uniform",
+                                                "the weight of each trained step's loss")
     reward: RewardConfig = section(RewardConfig, "reward models")
     advantage: AdvantageConfig = section(AdvantageConfig, "advantage normalization")
-    loss: LossConfig = section(LossConfig, "policy loss and KL penalty")
+    loss: dict[str, ComponentConfig] = component_map("flowalign.losses:LOSSES", ["grpo"],
+                                                     "loss terms on the rollout's transitions, summed")
+    objectives: dict[str, ComponentConfig] = component_map("flowalign.objectives:OBJECTIVES", [],
+                                                           "losses on data units, interleaved into the minibatches")
     optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
     train: RunConfig = section(RunConfig, "run length, logging, checkpoints, evaluation")
+
+    @classmethod
+    def migrate(cls, layer: Any) -> tuple[Any, list[str]]:
+        """Keys of the schema before the component redesign, moved to their components (``flowalign.training.
+        migration``)."""
+        from flowalign.training.migration import migrate_layer
+
+        return migrate_layer(layer)
+
+    def components(self) -> Components:
+        """The registered parts this config names (``flowalign.rollout``, ``.credit``, ``.credit.steps``,
+        ``.losses``, ``.objectives``), built from their settings."""
+        from flowalign.config import _registry
+
+        def build(ref: str, settings: ComponentConfig):
+            return _registry(ref).build(settings.name, settings)
+
+        return Components(
+            shape=build("flowalign.rollout:SHAPES", self.rollout),
+            credit=build("flowalign.credit:CREDIT", self.credit),
+            step_selection=build("flowalign.credit.steps:STEP_SELECTIONS", self.step_selection),
+            step_weighting=build("flowalign.credit.steps:STEP_WEIGHTINGS", self.step_weighting),
+            losses={name: build("flowalign.losses:LOSSES", s) for name, s in self.loss.items()},
+            objectives={name: build("flowalign.objectives:OBJECTIVES", s) for name, s in self.objectives.items()},
+        )
 
     def noise_schedule_spec(self) -> dict[str, Any]:
         """The dict ``flowalign.samplers.noise_schedule`` accepts."""
@@ -617,25 +465,38 @@ class TrainConfig:
         features = []
         if self.sampling.window_size is not None and self.sampling.window_start == "sliding":
             features.append("sampling.window_start = 'sliding' (MixGRPO's moving SDE window)")
-        if self.rollout.shape == "tree" and self.rollout.depth_prune_steps and self.rollout.depth_prune_sliding:
-            features.append("rollout.depth_prune_sliding (BranchGRPO's sliding depth pruning)")
+        for part in self.components().all():
+            features.extend(part.progress_dependent())
         if self.optim.lr_schedule != "constant":
             features.append(f"optim.lr_schedule = {self.optim.lr_schedule!r}")
         return features
 
+    def resumable_keys(self) -> list[str]:
+        """The dotted keys a resumed run may change: what each section (``resumable`` of its class) and each
+        component (``Component.resumable``) declares changes no math."""
+        parts = self.components()
+        owners = [(f.name, getattr(self, f.name)) for f in fields(self) if hasattr(getattr(self, f.name), "resumable")]
+        owners += [("rollout", parts.shape), ("credit", parts.credit), ("step_selection", parts.step_selection),
+                   ("step_weighting", parts.step_weighting)]
+        owners += [(f"loss.{n}", c) for n, c in parts.losses.items()]
+        owners += [(f"objectives.{n}", c) for n, c in parts.objectives.items()]
+        return [f"{prefix}.{key}" for prefix, owner in owners for key in owner.resumable]
+
     def samples_per_prompt(self) -> int:
         """Final images per prompt: data.group_size, times the probe steps for probes."""
-        return self.data.group_size * self.rollout.groups_per_prompt()
+        return self.components().shape.samples_per_prompt(self.data.group_size)
 
     def check_batch(self, num_processes: int) -> BatchLayout:
         """Check that an iteration's samples and transitions split evenly; return the resulting sizes."""
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ConfigError(f"the number of processes must be an integer >= 1, got {num_processes!r}")
         data, sampling, optim = self.data, self.sampling, self.optim
-        per_prompt = self.samples_per_prompt()
+        parts = self.components()
+        shape = parts.shape
+        per_prompt = shape.samples_per_prompt(data.group_size)
         samples = data.prompts_per_iteration * per_prompt
-        groups = self.rollout.groups_per_prompt()
-        probes = f" * {groups} rollout.probe_steps" if self.rollout.shape == "probe" else ""
+        groups = shape.groups_per_prompt()
+        probes = f" * {groups} rollout.probe_steps" if groups > 1 else ""
         _check(
             samples % num_processes == 0,
             "data.prompts_per_iteration",
@@ -650,33 +511,25 @@ class TrainConfig:
             f"= {rollout_batch} does not divide the {local} samples per process "
             f"(data.prompts_per_iteration * data.group_size / {_processes(num_processes)})",
         )
-        if self.rollout.shape != "group" or self.step_reward.estimator != "terminal":
+        if shape.whole_prompts or parts.credit.whole_prompts:
             # A tree or a probed trunk is grown in one batched pass, and step rewards are normalised per group from
             # the states of one chunk, so these cannot span processes or rollout chunks.
-            shape = self.rollout.shape
+            which = f"rollout.name = {self.rollout.name!r} and credit.name = {self.credit.name!r}"
             _check(
                 local % per_prompt == 0,
                 "data.prompts_per_iteration",
                 f"= {data.prompts_per_iteration} prompts cannot be split evenly over {_processes(num_processes)}: "
-                f"with rollout.shape = {shape!r} and step_reward.estimator = {self.step_reward.estimator!r} every process "
-                f"takes whole prompts ({per_prompt} samples each)",
+                f"with {which} every process takes whole prompts ({per_prompt} samples each)",
             )
             _check(
                 rollout_batch % per_prompt == 0,
                 "sampling.batch_size",
-                f"= {rollout_batch} is not a multiple of the {per_prompt} samples of one prompt: with rollout.shape = "
-                f"{shape!r} and step_reward.estimator = {self.step_reward.estimator!r} a rollout chunk holds whole "
-                "prompts",
+                f"= {rollout_batch} is not a multiple of the {per_prompt} samples of one prompt: with {which} a rollout "
+                "chunk holds whole prompts",
             )
-        if self.rollout.shape == "probe":
-            steps, steps_from = len(self.rollout.probe_steps), "rollout.probe_steps"
-        else:
-            steps = sampling.trained_steps()
-            steps_from = (
-                "sampling.train_steps_per_rollout"
-                if sampling.train_steps_per_rollout is not None
-                else "stochastic steps of the noise schedule"
-            )
+        stochastic = shape.stochastic_steps(sampling)
+        steps = parts.step_selection.count(stochastic)
+        steps_from = parts.step_selection.count_source() or shape.stochastic_step_source()
         transitions = local * steps
         micro_batches = (local // rollout_batch) * steps
         _check(
@@ -697,79 +550,15 @@ class TrainConfig:
         )
 
     def validate(self) -> None:
-        """Cross-section checks; runs after every section's own ``validate``."""
-        if self.rollout.shape == "tree":
-            self._validate_tree()
-        if self.step_reward.estimator != "terminal":
-            self._validate_step_reward()
-        _check(
-            self.loss.rg_opd_weight == 0 or self.step_reward.registers is not None or self.loss.rg_opd_reward is not None,
-            "loss.rg_opd_weight",
-            "> 0 needs step_reward.registers (the register checkpoint whose gradients make the RGS targets) or "
-            "loss.rg_opd_reward (a differentiable image reward such as toy_geneval_soft)",
-        )
-        _check(
-            (self.loss.rg_opd_reward is None and not self.loss.rg_opd_reward_kwargs) or self.loss.rg_opd_weight > 0,
-            "loss.rg_opd_reward",
-            "is set but loss.rg_opd_weight = 0: give RG-OPD a weight, or drop the reward",
-        )
-        if self.rollout.shape == "probe":
-            stochastic = self.sampling.always_stochastic_steps()
-            outside = [s for s in self.rollout.probe_steps if s not in stochastic]
-            _check(
-                not outside,
-                "rollout.probe_steps",
-                f"{outside} are not stochastic steps of the noise schedule (the steps that are: {sorted(stochastic)} of "
-                f"0..{self.sampling.num_steps - 1})",
-            )
-            _check(
-                self.sampling.train_steps_per_rollout is None,
-                "sampling.train_steps_per_rollout",
-                "does not apply to rollout.shape = 'probe' (every probe step is trained)",
-            )
+        """Cross-section checks; runs after every section's own ``validate``: each component checks what it needs
+        of the other sections (``Component.check``), the credit the rollout shape it accepts."""
+        parts = self.components()
+        parts.credit.check_shape(self)
+        for part in parts.all():
+            part.check(self)
         _check(
             self.optim.warmup_iterations <= self.train.iterations,
             "optim.warmup_iterations",
             f"= {self.optim.warmup_iterations} exceeds train.iterations = {self.train.iterations}",
         )
         self.check_batch(1)
-
-    def _validate_step_reward(self) -> None:
-        estimator = self.step_reward.estimator
-        _check(
-            self.rollout.shape == "group",
-            "step_reward.estimator",
-            f"= {estimator!r} scores the intermediate states of independent trajectories: it needs rollout.shape = "
-            f"'group', not {self.rollout.shape!r}",
-        )
-        _check(
-            self.reward.combine == "sum_then_normalize",
-            "reward.combine",
-            f"must be 'sum_then_normalize' with step_reward.estimator = {estimator!r}: intermediate states are scored "
-            "with the weighted sum of the raw rewards",
-        )
-        _check(
-            self.advantage.std == "group",
-            "advantage.std",
-            f"must be 'group' with step_reward.estimator = {estimator!r} (step rewards are normalised per step within "
-            "each group)",
-        )
-
-    def _validate_tree(self) -> None:
-        rollout, sampling = self.rollout, self.sampling
-        stochastic = sampling.always_stochastic_steps()
-        outside = [s for s in rollout.split_steps if s not in stochastic]
-        _check(
-            not outside,
-            "rollout.split_steps",
-            f"{outside} are not stochastic (trained) steps of every rollout; the steps that are: {sorted(stochastic)} "
-            f"of 0..{sampling.num_steps - 1}",
-        )
-        _check(
-            rollout.leaves() == self.data.group_size,
-            "data.group_size",
-            f"= {self.data.group_size} must equal the leaves of one tree, the product of rollout.branching "
-            f"{rollout.factors()} = {rollout.leaves()}",
-        )
-        late = [s for s in rollout.depth_prune_steps if s >= sampling.num_steps]
-        _check(not late, "rollout.depth_prune_steps", f"{late} are past the last step ({sampling.num_steps - 1})")

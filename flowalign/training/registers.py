@@ -1,4 +1,5 @@
-"""``flowalign registers train``: fit latent reward registers on the model's own samples (DESIGN.md §4).
+"""``flowalign registers train``: fit latent reward registers on the model's own samples
+(docs/design/math.md#registers).
 
 Each iteration draws prompts, samples ``K`` trajectories per prompt with the frozen model, labels the final images
 with a reward, and keeps the register taps' hidden states of every visited state ``x_t`` (captured by the

@@ -11,7 +11,7 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
   must not hold a run either. Its ``metrics.jsonl`` keeps only the iterations before the checkpoint, so a resumed run
   writes the same file as an uninterrupted one.
 * The checkpoint's config must equal this one except for the keys that do not change the math
-  (``RESUMABLE_KEYS``), and ``train.iterations`` may change only when nothing depends on the run's progress
+  (``resumable_keys()`` of the config: what each section and component declares changes no math), and ``train.iterations`` may change only when nothing depends on the run's progress
   (``TrainConfig.progress_dependent``).
 """
 
@@ -24,18 +24,12 @@ from pathlib import Path
 import yaml
 
 from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
-from flowalign.config import diff_configs, to_dict
+from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 
-__all__ = ["RESUMABLE_KEYS", "RUN_FILES", "check_new_run", "clear_run", "holds_run", "resolve_resume",
+__all__ = ["RUN_FILES", "check_new_run", "clear_run", "holds_run", "resolve_resume",
            "trim_metrics"]
 
-# Keys that may change between a checkpoint and its resumption: none of them changes an update.
-# (train.iterations is checked on its own: it may change only when no feature depends on the run's progress.)
-RESUMABLE_KEYS = ("train.resume", "train.iterations", "train.eval_at_end", "train.log_every", "train.sample_every",
-                  "train.tracker", "train.eval_images_per_tag", "train.eval_images_per_prompt", "train.eval_steps",
-                  "train.eval_seed", "train.keep_checkpoints", "train.checkpoint_every", "train.out_dir",
-                  "train.overwrite", "model.kernels")
 # What a run writes into its directory (besides checkpoint-* and their temporary .tmp-checkpoint-* siblings).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples", "eval", "flowalign")
 
@@ -89,7 +83,11 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / "state.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (it needs config.yaml and state.json)")
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
-    differences = diff_configs(saved, to_dict(config), ignore=RESUMABLE_KEYS)
+    try:  # through the schema's migration, so a checkpoint written before a key moved compares by meaning
+        resolved = to_dict(load_config(type(config), checkpoint / "config.yaml"))
+    except SetupError as error:
+        raise SetupError(f"checkpoint {checkpoint}: its config.yaml does not load: {error}") from None
+    differences = diff_configs(resolved, to_dict(config), ignore=config.resumable_keys())
     if differences:
         raise SetupError(f"checkpoint {checkpoint} was made with a different config: " + "; ".join(differences))
     before = saved.get("train", {}).get("iterations")

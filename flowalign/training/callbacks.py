@@ -1,0 +1,100 @@
+"""What a run reports as it goes: the progress bar, ``metrics.jsonl`` and the tracker, and the sample grids.
+
+``RunLog`` is called by the trainer's loop at the start of the run, after every iteration and at the end; everything
+it writes goes into the run's own directory, and only the main process writes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+from flowalign.config import save_config, to_dict
+from flowalign.training.run_directory import trim_metrics
+
+__all__ = ["RunLog", "flat_config", "summarize_records"]
+
+
+class RunLog:
+    """Progress bar, metrics (``train.log_every``, ``train.tracker``) and sample grids (``train.sample_every``)."""
+
+    def __init__(self, trainer):
+        self.trainer, self.config = trainer, trainer.config
+        self.tracking = self.config.train.tracker != "none"
+        self.bar = None
+
+    def start(self) -> None:
+        from tqdm import tqdm
+
+        trainer, cfg = self.trainer, self.config
+        if trainer.is_main:
+            trainer.out_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, trainer.out_dir / "config.yaml")
+            trim_metrics(trainer.out_dir / "metrics.jsonl", trainer.iteration)
+        if self.tracking:
+            trainer.accelerator.init_trackers("flowalign", config=flat_config(to_dict(cfg)))
+        self.bar = tqdm(total=cfg.train.iterations, initial=trainer.iteration, desc="train",
+                        disable=not trainer.is_main, dynamic_ncols=True)
+
+    def iteration(self, metrics: dict[str, float], prompts: list[dict], batches, scores) -> None:
+        trainer, cfg = self.trainer, self.config
+        iteration = int(metrics["iteration"])
+        if self.tracking:
+            trainer.accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
+        if trainer.is_main and iteration % max(1, cfg.train.log_every) == 0:
+            with open(trainer.out_dir / "metrics.jsonl", "a") as handle:
+                handle.write(json.dumps(metrics) + "\n")
+        if trainer.is_main and cfg.train.sample_every and iteration % cfg.train.sample_every == 0:
+            self.save_samples(iteration, batches, scores)
+        postfix = {"reward": f"{metrics['reward']:.3f}"}
+        if trainer.computes_kl and "kl" in metrics:  # a KL to the reference is computed only for these
+            postfix["kl"] = f"{metrics['kl']:.2e}"
+        self.bar.set_postfix(postfix)
+        self.bar.update(1)
+
+    def save_samples(self, iteration: int, batches, scores) -> None:
+        """A grid of this process's first 16 samples captioned ``prompt | reward``."""
+        from flowalign.evaluation.images import save_grid
+
+        metadata = [m for b in batches for m in b.sample_metadata][:16]
+        captions = [f"{m['prompt']} | {float(r):.2f}" for m, r in zip(metadata, scores.display[:16])]
+        save_grid(scores.images[:16], captions, self.trainer.out_dir / "samples" / f"iteration-{iteration:06d}.png",
+                  columns=8)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def end(self) -> None:
+        if self.tracking:
+            self.trainer.accelerator.end_training()
+
+
+def flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """The config as flat ``{dotted key: scalar}`` for trackers (non-scalars as strings)."""
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_config(value, name + "."))
+        else:
+            flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+def summarize_records(records: list[dict], objective_records: dict[str, list[dict]]) -> dict[str, float]:
+    """An update's metrics: the mean of every loss statistic over its micro-batches (the max of ``ratio_max``), the
+    first micro-batch's ratio (exactly 1 when the rollout's log-probs are recomputed exactly), the mean gradient norm
+    and each objective's mean statistics (``objectives/<name>/<stat>``)."""
+    summary = {key: sum(r[key] for r in records) / len(records)
+               for key in records[0] if key not in ("epoch", "ratio_max", "grad_norm")}
+    summary["ratio_max"] = max(r["ratio_max"] for r in records)
+    for key in ("ratio_max", "ratio_mean", "approx_kl", "clip_frac"):
+        summary[f"first_{key}"] = records[0][key]  # approx_kl > 0 when training recomputes other log-probs
+    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    summary["grad_norm"] = sum(norms) / max(1, len(norms))
+    for name, rows in objective_records.items():
+        for key in [k for k in (rows[0] if rows else {}) if k != "epoch"]:
+            summary[f"objectives/{name}/{key}"] = sum(r[key] for r in rows) / len(rows)
+    return summary

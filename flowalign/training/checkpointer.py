@@ -1,0 +1,72 @@
+"""A run's directory and checkpoints, for the trainer: refuse to write into another run, resume a checkpoint
+(checked against the config, through the config migration for checkpoints written before it), save atomically.
+
+The checkpoint format is ``flowalign.training.checkpoint``'s; the rules for run directories are
+``flowalign.training.run_directory``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from flowalign.config import to_dict
+from flowalign.training.checkpoint import load_checkpoint, save_checkpoint, save_process_rng
+from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume
+
+__all__ = ["Checkpointer"]
+
+
+def _optimizer(optimizer):
+    return optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer  # accelerate's wrapper
+
+
+class Checkpointer:
+    """The checkpoints of ``trainer``'s run directory ``train.out_dir``."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def check_run_directory(self) -> Path | None:
+        """The checkpoint ``train.resume`` names (checked against this config), or None for a new run, which may not
+        write into a directory holding another run; ``train.overwrite`` clears it."""
+        trainer = self.trainer
+        cfg = trainer.config.train
+        if cfg.resume:
+            return resolve_resume(cfg.resume, trainer.config, trainer.out_dir,
+                                  progress_dependent=trainer.config.progress_dependent())
+        if check_new_run(trainer.out_dir, overwrite=cfg.overwrite) and trainer.is_main:
+            clear_run(trainer.out_dir)
+        trainer.accelerator.wait_for_everyone()
+        return None
+
+    def save(self) -> Path | None:
+        """Write ``checkpoint-<iteration>`` (main process; every process its RNG); returns its path on the main."""
+        trainer = self.trainer
+        path = None
+        if trainer.is_main:
+            last = trainer.last_advantages
+            state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist()}
+            config_yaml = yaml.safe_dump(to_dict(trainer.config), sort_keys=False)
+            path = save_checkpoint(
+                trainer.out_dir, trainer.iteration, trainable=trainer.trainable_state(),
+                optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
+                ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_lora=trainer.model.save_lora,
+                keep=trainer.config.train.keep_checkpoints,
+            )
+        trainer.accelerator.wait_for_everyone()
+        if not trainer.is_main:
+            save_process_rng(trainer.out_dir / f"checkpoint-{trainer.iteration:06d}", trainer.accelerator.process_index)
+        trainer.accelerator.wait_for_everyone()
+        return path
+
+    def resume(self, checkpoint: str | Path) -> None:
+        """Load the trainable weights, EMA, optimizer, RNG and history of ``checkpoint`` (checked at set-up)."""
+        trainer = self.trainer
+        state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
+                                     optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
+        if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
+            trainer.ema.load_state_dict(ema)
+        trainer.iteration = int(state["iteration"])
+        trainer.history = state["history"]

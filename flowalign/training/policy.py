@@ -1,0 +1,54 @@
+"""The policy's forward passes in training: one per micro-batch (a rollout batch at one step) and one per data unit.
+
+A micro-batch evaluates the velocity once per distinct source state, in the rollout's own order (a tree's split
+children share their parent's evaluation), so the batch matches the rollout's forward and the first recomputed
+log-prob ratio of an iteration is exactly 1. The reference velocity (LoRA off) is computed once, without gradient,
+when any loss term needs it. Loss terms and objectives only ever see the ``PolicyOutput``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowalign.losses import MicroBatch, PolicyOutput
+
+__all__ = ["micro_batch", "policy_output", "unit_output"]
+
+
+def micro_batch(batch, step: int) -> MicroBatch:
+    """The transitions of ``batch`` at ``step``, with their unique sources."""
+    t = batch.rollout.transitions
+    sel = t.step == step
+    st = t.select(sel)
+    sources, inverse = torch.unique(st.src, return_inverse=True)
+    rows = torch.empty_like(sources).scatter_(0, inverse, st.prompt_id)
+    return MicroBatch(
+        batch=batch, step=step, transitions=st, advantages=batch.advantages[sel], weights=batch.weights[sel],
+        sources=sources, inverse=inverse, rows=rows, x=t.states[sources], sigma=st.sigma[:1].expand(len(sources)),
+        sigma_next=st.sigma_next[:1].expand(len(sources)), cond=batch.cond.index(rows),
+        metadata=[batch.metadata[r] for r in rows.tolist()],
+    )
+
+
+def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+    """The policy velocity at the micro-batch's sources (per transition too), and the reference's when asked."""
+    with autocast():
+        v_sources = model.velocity(micro.x, micro.sigma, micro.cond, guidance_scale)
+    v_ref_sources = None
+    if reference:
+        with torch.no_grad(), model.reference(), autocast():
+            v_ref_sources = model.velocity(micro.x, micro.sigma, micro.cond, guidance_scale)
+    return PolicyOutput(v=v_sources[micro.inverse], v_sources=v_sources,
+                        v_ref=None if v_ref_sources is None else v_ref_sources[micro.inverse],
+                        v_ref_sources=v_ref_sources)
+
+
+def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+    """The policy (and reference) velocity at an objective's data unit."""
+    with autocast():
+        v = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
+    v_ref = None
+    if reference:
+        with torch.no_grad(), model.reference(), autocast():
+            v_ref = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
+    return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref)

@@ -1,0 +1,85 @@
+"""What a trainer loads: its rewards (from the registry, or callables given to it) and its policy (the model with a
+LoRA adapter on frozen weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+
+from flowalign.models import FlowModel, load_flow_model
+from flowalign.errors import SetupError
+from flowalign.rewards import build_reward, is_groupwise
+
+__all__ = ["build_rewards", "enable_xformers", "load_policy"]
+
+logger = logging.getLogger(__name__)
+
+
+def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
+    """``(name, weight, fn)`` for each reward: ``config.reward.rewards`` built from the registry, or ``rewards``: reward
+    callables ``fn(images, prompts, metadata) -> scores`` (weight 1, named after the function or class), a mapping of
+    names to callables, or ``(name, weight, fn)`` triples. A groupwise reward needs every process (``layout``) to hold
+    whole groups."""
+    built = _rewards(config, rewards)
+    for name, _, fn in built:
+        if is_groupwise(fn) and layout is not None and layout.samples_per_process % config.data.group_size:
+            raise SetupError(
+                f"reward {name!r} is groupwise (it scores whole groups), but each of the {layout.num_processes} "
+                f"processes holds {layout.samples_per_process} samples, not a multiple of data.group_size = "
+                f"{config.data.group_size}: change data.prompts_per_iteration or the number of processes")
+    return built
+
+
+def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
+    if rewards is None:
+        return [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+    if isinstance(rewards, Mapping):
+        rewards = [(name, 1.0, fn) for name, fn in rewards.items()]
+    elif callable(rewards):
+        rewards = [rewards]
+    out = []
+    for item in rewards:
+        if isinstance(item, tuple):
+            name, weight, fn = item
+        else:
+            fn, weight = item, 1.0
+            name = getattr(fn, "__name__", None) or type(fn).__name__
+        if not callable(fn):
+            raise TypeError(f"reward {name!r} is not callable: a reward is fn(images, prompts, metadata) -> scores")
+        out.append((str(name), float(weight), fn))
+    logger.info("rewards given to the trainer: %s (config.reward.rewards is not used)", ", ".join(n for n, _, _ in out))
+    return out
+
+
+def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
+    """The model of ``model.path`` (or ``model``) with a fresh LoRA adapter on frozen weights; LoRA weights in fp32."""
+    cfg = config.model
+    if model is None:
+        model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
+                                max_sequence_length=cfg.max_sequence_length)
+    if cfg.attention == "xformers":
+        enable_xformers(model)
+    if cfg.gradient_checkpointing:
+        model.transformer.enable_gradient_checkpointing()
+    if not model.has_lora:
+        model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
+    model.freeze_base()
+    for param in model.transformer.parameters():
+        if param.requires_grad:  # LoRA weights train in fp32 whatever the base dtype
+            param.data = param.data.float()
+    return model
+
+
+def enable_xformers(model: FlowModel) -> None:
+    """xformers attention needs its extra and a CUDA device; otherwise say which is missing."""
+    try:
+        import xformers  # noqa: F401
+    except ImportError:
+        raise ValueError("model.attention='xformers' needs the xformers extra: pip install -e '.[xformers]'") from None
+    if model.device.type != "cuda":
+        raise ValueError(f"model.attention='xformers' needs a CUDA device, but the model is on {model.device}")
+    model.pipe.enable_xformers_memory_efficient_attention()
+
+
