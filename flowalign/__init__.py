@@ -26,6 +26,8 @@ _EXPORTS = {
     "Reward": "flowalign.rewards",
     "register_reward": "flowalign.rewards",
     "Registry": "flowalign.registry",
+    "register_sampler": "flowalign.inference",
+    "GuidedSampler": "flowalign.inference",
 }
 
 __all__ = list(_EXPORTS)

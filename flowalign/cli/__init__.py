@@ -35,7 +35,7 @@ import logging
 import sys
 from typing import Sequence
 
-__all__ = ["CommandError", "build_parser", "json_object", "main", "sigma_band"]
+__all__ = ["CommandError", "build_parser", "json_object", "main", "parse_command", "sigma_band"]
 
 PROG = "flowalign"
 
@@ -135,6 +135,15 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
     if extras:
         args.items = [*args.items, *extras]
     return args
+
+
+def parse_command(argv: Sequence[str]):
+    """``(args, config)`` of a configurable command line, every check run and nothing loaded or run (for tests and
+    tools: what ``flowalign ARGV`` would run with). Bad input raises ``SystemExit(2)`` or ``ConfigError``."""
+    from .options import load_from_args
+
+    args = _parse(build_parser(), list(argv))
+    return args, load_from_args(args.command_spec, args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

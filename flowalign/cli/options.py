@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["ConfigCommand", "Flag", "add_config_command", "command_flags", "config_and_overrides",
-           "dotted_options", "load_command_config", "unknown_option"]
+           "dotted_options", "load_command_config", "load_from_args", "unknown_option"]
 
 _MISSING = object()
 
@@ -269,6 +269,21 @@ def add_config_command(commands, name: str, command: ConfigCommand, *, help: str
     return parser
 
 
+def load_from_args(command: ConfigCommand, args: argparse.Namespace) -> Any:
+    """The command's config from its parsed command line (and ``args.options`` when it has an options dataclass);
+    every check runs, nothing loads."""
+    flag_overrides = list(getattr(args, "flag_overrides", None) or [])
+    sources = dict(getattr(args, "flag_sources", None) or {})
+    flags = command.all_flags()
+    options = command.option_schema()
+    if options is not None:  # its options build it; the items and dotted options build the main config
+        keys = {f.name for f in dataclasses.fields(options)}
+        own = [o for o in flag_overrides if o.partition("=")[0] in keys]
+        args.options = load_command_config(options, [], own, sources, flags)
+        flag_overrides = [o for o in flag_overrides if o not in own]
+    return load_command_config(command.schema(), args.items, flag_overrides, sources, flags)
+
+
 def _handler(command: ConfigCommand) -> Callable[[argparse.Namespace], None]:
     def handle(args: argparse.Namespace) -> None:
         from flowalign.config import format_help
@@ -276,17 +291,7 @@ def _handler(command: ConfigCommand) -> Callable[[argparse.Namespace], None]:
         if args.help_config:
             print(format_help(command.schema()))
             return
-        flag_overrides = list(getattr(args, "flag_overrides", None) or [])
-        sources = dict(getattr(args, "flag_sources", None) or {})
-        flags = command.all_flags()
-        options = command.option_schema()
-        if options is not None:  # its options build it; the items and dotted options build the main config
-            keys = {f.name for f in dataclasses.fields(options)}
-            own = [o for o in flag_overrides if o.partition("=")[0] in keys]
-            args.options = load_command_config(options, [], own, sources, flags)
-            flag_overrides = [o for o in flag_overrides if o not in own]
-        config = load_command_config(command.schema(), args.items, flag_overrides, sources, flags)
-        command.run(config, args)
+        command.run(load_from_args(command, args), args)
 
     return handle
 
