@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import json
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,22 +64,22 @@ class Flag:
         return _list_type(self.type)
 
     def override(self, values: Sequence[str]) -> str:
-        """The ``key=value`` override for the typed ``values`` (a ValueError from ``parse`` names the option)."""
+        """The ``key=value`` override for the typed ``values``; a ValueError from ``parse`` names the option."""
         if self.switch is not _MISSING:
             return f"{self.key}={json.dumps(self.switch)}"
-        try:
-            if self.parse is not None:
+        if self.parse is not None:
+            try:
                 parsed = [self.parse(v) for v in values]
-                return f"{self.key}={json.dumps(parsed if self.many else parsed[0])}"
-        except ValueError as error:
-            raise argparse.ArgumentError(None, f"argument {self.option}: {error}") from None
+            except ValueError as error:
+                raise ValueError(f"argument {self.option}: {error}") from None
+            return f"{self.key}={json.dumps(parsed if self.many else parsed[0])}"
         if self.many:
             return f"{self.key}=[{', '.join(values)}]"
         return f"{self.key}={values[0]}"
 
 
 def _strip_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if len(args) == 1:
             return args[0]
@@ -170,7 +171,7 @@ class _OverrideAction(argparse.Action):
         values = [] if values is None else values if isinstance(values, list) else [values]
         try:
             text = self.flag.override(values)
-        except argparse.ArgumentError as error:
+        except ValueError as error:
             parser.error(str(error))
         overrides = list(getattr(namespace, "flag_overrides", None) or [])
         sources = dict(getattr(namespace, "flag_sources", None) or {})

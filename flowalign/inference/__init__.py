@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from flowalign.components import Component, ComponentConfig
+from flowalign.components import Component
 from flowalign.registry import Registry
 
 __all__ = ["NEEDS", "SAMPLERS", "GuidedProblem", "GuidedSampler", "register_sampler"]

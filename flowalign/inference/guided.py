@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError
+from flowalign.samplers.fk import POTENTIALS
+from flowalign.samplers.rgs import DEFAULT_BANDS
 from flowalign.settings import at_least, check, finite, option, parse_json_object, parse_sigma_band
 
 from . import GuidedProblem, GuidedSampler, register_sampler
@@ -28,7 +30,10 @@ from . import GuidedProblem, GuidedSampler, register_sampler
 __all__ = ["BestOfN", "DiffusionTreeSearch", "FKSteering", "GradientSettings", "OneSample", "RewardGradient",
            "SDESettings"]
 
-_DEFAULT_BANDS = [[0.8, 0.30], [0.2, 0.05]]  # samplers.rgs.DEFAULT_BANDS
+_DEFAULT_BANDS = [list(band) for band in DEFAULT_BANDS]
+# Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
+# step, two with CFG) or on x0_hat alone (free); see samplers.rgs.x0_guide.
+RGS_GRADIENTS = ("full", "x0")
 
 
 @dataclass
@@ -56,7 +61,7 @@ class GradientSettings(ComponentConfig):
     reward_kwargs: dict[str, Any] = option({}, "--rgs-reward's constructor arguments as a JSON object, e.g. local "
                                            "weights: '{\"model\": \"/w/PickScore_v1\", \"device\": \"cuda\"}'",
                                            flag="rgs-reward-kwargs", parse=parse_json_object, metavar="JSON")
-    gradient: Literal["full", "x0"] = option("full", "--rgs-reward's gradient: through the velocity (full, one "
+    gradient: Literal[RGS_GRADIENTS] = option("full", "--rgs-reward's gradient: through the velocity (full, one "
                                              "backward NFE per guided step) or on x0_hat alone (x0, no extra NFE)",
                                              flag="rgs-gradient")
     bands: list[list[float]] = option(_DEFAULT_BANDS, "RGS correction scale above each sigma, highest first (no "
@@ -113,7 +118,7 @@ class BestOfN(GuidedSampler):
 
 @dataclass
 class FKSettings(SDESettings, GradientSettings):
-    potential: Literal["max", "add", "diff", "rt"] = option("add", "FK potential")  # samplers.fk.POTENTIALS
+    potential: Literal[POTENTIALS] = option("add", "FK potential")
     resample_start: int = option(0, "first step at which FK scores x0_hat and may resample (then every step but the "
                                  "last)", flag="fk-resample-start")
 

@@ -41,16 +41,13 @@ from torch import Tensor
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError, component
 from flowalign.devices import resolve_device
+from flowalign.inference.guided import RGS_GRADIENTS  # re-exported (bench/guided.py)
 from flowalign.samplers.guided import GuidedResult
 from flowalign.seeding import generator as seeded_generator
 from flowalign.settings import at_least, flagged, option
 
 __all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "encode_prompts", "latent_reward",
            "prompt_velocity", "run_guided", "run_sample"]
-
-# Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
-# step, two with CFG) or on x0_hat alone (free); see samplers.rgs.x0_guide.
-RGS_GRADIENTS = ("full", "x0")
 
 # The settings SampleConfig had before the samplers were components -> their name in the sampler's settings; the
 # Python constructor still takes them (``SampleConfig(guidance="fk", lam=5)``), for the sampler that has them.
