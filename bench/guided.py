@@ -137,6 +137,7 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
+    from flowalign.inference.guided import FKSettings
     from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.guided import BudgetTooSmall
@@ -158,12 +159,12 @@ def main() -> None:
                         help="--rgs-reward's gradient through the velocity (full) or on x0_hat alone (x0)")
     parser.add_argument("--fk-guided", action="store_true",
                         help="FK with RGS-guided proposals from --rgs-reward (needs --rgs-gradient x0)")
-    parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=SampleConfig().rgs_bands,
+    parser.add_argument("--rgs-bands", type=sigma_band, nargs="+", default=[tuple(b) for b in FKSettings().bands],
                         metavar="SIGMA:SCALE", help="RGS correction scale above each sigma, highest first")
-    parser.add_argument("--noise-level", type=float, default=SampleConfig().noise_level, help="FK / DTS SDE noise")
-    parser.add_argument("--lam", type=float, default=SampleConfig().lam, help="FK / DTS inverse temperature")
-    parser.add_argument("--potential", default=SampleConfig().potential, help="FK potential")
-    parser.add_argument("--fk-resample-start", type=int, default=SampleConfig().fk_resample_start,
+    parser.add_argument("--noise-level", type=float, default=FKSettings().noise_level, help="FK / DTS SDE noise")
+    parser.add_argument("--lam", type=float, default=FKSettings().lam, help="FK / DTS inverse temperature")
+    parser.add_argument("--potential", default=FKSettings().potential, help="FK potential")
+    parser.add_argument("--fk-resample-start", type=int, default=FKSettings().resample_start,
                         help="first step at which FK may resample")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)

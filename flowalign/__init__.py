@@ -30,6 +30,8 @@ _EXPORTS = {
     "register_objective": "flowalign.objectives",
     "register_shape": "flowalign.rollout",
     "Registry": "flowalign.registry",
+    "register_sampler": "flowalign.inference",
+    "GuidedSampler": "flowalign.inference",
 }
 
 __all__ = list(_EXPORTS)

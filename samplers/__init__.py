@@ -7,7 +7,7 @@ from .rollout import Rollout, Transitions, count_nfe, rollout
 from .schedules import ConstantNoise, NoiseSchedule, PerStepNoise, SDEWindow, noise_schedule
 from .probe import ProbeRollout, probe_nfe, probe_rollout
 from .tree import TreeRollout, TreeSchedule, tree_rollout
-from .guided import GUIDANCE, GuidedResult, best_of_n
+from .guided import GuidedResult, best_of_n
 from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
@@ -27,7 +27,6 @@ __all__ = [
     "REDUCTIONS",
     "SDE_KINDS",
     "ConstantNoise",
-    "GUIDANCE",
     "GuidedResult",
     "NoiseSchedule",
     "PerStepNoise",

@@ -16,7 +16,7 @@ noise, SDE noise, resampling, tree selection) comes from ``generators[b]``, so a
 which other prompts share its batch.
 
 Methods, each in its own module: ``best_of_n`` (here), ``fk_steering`` (fk.py), ``diffusion_tree_search``
-(dts.py), ``reward_guided_sampling`` (rgs.py). ``GUIDANCE`` names them for the CLI.
+(dts.py), ``reward_guided_sampling`` (rgs.py). ``flowalign.inference`` registers them as guided samplers.
 """
 
 from __future__ import annotations
@@ -32,15 +32,12 @@ from .sde import check_kind, check_noise_level, check_sigmas, ode_step, sde_step
 
 __all__ = [
     "BudgetTooSmall",
-    "GUIDANCE",
     "GuidedResult",
     "best_of_n",
     "check_budget",
     "group_argmax",
     "trajectory_nfe",
 ]
-
-GUIDANCE = ("none", "bon", "fk", "dts", "rgs")
 
 GuidedVelocity = Callable[[Tensor, Tensor, Tensor], Tensor]
 LatentReward = Callable[[Tensor, Tensor], Tensor]
@@ -49,12 +46,18 @@ LatentReward = Callable[[Tensor, Tensor], Tensor]
 @dataclass
 class GuidedResult:
     """The chosen sample per prompt: ``final [B, ...]`` latents, ``reward [B]`` (float64; the reward that chose it,
-    NaN when none was given), ``nfe [B]`` NFEs spent per prompt, and method details in ``info``."""
+    NaN when none was given), ``nfe [B]`` NFEs spent per prompt, and method details in ``info``. A sampler that
+    returns a set of ``k`` samples per prompt gives ``final [B, k, ...]`` and ``reward [B, k]``."""
 
     final: Tensor
     reward: Tensor
     nfe: Tensor
     info: dict = field(default_factory=dict)
+
+    @property
+    def images_per_prompt(self) -> int:
+        """1, or ``k`` for a set per prompt."""
+        return 1 if self.reward.dim() == 1 else int(self.reward.shape[1])
 
 
 def trajectory_nfe(velocity: GuidedVelocity, num_steps: int) -> int:

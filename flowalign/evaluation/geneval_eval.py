@@ -20,11 +20,12 @@ per-tag markdown table and overall); the table is also printed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from PIL import Image
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import GenEvalError, format_table, judge, load_metadata, summarize, validate_metadata
 from flowalign.evaluation.images import to_uint8
+from flowalign.settings import option, redefault
 from flowalign.evaluation.toy_eval import (
     SamplingRun,
     _rows,
@@ -145,14 +147,17 @@ class GenEvalRunConfig(SamplingRun):
     """Settings of ``flowalign eval geneval``; with ``model`` None, ``images`` must be an existing folder to score
     (unless ``lora`` is a checkpoint: then its base model generates)."""
 
-    metadata: str
-    model: str | None = None
-    images: str | None = None
-    detector: str = "mask2former"
-    detector_model: str | None = None
-    clip_weights: str = "openai"
-    class_names: str | None = None
-    out_dir: str = "outputs/eval-geneval"
+    metadata: str = option(dataclasses.MISSING, "GenEval evaluation_metadata.jsonl")
+    model: str | None = option(None, "diffusers pipeline directory or hub id (omit to only score, or to generate with "
+                               "a --lora checkpoint's model)")
+    images: str | None = option(None, "image folder to write or to score (default: <out>/images)")
+    detector: Literal["mask2former", "toy"] = option("mask2former", "object detector")
+    detector_model: str | None = option(None, "Mask2Former directory or hub id (default: "
+                                        "facebook/mask2former-swin-small-coco-instance)")
+    clip_weights: str = option("openai", "colour classifier's CLIP ViT-L-14 weights: a local file or the open_clip "
+                               "tag 'openai'")
+    class_names: str | None = option(None, "GenEval's object_names.txt (label id order)")
+    out_dir: str = redefault(SamplingRun, "out_dir", "outputs/eval-geneval")
 
 
 def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:

@@ -11,6 +11,7 @@ the count is not a multiple of 10), and the style's result is the mean of the 10
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from flowalign.devices import resolve_device
 from flowalign.evaluation.toy_eval import SamplingRun
+from flowalign.settings import option, redefault
 
 __all__ = ["HPD_STYLES", "HPDRunConfig", "chunk_stats", "format_hpd_table", "hpd_summary", "load_hpd_prompts",
            "run_hpd"]
@@ -98,12 +100,15 @@ def format_hpd_table(summary: dict) -> str:
 class HPDRunConfig(SamplingRun):
     """Settings of ``flowalign eval hpd``; ``model`` may be None when ``lora`` is a checkpoint (its base model)."""
 
-    model: str | None = None
-    prompts: str
-    hps_checkpoint: str | None = None
-    images_per_prompt: int = 1
-    save_images: bool = False
-    out_dir: str = "outputs/eval-hpd"
+    model: str | None = option(None, "diffusers pipeline directory or hub id (required unless --lora is a "
+                               "checkpoint)")
+    prompts: str = option(dataclasses.MISSING, "directory with the four style JSON files (anime.json, "
+                          "concept-art.json, paintings.json, photo.json)")
+    hps_checkpoint: str | None = option(None, "HPS_v2.1_compressed.pt (default: download from the hub repository "
+                                        "xswu/HPSv2)")
+    images_per_prompt: int = redefault(SamplingRun, "images_per_prompt", 1)
+    save_images: bool = option(False, "also save the images under <out>/images")
+    out_dir: str = redefault(SamplingRun, "out_dir", "outputs/eval-hpd")
 
 
 def score_style(model, scorer, prompts: Sequence[str], *, style_index: int, config: HPDRunConfig,

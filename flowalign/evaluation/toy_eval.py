@@ -26,16 +26,18 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from flowalign.config import ConfigError
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
 from flowalign.seeding import mixed_seed
+from flowalign.settings import option, redefault
 
 __all__ = [
     "EvalConfig",
@@ -68,18 +70,21 @@ class SamplingRun:
     None is the model's default image size, ``max_prompts`` keeps the first prompts (of each style for HPD).
     """
 
-    steps: int = 28
-    images_per_prompt: int = 4
-    guidance_scale: float = 1.0
-    seed: int = 0
-    batch_size: int = 8
-    resolution: int | None = None
-    max_prompts: int | None = None
-    out_dir: str = "outputs/eval"
-    device: str | None = None
-    dtype: str = "fp32"
-    lora: str | None = None
-    lora_weights: str | None = None
+    steps: int = option(28, "ODE steps")
+    images_per_prompt: int = option(4, "images per prompt")
+    guidance_scale: float = option(1.0, "guidance scale (CFG with negative prompt '' when > 1)", flag="guidance")
+    seed: int = option(0, "noise seed")
+    batch_size: int = option(8, "images per transformer batch")
+    resolution: int | None = option(None, "image size (default: the model's)")
+    max_prompts: int | None = option(None, "evaluate only the first M prompts (of each style for HPD)")
+    out_dir: str = option("outputs/eval", "output directory", flag="out")
+    device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
+    dtype: Literal["fp32", "fp16", "bf16"] = option("fp32", "dtype of the model's weights")
+    lora: str | None = option(None, "a trained LoRA: a checkpoint directory (checkpoint-NNNNNN) or a diffusers LoRA "
+                              "folder (e.g. a checkpoint's lora/, its last weights); --model defaults to the "
+                              "checkpoint's model", metavar="DIR")
+    lora_weights: Literal["ema", "last"] | None = option(
+        None, "a checkpoint's EMA or last weights (default: ema when it has them, else last)", flag="weights")
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -93,7 +98,7 @@ class SamplingRun:
         for name in ("resolution", "max_prompts"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}")
+                raise ConfigError(f"{name} must be an integer >= 1 (or None for the default), got {value!r}", key=name)
         if self.lora_weights is not None and self.lora is None:
             raise ValueError(f"--weights {self.lora_weights} chooses a checkpoint's weights: give the checkpoint "
                              "with --lora CHECKPOINT")
@@ -115,17 +120,21 @@ class EvalConfig(SamplingRun):
     checkpoint's base model, else ``assets/toy-sd3``.
     """
 
-    model: str | None = None
-    prompts: str | None = None
-    images_per_tag: int | None = None
-    steps: int = 10
-    batch_size: int = 64
-    out_dir: str = "outputs/eval-toy"
+    model: str | None = option(None, "diffusers pipeline directory (default: a --lora checkpoint's model, else "
+                               "assets/toy-sd3)")
+    prompts: str | None = option(None, "GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
+    images_per_tag: int | None = option(None, "tag-balanced: this many images per tag, split evenly over its prompts "
+                                        "(replaces images_per_prompt; equal tag sizes minimise the standard error of "
+                                        "GenEval's overall)")
+    steps: int = redefault(SamplingRun, "steps", 10)
+    batch_size: int = redefault(SamplingRun, "batch_size", 64)
+    out_dir: str = redefault(SamplingRun, "out_dir", "outputs/eval-toy")
 
     def validate(self) -> None:
         super().validate()
         if self.images_per_tag is not None and (not _is_int(self.images_per_tag) or self.images_per_tag < 1):
-            raise ValueError(f"images_per_tag must be an integer >= 1 (or None), got {self.images_per_tag!r}")
+            raise ConfigError(f"images_per_tag must be an integer >= 1 (or None), got {self.images_per_tag!r}",
+                              key="images_per_tag")
 
 
 def _is_int(value: Any) -> bool:
@@ -139,16 +148,17 @@ def check_sampling_args(*, steps, images_per_prompt, guidance_scale, seed, batch
     """
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if not _is_int(value) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", key=name)
     counts = images_per_prompt if isinstance(images_per_prompt, Sequence) else [images_per_prompt]
     if not counts or not all(_is_int(value) and value >= 1 for value in counts):
-        raise ValueError(f"images_per_prompt must be an integer >= 1 or a list of them, got {images_per_prompt!r}")
+        raise ConfigError(f"images_per_prompt must be an integer >= 1 or a list of them, got {images_per_prompt!r}",
+                          key="images_per_prompt")
     if not _is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        raise ConfigError(f"seed must be an integer >= 0, got {seed!r}", key="seed")
     if isinstance(guidance_scale, bool) or not isinstance(guidance_scale, (int, float)) or not (
         math.isfinite(guidance_scale) and guidance_scale >= 0
     ):
-        raise ValueError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}")
+        raise ConfigError(f"guidance_scale must be a finite number >= 0, got {guidance_scale!r}", key="guidance_scale")
 
 
 # ------------------------------------------------------------------------------------------------ sampling

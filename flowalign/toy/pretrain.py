@@ -26,7 +26,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from ..lr_schedule import learning_rate_scale
 from ..models.tiny import tiny_sd3_pipeline
+from ..settings import at_least, finite, option
 from .prompts import split_prompts
 from .scenes import render, scene_for
 
@@ -44,22 +45,36 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class PretrainConfig:
-    out: str = "assets/toy-sd3"
-    seed: int = 0
-    vae_steps: int = 300
-    vae_batch_size: int = 64
-    vae_lr: float = 2e-3
-    kl_weight: float = 1e-6
-    steps: int = 6200
-    batch_size: int = 64
-    lr: float = 1e-3
-    warmup_steps: int = 200
-    weight_decay: float = 0.01
-    ema_decay: float = 0.999
-    empty_caption_prob: float = 0.1
-    shift: float = 1.0
-    threads: int = 2
-    tag_weights: dict = field(default_factory=lambda: {"color_attr": 2.0})  # tags not listed weigh 1
+    """Settings of ``flowalign toy pretrain`` (module docstring)."""
+
+    out: str = option("assets/toy-sd3", "output pipeline directory")
+    seed: int = option(0, "seed")
+    vae_steps: int = option(300, "VAE training steps")
+    vae_batch_size: int = option(64, "VAE batch size")
+    vae_lr: float = option(2e-3, "VAE learning rate")
+    kl_weight: float = option(1e-6, "weight of the VAE's KL term")
+    steps: int = option(6200, "transformer training steps")
+    batch_size: int = option(64, "transformer batch size")
+    lr: float = option(1e-3, "transformer learning rate (AdamW, warmup then cosine decay)")
+    warmup_steps: int = option(200, "learning-rate warmup steps")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    ema_decay: float = option(0.999, "decay of the saved EMA of the weights")
+    empty_caption_prob: float = option(0.1, "probability of the empty caption (for classifier-free guidance)")
+    shift: float = option(1.0, "timestep shift of the scheduler")
+    threads: int = option(2, "torch CPU threads")
+    tag_weights: dict = option({"color_attr": 2.0}, "sampling weight per tag (tags not listed weigh 1)")
+
+    def validate(self) -> None:
+        for name in ("vae_steps", "vae_batch_size", "steps", "batch_size", "threads"):
+            at_least(name, getattr(self, name), 1)
+        at_least("warmup_steps", self.warmup_steps, 0)
+        at_least("seed", self.seed, 0)
+        for name in ("vae_lr", "lr"):
+            finite(name, getattr(self, name), 0, strict=True)
+        for name in ("kl_weight", "weight_decay", "shift"):
+            finite(name, getattr(self, name), 0)
+        finite("ema_decay", self.ema_decay, 0, high=1)
+        finite("empty_caption_prob", self.empty_caption_prob, 0, high=1)
 
 
 ARCHITECTURE = dict(
@@ -250,19 +265,3 @@ def pretrain(config: PretrainConfig) -> Path:
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
     logger.info("saved %s (%.1f MB) after %.1f min", out, size, log["total_seconds"] / 60)
     return out
-
-
-def main(args) -> None:
-    overrides = {
-        key: getattr(args, key)
-        for key in ("out", "seed", "vae_steps", "steps", "batch_size")
-        if getattr(args, key, None) is not None
-    }
-    from flowalign.errors import setup_phase
-
-    with setup_phase():
-        for key in ("vae_steps", "steps", "batch_size"):
-            if key in overrides and overrides[key] < 1:
-                raise ValueError(f"--{key.replace('_', '-')} must be >= 1, got {overrides[key]}")
-        config = PretrainConfig(**overrides)
-    pretrain(config)

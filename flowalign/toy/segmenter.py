@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..settings import at_least, finite, option
 from .scenes import COLORS, SHAPES, SceneError, render, scene_for, shape_mask
 
 __all__ = ["CLASSES", "DEFAULT_SEGMENTER", "SegmenterConfig", "ShapeSegmenter", "degrade", "load_segmenter",
@@ -70,15 +71,34 @@ class ShapeSegmenter(nn.Module):
 class SegmenterConfig:
     """Training settings (saved with the weights)."""
 
-    seed: int = 0
-    steps: int = 1500
-    batch_size: int = 64
-    lr: float = 3e-3
-    width: int = 32
-    max_blur: float = 1.5
-    max_fade: float = 0.4
-    noise: float = 0.03
-    threads: int = 2
+    seed: int = option(0, "seed")
+    steps: int = option(1500, "training steps")
+    batch_size: int = option(64, "scenes per step")
+    lr: float = option(3e-3, "Adam learning rate")
+    width: int = option(32, "channels of the segmenter")
+    max_blur: float = option(1.5, "largest Gaussian blur of a training image")
+    max_fade: float = option(0.4, "largest fade towards grey of a training image")
+    noise: float = option(0.03, "pixel noise of a training image")
+    threads: int = option(2, "torch CPU threads")
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "width", "threads"):
+            at_least(name, getattr(self, name), 1)
+        at_least("seed", self.seed, 0)
+        finite("lr", self.lr, 0, strict=True)
+        for name in ("max_blur", "max_fade", "noise"):
+            finite(name, getattr(self, name), 0)
+
+
+@dataclass
+class SegmenterRun(SegmenterConfig):
+    """``flowalign toy segmenter``: the training settings and where to save the segmenter."""
+
+    out: str = option("assets/toy-segmenter", "output directory")
+
+    def training(self) -> SegmenterConfig:
+        """The training settings alone (what is saved with the weights)."""
+        return SegmenterConfig(**{f.name: getattr(self, f.name) for f in fields(SegmenterConfig)})
 
 
 def random_metadata(rng: np.random.Generator) -> dict:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from flowalign.devices import resolve_device
+from flowalign.settings import option
 
 __all__ = ["RegisterTrainConfig", "collect_states", "evaluate_registers", "train_registers"]
 
@@ -40,29 +41,31 @@ logger = logging.getLogger(__name__)
 class RegisterTrainConfig:
     """Settings of ``flowalign registers train``."""
 
-    model: str = "assets/toy-sd3"
-    prompts: str | None = None
-    eval_prompts: str | None = None
-    reward: str = "toy_geneval"
-    partial_credit: bool = True
-    iterations: int = 30
-    prompts_per_iteration: int = 8
-    samples_per_prompt: int = 4
-    steps: int = 10
-    noise_level: float = 0.0
-    updates_per_iteration: int = 8
-    lr: float = 1e-3
-    num_registers: int = 32
-    width: int = 128
-    taps: list[int] | None = None
-    eval_prompt_count: int = 16
-    val_prompt_count: int = 16
-    eval_every: int = 5
-    weight_decay: float = 0.0
-    baseline_x0: bool = True
-    seed: int = 0
-    out: str = "outputs/registers/registers.pt"
-    device: str | None = None
+    model: str = option("assets/toy-sd3", "diffusers pipeline directory of the frozen model")
+    prompts: str | None = option(None, "training metadata jsonl (default: assets/prompts/train.jsonl)")
+    eval_prompts: str | None = option(None, "held-out metadata jsonl (default: test.jsonl)")
+    reward: str = option("toy_geneval", "registered image reward that labels the final images")
+    partial_credit: bool = option(True, "toy_geneval gives partial credit (--binary-reward: it does not)",
+                                  flag="binary-reward", flag_value=False)
+    iterations: int = option(30, "training iterations")
+    prompts_per_iteration: int = option(8, "prompts sampled per iteration")
+    samples_per_prompt: int = option(4, "trajectories per prompt (pairs are formed within a prompt)")
+    steps: int = option(10, "sampler steps per trajectory")
+    noise_level: float = option(0.0, "SDE noise level of the trajectories (0: ODE)")
+    updates_per_iteration: int = option(8, "optimizer steps per iteration")
+    lr: float = option(1e-3, "learning rate")
+    num_registers: int = option(32, "register tokens")
+    width: int = option(128, "head width")
+    taps: list[int] | None = option(None, "block indices to read (default: 3 evenly spaced)")
+    eval_prompt_count: int = option(16, "held-out prompts in the report")
+    val_prompt_count: int = option(16, "training prompts held back to pick the best iteration (0: keep the last)")
+    eval_every: int = option(5, "validate every this many iterations (and at the last)")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    baseline_x0: bool = option(True, "report the x0-projection baseline too (--no-baseline: skip it)",
+                               flag="no-baseline", flag_value=False)
+    seed: int = option(0, "seed")
+    out: str = option("outputs/registers/registers.pt", "checkpoint file to write")
+    device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
 
     def validate(self) -> None:
         for name in ("iterations", "prompts_per_iteration", "steps", "updates_per_iteration", "num_registers",

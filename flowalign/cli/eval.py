@@ -1,0 +1,74 @@
+"""``flowalign eval toy|geneval|hpd``: each built from its settings dataclass (``EvalConfig``, ``GenEvalRunConfig``,
+``HPDRunConfig``, all extending ``SamplingRun``) by the config loader; the options are generated from their fields."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import ConfigCommand, add_config_command
+
+__all__ = ["add_eval_commands"]
+
+
+def _eval_config() -> type:
+    from flowalign.evaluation.toy_eval import EvalConfig
+
+    return EvalConfig
+
+
+def _geneval_config() -> type:
+    from flowalign.evaluation.geneval_eval import GenEvalRunConfig
+
+    return GenEvalRunConfig
+
+
+def _hpd_config() -> type:
+    from flowalign.evaluation.hpd_eval import HPDRunConfig
+
+    return HPDRunConfig
+
+
+def _run_eval_toy(config, args: argparse.Namespace) -> None:
+    from flowalign.evaluation.toy_eval import run_eval
+
+    run_eval(config)
+
+
+def _run_eval_geneval(config, args: argparse.Namespace) -> None:
+    from flowalign.errors import SetupError
+    from flowalign.evaluation.geneval_eval import run_geneval
+
+    if config.model is None and config.lora is None and config.images is None:
+        raise SetupError("give --model to generate images, or --images DIR to score an existing GenEval folder")
+    run_geneval(config)
+
+
+def _run_eval_hpd(config, args: argparse.Namespace) -> None:
+    from flowalign.errors import SetupError
+    from flowalign.evaluation.hpd_eval import run_hpd
+
+    if config.model is None and config.lora is None:
+        raise SetupError("give --model (the pipeline to evaluate), or --lora with a training checkpoint")
+    run_hpd(config)
+
+
+def add_eval_commands(group) -> None:
+    add_config_command(
+        group, "toy", ConfigCommand(_eval_config, _run_eval_toy),
+        help="GenEval-style evaluation on the toy world",
+        description="Sample the toy prompts with the ODE, detect shapes, judge with GenEval's rules; writes "
+        "results.json, summary.md and grid.png to --out.",
+    )
+    add_config_command(
+        group, "geneval", ConfigCommand(_geneval_config, _run_eval_geneval),
+        help="GenEval: generate into GenEval's folder layout (or score an existing folder) and judge",
+        description="With --model, sample every prompt of --metadata into <out>/images (or --images) in GenEval's "
+        "layout (<dir>/00000/metadata.jsonl, samples/00000.png); without --model, score the existing folder "
+        "--images. Writes results.json and summary.md to --out.",
+    )
+    add_config_command(
+        group, "hpd", ConfigCommand(_hpd_config, _run_eval_hpd),
+        help="HPD v2: HPS v2.1 of generated images, per style (mean of 10 chunk means, std) and Average",
+        description="Sample the HPD v2 prompts (--prompts DIR with anime.json, concept-art.json, paintings.json, "
+        "photo.json) and score them with HPS v2.1; writes results.json and summary.md to --out.",
+    )

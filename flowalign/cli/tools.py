@@ -1,0 +1,117 @@
+"""The tools around training: ``toy pretrain``, ``toy segmenter``, ``registers train`` (each built from its settings
+dataclass by the config loader) and ``export`` (a checkpoint's LoRA for diffusers; positional, no config)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .options import ConfigCommand, add_config_command
+
+__all__ = ["add_export", "add_registers_train", "add_toy_pretrain", "add_toy_segmenter"]
+
+
+def _pretrain_config() -> type:
+    from flowalign.toy.pretrain import PretrainConfig
+
+    return PretrainConfig
+
+
+def _segmenter_config() -> type:
+    from flowalign.toy.segmenter import SegmenterRun
+
+    return SegmenterRun
+
+
+def _registers_config() -> type:
+    from flowalign.training.registers import RegisterTrainConfig
+
+    return RegisterTrainConfig
+
+
+def _run_toy_pretrain(config, args: argparse.Namespace) -> None:
+    from flowalign.toy.pretrain import pretrain
+
+    pretrain(config)
+
+
+def _run_toy_segmenter(config, args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from flowalign.toy.segmenter import train_segmenter
+
+    train_segmenter(config.training(), config.out)
+    report = json.loads((Path(config.out) / "config.json").read_text())["held_out"]
+    print(f"wrote {config.out}: " + ", ".join(f"{k} {v}" for k, v in report.items()))
+
+
+def _run_registers_train(config, args: argparse.Namespace) -> None:
+    from flowalign.training.registers import train_registers
+
+    result = train_registers(config)
+    print(f"wrote {result['checkpoint']}")
+
+
+def add_toy_pretrain(group) -> None:
+    add_config_command(
+        group, "pretrain", ConfigCommand(_pretrain_config, _run_toy_pretrain),
+        help="pre-train the toy SD3 model",
+        description="Pre-train the small SD3 pipeline of the toy world and save it with save_pretrained.",
+    )
+
+
+def add_toy_segmenter(group) -> None:
+    add_config_command(
+        group, "segmenter", ConfigCommand(_segmenter_config, _run_toy_segmenter),
+        help="train the toy shape segmenter behind the differentiable toy_geneval_soft reward",
+        description="Train the per-pixel shape segmenter (flowalign.toy.segmenter) on random rendered scenes and save "
+        "model.safetensors and config.json (settings and held-out pixel accuracy) to --out.",
+    )
+
+
+def add_registers_train(group) -> None:
+    add_config_command(
+        group, "train", ConfigCommand(_registers_config, _run_registers_train),
+        help="train latent reward registers on the model's own samples (pairwise Thurstone loss)",
+        description="Sample K trajectories per prompt with the frozen model, label the final images with --reward, "
+        "and fit register heads on pairs of noisy states of the same prompt; reports held-out pairwise accuracy "
+        "by sigma band (report.md / report.json next to --out).",
+    )
+
+
+def add_export(commands) -> None:
+    from flowalign.export import WEIGHTS
+
+    parser = commands.add_parser(
+        "export",
+        help="export a training checkpoint's LoRA for diffusers (a LoRA folder, or a pipeline with it merged)",
+        description="Write a checkpoint's EMA or last LoRA weights to --out: a diffusers LoRA folder "
+        "(pytorch_lora_weights.safetensors, for pipe.load_lora_weights), or with --merge a full pipeline directory "
+        "with the LoRA folded into the transformer (plain StableDiffusion3Pipeline / FluxPipeline.from_pretrained). "
+        "--out must not exist or be empty.",
+    )
+    parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory (checkpoint-NNNNNN)")
+    parser.add_argument("--out", required=True, help="the directory to write (new or empty)")
+    parser.add_argument("--weights", choices=WEIGHTS, default=None,
+                        help="EMA or last weights (default: ema when the checkpoint has them, else last)")
+    parser.add_argument("--merge", action="store_true", help="write a full pipeline with the LoRA merged")
+    parser.add_argument("--model", default=None, help="the base pipeline (default: the checkpoint's model.path)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                        help="dtype of the base weights (default: the checkpoint's model.dtype)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.set_defaults(handler=_run_export)
+
+
+def _run_export(args: argparse.Namespace) -> None:
+    from flowalign.devices import resolve_device
+    from flowalign.errors import SetupError, setup_phase
+    from flowalign.export import export_lora
+
+    try:
+        with setup_phase():  # reading the checkpoint, loading the model: every failure is the input's
+            out = export_lora(args.checkpoint, args.out, weights=args.weights, merge=args.merge, model=args.model,
+                              dtype=args.dtype, device=resolve_device(args.device))
+    except FileExistsError as error:
+        raise SetupError(str(error)) from None
+    kind = "pipeline with the LoRA merged" if args.merge else "diffusers LoRA folder"
+    print(f"wrote {out} ({kind})")

@@ -1,0 +1,81 @@
+"""``flowalign train`` (GRPO fine-tuning) and ``flowalign calibrate`` (DenseGRPO's per-step noise calibration).
+
+Both take ``[CONFIG] [key=value ...]`` for a ``TrainConfig`` (``--a.b VALUE`` is the override ``a.b=VALUE``);
+``train --resume CHECKPOINT|latest`` is ``train.resume``. ``calibrate``'s own options are ``CalibrateOptions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from flowalign.settings import at_least, finite, option
+
+from .options import ConfigCommand, add_config_command
+
+__all__ = ["CalibrateOptions", "add_calibrate", "add_train"]
+
+
+def _train_config() -> type:
+    from flowalign.training.config import TrainConfig
+
+    return TrainConfig
+
+
+@dataclass
+class CalibrateOptions:
+    """``flowalign calibrate``'s own settings (the rest of its command line is the training config)."""
+
+    out: str = option(None, "the calibrated config to write (YAML)")
+    rounds: int = option(10, "calibration rounds")
+    eps1: float = option(2.0, "sign-balance tolerance")
+    eps2: float = option(0.01, "noise-level step per round")
+
+    def validate(self) -> None:
+        from flowalign.settings import check
+
+        check(self.out is not None, "out", "is required: give --out FILE")
+        at_least("rounds", self.rounds, 1)
+        finite("eps1", self.eps1, 0)
+        finite("eps2", self.eps2, 0)
+
+
+def _run_train(config, args: argparse.Namespace) -> None:
+    from flowalign.training.trainer import GRPOTrainer
+
+    trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
+    trainer.train()  # a failure from here on is no user error: it keeps its traceback
+
+
+def _run_calibrate(config, args: argparse.Namespace) -> None:
+    from flowalign.training.calibrate import calibrate, write_calibrated_config
+
+    from .options import config_and_overrides
+
+    options = args.options
+    path, overrides = config_and_overrides(args.items)
+    levels, history = calibrate(config, rounds=options.rounds, eps1=options.eps1, eps2=options.eps2)
+    out = write_calibrated_config(options.out, levels, history, base=path, overrides=overrides, eps1=options.eps1,
+                                  eps2=options.eps2)
+    print(f"wrote {out}: sampling.noise_table = {levels}")
+
+
+def add_train(commands) -> None:
+    add_config_command(
+        commands, "train", ConfigCommand(_train_config, _run_train, flags=False,
+                                         aliases={"--resume": ("train.resume", "continue a run: a checkpoint or "
+                                                                               "'latest'")}),
+        help="GRPO fine-tuning (the main job; with no config: the toy-world default run)",
+        description="Fine-tune with GRPO. CONFIG is a YAML file (optional); KEY=VALUE overrides use dotted keys, "
+        "e.g. optim.lr=3e-4 sampling.noise_level=0.9.",
+    )
+
+
+def add_calibrate(commands) -> None:
+    add_config_command(
+        commands, "calibrate", ConfigCommand(_train_config, _run_calibrate, options=CalibrateOptions),
+        help="calibrate per-step noise levels (DenseGRPO) and write them as a train config",
+        description="Sample trajectories with the training config, score the ODE completion of every state, and "
+        "move each stochastic step's noise level up (signs of dR balanced) or down (unbalanced); the result is a "
+        "YAML config with sampling.noise_table for `flowalign train`.",
+    )

@@ -1,0 +1,247 @@
+"""The built-in guided samplers: ``none`` (one ODE sample), ``bon`` (best-of-N), ``fk`` (Feynman-Kac steering), ``dts``
+(DTS*, greedy tree search, or DTS with ``soft``) and ``rgs`` (reward-gradient guidance), each a ``GuidedSampler``
+over the numerics of ``flowalign.samplers`` with its settings.
+
+* best-of-N: ``N = budget // T`` ODE trajectories of ``T`` NFEs per prompt, the one of highest reward kept.
+* FK steering (Singhal et al. 2025): SDE particles with potentials ``G_t = exp(lam * r(x0_hat_t))`` (``potential``:
+  max / add / diff / rt), resampled from step ``resample_start`` on; with ``reward`` (a differentiable image reward)
+  its proposals are moved by RGS's x0_hat gradient (no extra NFE).
+* DTS* / DTS (Jain et al. 2025, "Diffusion Tree Sampling"): a tree of SDE states, ``max_children`` per node, values
+  backed up as soft maxima at inverse temperature ``lam``; greedy (DTS*) or Boltzmann (DTS, ``soft``) selection.
+* RGS: the ODE with a correction along the reward's gradient, ``scale(sigma)`` by ``bands`` (``SIGMA:SCALE``, highest
+  sigma first, none below the last); the gradient from register heads (``registers``) or from a differentiable image
+  reward of the decoded x0_hat (``reward``), through the velocity (``gradient: full``, one backward pass per guided
+  step) or on x0_hat alone (``x0``, free).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from flowalign.components import ComponentConfig
+from flowalign.config import ConfigError
+from flowalign.samplers.fk import POTENTIALS
+from flowalign.samplers.rgs import DEFAULT_BANDS
+from flowalign.settings import at_least, check, finite, option, parse_json_object, parse_sigma_band
+
+from . import GuidedProblem, GuidedSampler, register_sampler
+
+__all__ = ["BestOfN", "DiffusionTreeSearch", "FKSteering", "GradientSettings", "OneSample", "RewardGradient",
+           "SDESettings"]
+
+_DEFAULT_BANDS = [list(band) for band in DEFAULT_BANDS]
+# Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
+# step, two with CFG) or on x0_hat alone (free); see samplers.rgs.x0_guide.
+RGS_GRADIENTS = ("full", "x0")
+
+
+@dataclass
+class SDESettings(ComponentConfig):
+    """What the samplers of SDE particles share (FK, DTS)."""
+
+    noise_level: float = option(0.7, "SDE noise level of FK particles and tree search")
+    lam: float = option(10.0, "FK / DTS inverse temperature")
+
+    def validate(self) -> None:
+        if not self.noise_level > 0:
+            raise ConfigError(f"guidance {self.name!r} needs noise_level > 0 (SDE particles), got {self.noise_level}",
+                              key="noise_level")
+        finite("noise_level", self.noise_level, 0)
+        finite("lam", self.lam, 0)
+
+
+@dataclass
+class GradientSettings(ComponentConfig):
+    """A differentiable image reward of the decoded x0_hat as a gradient source (RGS, FK's proposals)."""
+
+    reward: str | None = option(None, "differentiable image reward for RGS's gradient on the decoded x0_hat "
+                                "(toy_geneval_soft, pickscore, hps, clipscore, aesthetic, imagereward)",
+                                flag="rgs-reward")
+    reward_kwargs: dict[str, Any] = option({}, "--rgs-reward's constructor arguments as a JSON object, e.g. local "
+                                           "weights: '{\"model\": \"/w/PickScore_v1\", \"device\": \"cuda\"}'",
+                                           flag="rgs-reward-kwargs", parse=parse_json_object, metavar="JSON")
+    gradient: Literal[RGS_GRADIENTS] = option("full", "--rgs-reward's gradient: through the velocity (full, one "
+                                             "backward NFE per guided step) or on x0_hat alone (x0, no extra NFE)",
+                                             flag="rgs-gradient")
+    bands: list[list[float]] = option(_DEFAULT_BANDS, "RGS correction scale above each sigma, highest first (no "
+                                      "gradient below the last)", flag="rgs-bands", parse=parse_sigma_band,
+                                      metavar="SIGMA:SCALE")
+
+    def validate(self) -> None:
+        from flowalign.samplers.rgs import check_bands
+
+        if self.reward_kwargs and self.reward is None:
+            raise ConfigError("--rgs-reward-kwargs are the constructor arguments of --rgs-reward: pass --rgs-reward "
+                              "NAME too", key="reward_kwargs")
+        try:
+            check_bands(self.bands)
+        except ValueError as error:
+            raise ConfigError(str(error), key="bands") from None
+
+    def differentiable_reward(self) -> tuple[str, dict] | None:
+        return None if self.reward is None else (self.reward, dict(self.reward_kwargs))
+
+    def band_pairs(self) -> list[tuple[float, float]]:
+        return [(float(sigma), float(scale)) for sigma, scale in self.bands]
+
+
+@dataclass
+class NoSettings(ComponentConfig):
+    """A sampler without settings of its own."""
+
+
+@register_sampler("none", config=NoSettings)
+class OneSample(GuidedSampler):
+    """One ODE sample per prompt: the budget is what it costs."""
+
+    uses_budget = False
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.guided import best_of_n
+
+        budget = problem.config.steps * problem.evals_per_sample
+        return best_of_n(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators, budget,
+                         device=problem.device)
+
+
+@register_sampler("bon", config=NoSettings)
+class BestOfN(GuidedSampler):
+    """Best-of-N: N = budget // T ODE samples per prompt, the best by the reward kept."""
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.guided import best_of_n
+
+        return best_of_n(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators,
+                         problem.budget, device=problem.device)
+
+
+@dataclass
+class FKSettings(SDESettings, GradientSettings):
+    potential: Literal[POTENTIALS] = option("add", "FK potential")
+    resample_start: int = option(0, "first step at which FK scores x0_hat and may resample (then every step but the "
+                                 "last)", flag="fk-resample-start")
+
+    def validate(self) -> None:
+        SDESettings.validate(self)
+        GradientSettings.validate(self)
+        at_least("resample_start", self.resample_start, 0)
+        if self.reward is not None and self.gradient != "x0":
+            raise ConfigError("FK's RGS-guided proposals take the gradient on x0_hat only (no extra NFE): pass "
+                              "--rgs-gradient x0 with --guidance fk --rgs-reward", key="gradient")
+
+
+@register_sampler("fk", config=FKSettings)
+class FKSteering(GuidedSampler):
+    """Feynman-Kac steering: SDE particles resampled by reward potentials (RGS-guided proposals with --rgs-reward)."""
+
+    def requirements(self) -> frozenset[str]:
+        return frozenset({"reward", "differentiable_reward"} if self.config.reward else {"reward"})
+
+    def differentiable_reward(self):
+        return self.config.differentiable_reward()
+
+    def check(self, config) -> None:
+        start = self.config.resample_start
+        if not (isinstance(start, int) and 0 <= start < config.steps - 1):
+            raise ConfigError(f"fk_resample_start must be a step in 0..{config.steps - 2} (sampler.resample_start: FK "
+                              f"scores x0_hat from that step on, every step but the last), got {start!r}",
+                              key="sampler.resample_start")
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.fk import fk_steering
+        from flowalign.samplers.rgs import x0_gradient_correction
+
+        settings = self.config
+        corrector = None
+        if problem.guide_reward is not None:  # RGS-guided proposals
+            guide = problem.latent_reward(problem.guide_reward, differentiable=True)
+            corrector = x0_gradient_correction(guide, settings.band_pairs())
+        return fk_steering(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators,
+                           problem.budget, potential_kind=settings.potential, lam=settings.lam,
+                           noise_level=settings.noise_level, corrector=corrector,
+                           resample_steps=range(settings.resample_start, problem.config.steps - 1),
+                           device=problem.device)
+
+
+@dataclass
+class DTSSettings(SDESettings):
+    max_children: int = option(3, "DTS children per node")
+    soft: bool = option(False, "DTS (Boltzmann selection) instead of DTS* (greedy)", flag="dts-soft")
+
+    def validate(self) -> None:
+        super().validate()
+        at_least("max_children", self.max_children, 2)
+
+
+@register_sampler("dts", config=DTSSettings)
+class DiffusionTreeSearch(GuidedSampler):
+    """Diffusion tree search: DTS* (greedy) or DTS (soft, Boltzmann selection)."""
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.dts import diffusion_tree_search
+
+        settings = self.config
+        return diffusion_tree_search(problem.velocity, problem.reward, problem.sigmas, problem.shape,
+                                     problem.generators, problem.budget, greedy=not settings.soft, lam=settings.lam,
+                                     max_children=settings.max_children, noise_level=settings.noise_level,
+                                     device=problem.device)
+
+
+@dataclass
+class RGSSettings(GradientSettings):
+    registers: str | None = option(None, "register checkpoint (`flowalign registers train`): RGS's gradient from "
+                                   "register heads, instead of --rgs-reward")
+
+    def validate(self) -> None:
+        GradientSettings.validate(self)
+        if self.registers is None and self.reward is None:
+            raise ConfigError(
+                "guidance 'rgs' needs a differentiable reward, and the image reward that scores samples has no "
+                "gradient: pass --registers CKPT (trained with `flowalign registers train`), or --rgs-reward NAME "
+                "with a differentiable image reward (toy_geneval_soft, pickscore, hps, clipscore, aesthetic, "
+                "imagereward), or use --guidance bon|fk|dts", key="registers")
+        if self.registers is not None and self.reward is not None:
+            raise ConfigError("pass either --registers or --rgs-reward as RGS's gradient source, not both",
+                              key="reward")
+        check(self.gradient == "full" or self.reward is not None, "gradient",
+              f"{self.gradient!r} (--rgs-gradient) applies to --rgs-reward only (register heads read x_t itself, so "
+              "their gradient always runs through the transformer)")
+
+
+@register_sampler("rgs", config=RGSSettings)
+class RewardGradient(GuidedSampler):
+    """Reward-gradient guidance on register heads or a differentiable image reward of x0_hat."""
+
+    def requirements(self) -> frozenset[str]:
+        return frozenset({"reward", "registers" if self.config.registers else "differentiable_reward"})
+
+    def differentiable_reward(self):
+        return self.config.differentiable_reward()
+
+    def registers_checkpoint(self) -> str | None:
+        return self.config.registers
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.rgs import reward_guided_sampling, x0_guide
+
+        settings, evals = self.config, problem.evals_per_sample
+        common = dict(final_reward=problem.reward, bands=settings.band_pairs(), device=problem.device)
+        if problem.guide_reward is not None:
+            through = settings.gradient == "full"
+            guide = x0_guide(problem.velocity, problem.latent_reward(problem.guide_reward, differentiable=True),
+                             through_velocity=through)
+            # a backward pass through the velocity costs what its forward did: 2 NFEs per sample with CFG
+            return reward_guided_sampling(guide, problem.sigmas, problem.shape, problem.generators, problem.budget,
+                                          backward_nfe=evals if through else 0, **common)
+        registers = problem.registers
+        if registers is None:
+            raise ValueError("guidance 'rgs' needs a differentiable reward: pass registers= or guide_reward=")
+        registers.attach(problem.model.transformer)
+        try:
+            return reward_guided_sampling(registers.guide(problem.velocity), problem.sigmas, problem.shape,
+                                          problem.generators, problem.budget,
+                                          head_weights=[1.0] * len(registers.head_names), backward_nfe=evals,
+                                          **common)
+        finally:
+            registers.detach()
