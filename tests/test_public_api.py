@@ -21,6 +21,8 @@ EXPORTS = {
     "register_loss": ("flowalign.losses", "register_loss"),
     "register_objective": ("flowalign.objectives", "register_objective"),
     "register_shape": ("flowalign.rollout", "register_shape"),
+    "register_sampler": ("flowalign.inference", "register_sampler"),
+    "GuidedSampler": ("flowalign.inference", "GuidedSampler"),
 }
 
 # A fresh interpreter times the import itself, then reports what it loaded.
