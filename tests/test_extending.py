@@ -1,6 +1,7 @@
 """Extending flowalign from outside the package: a reward, a credit estimator, a loss term and an objective are
 defined in this file, registered through the public API, named in a config, and run through the trainer for 2
-iterations; the trainer is never edited. (Guided samplers: tests/test_samplers_registry.py.)"""
+iterations, and a guided sampler runs through ``flowalign sample`` for one prompt; neither the trainer nor the sample
+command is edited (more on samplers: tests/test_samplers_registry.py)."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 import flowalign
 from flowalign.components import ComponentConfig
 from flowalign.credit import Credit, CreditEstimator
+from flowalign.inference import GuidedSampler
 from flowalign.losses import LossTerm
 from flowalign.objectives import DataUnit, Objective
 from flowalign.settings import check, option
@@ -104,12 +106,35 @@ class AnchorObjective(Objective):
         return self.config.weight * value, {"anchor": float(value.detach())}
 
 
+@dataclass
+class EulerConfig(ComponentConfig):
+    shrink: float = option(1.0, "scale of the initial noise")
+
+
+class ShrunkNoiseODE(GuidedSampler):
+    """One ODE sample per prompt from shrunk initial noise (a toy of a guided sampler: no guidance at all)."""
+
+    def sample(self, problem):
+        from flowalign.samplers.guided import GuidedResult, initial_noise
+        from flowalign.samplers.sde import ode_step
+
+        rows = torch.arange(len(problem.generators), device=problem.device)
+        x = self.config.shrink * initial_noise(problem.shape, problem.generators, rows, problem.device)
+        with torch.no_grad():
+            for i in range(problem.sigmas.numel() - 1):
+                x = ode_step(x, problem.velocity(x, problem.sigmas[i], rows), problem.sigmas[i], problem.sigmas[i + 1])
+            scores = problem.reward(x, rows).double().cpu()
+        nfe = (problem.sigmas.numel() - 1) * problem.evals_per_sample
+        return GuidedResult(final=x, reward=scores, nfe=torch.full((len(rows),), nfe, dtype=torch.long))
+
+
 @pytest.fixture(scope="module")
 def registered():
     """Register the parts (as a user's package would at import) and remove them afterwards."""
     from flowalign.credit import CREDIT
     from flowalign.losses import LOSSES
     from flowalign.objectives import OBJECTIVES
+    from flowalign.inference import SAMPLERS
     from flowalign.rewards import REWARDS
 
     flowalign.register_reward("red", RedReward)
@@ -117,12 +142,14 @@ def registered():
     flowalign.register_credit("rank", RankCredit, config=RankCreditConfig)
     flowalign.register_loss("speed", SpeedPenalty, config=SpeedConfig)
     flowalign.register_objective("anchor", AnchorObjective, config=AnchorConfig)
+    flowalign.register_sampler("shrunk_ode", ShrunkNoiseODE, config=EulerConfig)
     yield
     REWARDS.unregister("red")
     REWARDS.unregister("red_rank")
     CREDIT.unregister("rank")
     LOSSES.unregister("speed")
     OBJECTIVES.unregister("anchor")
+    SAMPLERS.unregister("shrunk_ode")
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +218,16 @@ def test_reward_callables_and_a_model_object_go_straight_to_the_trainer(tiny_mod
     assert trainer.model is model and [name for name, _, _ in trainer.rewards] == ["RedReward"]
     (metrics,) = trainer.train()
     assert "rewards/RedReward/mean" in metrics
+
+
+def test_a_new_guided_sampler_runs_through_flowalign_sample(registered, tiny_model, tmp_path):
+    import json
+
+    from flowalign.cli import main
+
+    out = tmp_path / "sample"
+    assert main(["sample", "--guidance", "shrunk_ode", "--shrink", "0.5", "--steps", "2", "--budget", "2",
+                 "--max-prompts", "1", "--model", str(tiny_model), "--out", str(out), "--reward", "brightness"]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["sampler"] == {"name": "shrunk_ode", "shrink": 0.5}
+    assert [row["nfe"] for row in results["results"]] == [2] and (out / "images" / "0000.png").is_file()

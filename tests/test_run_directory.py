@@ -119,7 +119,7 @@ def test_resumed_ema_sits_on_its_parameters_device_and_dtype(tiny_model, tmp_pat
     trainer = make_trainer(tiny_model, tmp_path / "run", **{**extra, "train.iterations": 2, "train.resume": "latest"})
     for param in trainer.params:  # stands in for CUDA: parameters of another dtype than the fp32 file
         param.data = param.data.double()
-    trainer.resume(trainer.checkpoint)
+    trainer.checkpointer.resume(trainer.checkpoint)
     saved = load_file(str(tmp_path / "run" / "checkpoint-000001" / "ema.safetensors"))
     averages = trainer.ema.state_dict()
     assert set(averages) == set(trainer.trainable_state()) == set(saved)

@@ -20,6 +20,7 @@ per-tag markdown table and overall); the table is also printed.
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,8 @@ from flowalign.evaluation.toy_eval import (
 )
 
 __all__ = ["GenEvalRunConfig", "generate_folder", "read_folder", "run_geneval", "score_folder"]
+
+logger = logging.getLogger(__name__)
 
 
 def _prompt_dir(folder: Path, index: int) -> Path:
@@ -209,6 +212,6 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
                           f"images correct: {summary['images_correct']:.3f}; prompts correct: "
                           f"{summary['prompts_correct']:.3f}", ""])
     (out / "summary.md").write_text(markdown, encoding="utf-8")
-    print(format_table(summary))
-    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}")
+    logger.info("%s", format_table(summary))
+    logger.info("%s", f"wrote {out / 'results.json'}, {out / 'summary.md'}")
     return summary

@@ -11,6 +11,7 @@ the count is not a multiple of 10), and the style's result is the mean of the 10
 
 from __future__ import annotations
 
+import logging
 import dataclasses
 import json
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from flowalign.settings import option, redefault
 
 __all__ = ["HPD_STYLES", "HPDRunConfig", "chunk_stats", "format_hpd_table", "hpd_summary", "load_hpd_prompts",
            "run_hpd"]
+
+logger = logging.getLogger(__name__)
 
 HPD_STYLES = ("anime", "concept-art", "paintings", "photo")
 NUM_CHUNKS = 10
@@ -176,6 +179,6 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
     table = format_hpd_table(summary)
     title = model_path if lora is None else f"{model_path} + {lora.describe()}"
     (out / "summary.md").write_text(f"# HPD v2: {title}\n\n{table}\n", encoding="utf-8")
-    print(table)
-    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}")
+    logger.info("%s", table)
+    logger.info("%s", f"wrote {out / 'results.json'}, {out / 'summary.md'}")
     return summary

@@ -21,6 +21,7 @@ Images are kept in memory as one float tensor: this is meant for the toy world's
 
 from __future__ import annotations
 
+import logging
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -50,6 +51,8 @@ __all__ = [
     "run_eval",
     "sample_seed",
 ]
+
+logger = logging.getLogger(__name__)
 
 GRID_MAX_IMAGES = 64
 DEFAULT_MODEL = "assets/toy-sd3"
@@ -517,6 +520,6 @@ def run_eval(config: EvalConfig) -> dict:
     shown = min(GRID_MAX_IMAGES, len(results))
     captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:shown]]
     save_grid(images[:shown], captions, out / "grid.png")
-    print(markdown.split("\n", 4)[-1].rstrip())
-    print(f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'grid.png'}")
+    logger.info("%s", markdown.split("\n", 4)[-1].rstrip())
+    logger.info("%s", f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'grid.png'}")
     return summary

@@ -43,11 +43,11 @@ class RGOPDConfig(ComponentConfig):
 
     def validate(self) -> None:
         finite("weight", self.weight, 0.0, strict=True)
+        check(not self.reward_kwargs or self.reward is not None, "reward_kwargs",
+              "are the constructor arguments of reward: set reward, or drop them")
         check((self.registers is None) != (self.reward is None), "registers",
               "or reward: give RG-OPD exactly one gradient source, a register checkpoint (registers) or a "
               "differentiable image reward such as toy_geneval_soft (reward)")
-        check(not self.reward_kwargs or self.reward is not None, "reward_kwargs",
-              "are the constructor arguments of reward: set reward, or drop them")
         from flowalign.samplers.rgs import check_bands
 
         try:

@@ -287,6 +287,6 @@ def _train_registers(config: RegisterTrainConfig, model, reward_fn, train_meta, 
               f"Weights of the last iteration ({selected}).")
     (out.parent / "report.md").write_text("# Register pairwise accuracy on held-out prompts\n\n" + table + "\n\n"
                                           + chosen + "\n")
-    print(table)
-    print(chosen)
+    logger.info("%s", table)
+    logger.info("%s", chosen)
     return {**summary, "checkpoint": str(out)}
