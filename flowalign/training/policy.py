@@ -30,14 +30,22 @@ def micro_batch(batch, step: int) -> MicroBatch:
     )
 
 
-def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
-    """The policy velocity at the micro-batch's sources (per transition too), and the reference's when asked."""
+def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool):
+    """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (LoRA off, no
+    gradient; else None)."""
     with autocast():
-        v_sources = model.velocity(micro.x, micro.sigma, micro.cond, guidance_scale)
-    v_ref_sources = None
+        v = model.velocity(x, sigma, cond, guidance_scale)
+    v_ref = None
     if reference:
         with torch.no_grad(), model.reference(), autocast():
-            v_ref_sources = model.velocity(micro.x, micro.sigma, micro.cond, guidance_scale)
+            v_ref = model.velocity(x, sigma, cond, guidance_scale)
+    return v, v_ref
+
+
+def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+    """The policy velocity at the micro-batch's sources (per transition too), and the reference's when asked."""
+    v_sources, v_ref_sources = velocities(model, micro.x, micro.sigma, micro.cond, guidance_scale=guidance_scale,
+                                          autocast=autocast, reference=reference)
     return PolicyOutput(v=v_sources[micro.inverse], v_sources=v_sources,
                         v_ref=None if v_ref_sources is None else v_ref_sources[micro.inverse],
                         v_ref_sources=v_ref_sources)
@@ -45,10 +53,6 @@ def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, 
 
 def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
     """The policy (and reference) velocity at an objective's data unit."""
-    with autocast():
-        v = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
-    v_ref = None
-    if reference:
-        with torch.no_grad(), model.reference(), autocast():
-            v_ref = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
+    v, v_ref = velocities(model, unit.x, unit.sigma, unit.cond, guidance_scale=guidance_scale, autocast=autocast,
+                          reference=reference)
     return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref)
