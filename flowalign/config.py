@@ -124,19 +124,20 @@ def _is_section(tp: Any) -> bool:
 def component(registry: str, default: str, help: str) -> Any:
     """A component section (module docstring): ``registry`` is ``"module:NAME"`` of a ``Registry`` whose entries
     have settings dataclasses, ``default`` the component used when no layer names one."""
-    return dataclasses.field(default_factory=lambda: _registry(registry).make_config(default, {"name": default}),
+    return dataclasses.field(default_factory=lambda: resolve_reference(registry).make_config(default, {"name": default}),
                              metadata={"help": help, "registry": registry, "default": default})
 
 
 def component_map(registry: str, defaults: Sequence[str], help: str) -> Any:
     """A mapping of component sections keyed by registered name (module docstring), ``defaults`` on by default."""
     return dataclasses.field(
-        default_factory=lambda: {n: _registry(registry).make_config(n, {"name": n}) for n in defaults},
+        default_factory=lambda: {n: resolve_reference(registry).make_config(n, {"name": n}) for n in defaults},
         metadata={"help": help, "registry": registry, "defaults": tuple(defaults), "map": True},
     )
 
 
-def _registry(ref: str) -> Any:
+def resolve_reference(ref: str) -> Any:
+    """The object a ``"module:attribute"`` reference names, imported on first use."""
     import importlib
 
     module, _, attribute = ref.partition(":")
@@ -180,7 +181,7 @@ def _schema_keys(cls: type, prefix: str = "") -> list[str]:
         keys.append(prefix + name)
         meta = _component_meta(cls, name)
         if meta is not None:
-            registry = _registry(meta["registry"])
+            registry = resolve_reference(meta["registry"])
             if meta.get("map"):
                 for entry in registry.names():
                     keys.extend(k for k in _settings_keys(registry, f"{prefix}{name}.{entry}.") if not k.endswith(
@@ -442,7 +443,7 @@ def _build(cls: type[T], root: type, flat: Mapping[str, Any], prefix: str, sourc
 def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any], dotted: str,
                      sources: Mapping[str, str], name: str | None = None) -> Any:
     """The settings dataclass of the component a section names, from its dotted keys (unknown keys: did-you-mean)."""
-    registry = _registry(meta["registry"])
+    registry = resolve_reference(meta["registry"])
     values = {k[len(dotted) + 1:]: v for k, v in flat.items() if k.startswith(dotted + ".")}
     if name is not None and values.get("name", name) == name:  # a map entry may repeat its key as its name
         values.pop("name", None)
@@ -476,7 +477,7 @@ def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any
 def _build_component_map(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any], dotted: str,
                          sources: Mapping[str, str]) -> dict[str, Any]:
     """The entries of a component map: the defaults, and every entry a layer names, minus those switched off."""
-    registry = _registry(meta["registry"])
+    registry = resolve_reference(meta["registry"])
     depth = dotted.count(".") + 1
     named = {k.split(".")[depth] for k in flat if k.startswith(dotted + ".")}
     entries = {}
@@ -714,7 +715,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def _component_help(meta: Mapping[str, Any], dotted: str, help_text: str) -> str:
     """A component section's help: the choice of component, then each registered one's settings."""
-    registry = _registry(meta["registry"])
+    registry = resolve_reference(meta["registry"])
     if meta.get("map"):
         on = ", ".join(meta.get("defaults", ())) or "none"
         lines = [f"{dotted}:  {help_text} (a mapping of {registry.plural} by name; on by default: {on}; "

@@ -10,22 +10,7 @@ from .options import ConfigCommand, add_config_command
 __all__ = ["add_eval_commands"]
 
 
-def _eval_config() -> type:
-    from flowalign.evaluation.toy_eval import EvalConfig
 
-    return EvalConfig
-
-
-def _geneval_config() -> type:
-    from flowalign.evaluation.geneval_eval import GenEvalRunConfig
-
-    return GenEvalRunConfig
-
-
-def _hpd_config() -> type:
-    from flowalign.evaluation.hpd_eval import HPDRunConfig
-
-    return HPDRunConfig
 
 
 def _run_eval_toy(config, args: argparse.Namespace) -> None:
@@ -54,20 +39,20 @@ def _run_eval_hpd(config, args: argparse.Namespace) -> None:
 
 def add_eval_commands(group) -> None:
     add_config_command(
-        group, "toy", ConfigCommand(_eval_config, _run_eval_toy),
+        group, "toy", ConfigCommand("flowalign.evaluation.toy_eval:EvalConfig", _run_eval_toy),
         help="GenEval-style evaluation on the toy world",
         description="Sample the toy prompts with the ODE, detect shapes, judge with GenEval's rules; writes "
         "results.json, summary.md and grid.png to --out.",
     )
     add_config_command(
-        group, "geneval", ConfigCommand(_geneval_config, _run_eval_geneval),
+        group, "geneval", ConfigCommand("flowalign.evaluation.geneval_eval:GenEvalRunConfig", _run_eval_geneval),
         help="GenEval: generate into GenEval's folder layout (or score an existing folder) and judge",
         description="With --model, sample every prompt of --metadata into <out>/images (or --images) in GenEval's "
         "layout (<dir>/00000/metadata.jsonl, samples/00000.png); without --model, score the existing folder "
         "--images. Writes results.json and summary.md to --out.",
     )
     add_config_command(
-        group, "hpd", ConfigCommand(_hpd_config, _run_eval_hpd),
+        group, "hpd", ConfigCommand("flowalign.evaluation.hpd_eval:HPDRunConfig", _run_eval_hpd),
         help="HPD v2: HPS v2.1 of generated images, per style (mean of 10 chunk means, std) and Average",
         description="Sample the HPD v2 prompts (--prompts DIR with anime.json, concept-art.json, paintings.json, "
         "photo.json) and score them with HPS v2.1; writes results.json and summary.md to --out.",

@@ -118,7 +118,7 @@ def command_flags(cls: type) -> dict[str, Flag]:
     """The options of ``cls`` by option string: one per plain field, and for each component section its name (when
     its field declares a flag) and every setting of every registered component (a setting whose option a field of
     ``cls`` already has is left to ``--section.key``). Nested sections are reached with ``--a.b``."""
-    from flowalign.config import _registry
+    from flowalign.config import resolve_reference
 
     flags: dict[str, Flag] = {}
     hints = typing.get_type_hints(cls)
@@ -133,7 +133,7 @@ def command_flags(cls: type) -> dict[str, Flag]:
     for f in sections:
         if f.metadata.get("map"):
             continue  # several at once: only --section.entry.key
-        registry = _registry(f.metadata["registry"])
+        registry = resolve_reference(f.metadata["registry"])
         if "flag" in f.metadata:
             option = "--" + f.metadata["flag"]
             flags[option] = Flag(option=option, key=f"{f.name}.name", type=str, help=f.metadata.get("help", ""),
@@ -231,10 +231,10 @@ class ConfigCommand:
     options the command also takes (``calibrate``: rounds, eps1, eps2, out), built from those options alone and
     passed as ``args.options``; ``aliases``: extra options naming one dotted key each (``train --resume``)."""
 
-    cls: type | Callable[[], type]
+    cls: type | str  # a class, or "module:Name"
     run: Callable[[Any, argparse.Namespace], None]
     flags: bool = True
-    options: type | Callable[[], type] | None = None
+    options: type | str | None = None
     aliases: dict[str, tuple[str, str]] = field(default_factory=dict)  # option -> (key, help)
 
     def schema(self) -> type:
@@ -254,7 +254,13 @@ class ConfigCommand:
 
 
 def _resolve(cls: Any) -> type:
-    return cls if isinstance(cls, type) else cls()
+    """A schema given as a class, or as ``"module:Name"`` imported when the command is used (heavy modules load
+    only for the command that runs)."""
+    if isinstance(cls, type):
+        return cls
+    from flowalign.config import resolve_reference  # the same ``module:attribute`` lookup component sections use
+
+    return resolve_reference(cls)
 
 
 def add_config_command(commands, name: str, command: ConfigCommand, *, help: str, description: str):

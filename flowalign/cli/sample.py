@@ -13,11 +13,6 @@ from .options import ConfigCommand, add_config_command
 __all__ = ["add_sample"]
 
 
-def _sample_config() -> type:
-    from flowalign.inference.sample import SampleConfig
-
-    return SampleConfig
-
 
 def _run_sample(config, args: argparse.Namespace) -> None:
     from flowalign.inference.sample import run_sample
@@ -31,7 +26,7 @@ def _run_sample(config, args: argparse.Namespace) -> None:
 
 def add_sample(commands) -> None:
     add_config_command(
-        commands, "sample", ConfigCommand(_sample_config, _run_sample),
+        commands, "sample", ConfigCommand("flowalign.inference.sample:SampleConfig", _run_sample),
         help="reward-guided sampling under an NFE budget (best-of-N, FK steering, DTS*, RGS, or a registered sampler)",
         description="Sample every prompt with a guided sampler that spends at most --budget NFEs per prompt; writes "
         "images/, grid.png, results.json (each chosen sample's reward and NFEs) and summary.md to --out.",

@@ -10,22 +10,7 @@ from .options import ConfigCommand, add_config_command
 __all__ = ["add_export", "add_registers_train", "add_toy_pretrain", "add_toy_segmenter"]
 
 
-def _pretrain_config() -> type:
-    from flowalign.toy.pretrain import PretrainConfig
 
-    return PretrainConfig
-
-
-def _segmenter_config() -> type:
-    from flowalign.toy.segmenter import SegmenterRun
-
-    return SegmenterRun
-
-
-def _registers_config() -> type:
-    from flowalign.training.registers import RegisterTrainConfig
-
-    return RegisterTrainConfig
 
 
 def _run_toy_pretrain(config, args: argparse.Namespace) -> None:
@@ -54,7 +39,7 @@ def _run_registers_train(config, args: argparse.Namespace) -> None:
 
 def add_toy_pretrain(group) -> None:
     add_config_command(
-        group, "pretrain", ConfigCommand(_pretrain_config, _run_toy_pretrain),
+        group, "pretrain", ConfigCommand("flowalign.toy.pretrain:PretrainConfig", _run_toy_pretrain),
         help="pre-train the toy SD3 model",
         description="Pre-train the small SD3 pipeline of the toy world and save it with save_pretrained.",
     )
@@ -62,7 +47,7 @@ def add_toy_pretrain(group) -> None:
 
 def add_toy_segmenter(group) -> None:
     add_config_command(
-        group, "segmenter", ConfigCommand(_segmenter_config, _run_toy_segmenter),
+        group, "segmenter", ConfigCommand("flowalign.toy.segmenter:SegmenterRun", _run_toy_segmenter),
         help="train the toy shape segmenter behind the differentiable toy_geneval_soft reward",
         description="Train the per-pixel shape segmenter (flowalign.toy.segmenter) on random rendered scenes and save "
         "model.safetensors and config.json (settings and held-out pixel accuracy) to --out.",
@@ -71,7 +56,7 @@ def add_toy_segmenter(group) -> None:
 
 def add_registers_train(group) -> None:
     add_config_command(
-        group, "train", ConfigCommand(_registers_config, _run_registers_train),
+        group, "train", ConfigCommand("flowalign.training.registers:RegisterTrainConfig", _run_registers_train),
         help="train latent reward registers on the model's own samples (pairwise Thurstone loss)",
         description="Sample K trajectories per prompt with the frozen model, label the final images with --reward, "
         "and fit register heads on pairs of noisy states of the same prompt; reports held-out pairwise accuracy "

@@ -16,11 +16,6 @@ from .options import ConfigCommand, add_config_command
 __all__ = ["CalibrateOptions", "add_calibrate", "add_train"]
 
 
-def _train_config() -> type:
-    from flowalign.training.config import TrainConfig
-
-    return TrainConfig
-
 
 @dataclass
 class CalibrateOptions:
@@ -62,7 +57,7 @@ def _run_calibrate(config, args: argparse.Namespace) -> None:
 
 def add_train(commands) -> None:
     add_config_command(
-        commands, "train", ConfigCommand(_train_config, _run_train, flags=False,
+        commands, "train", ConfigCommand("flowalign.training.config:TrainConfig", _run_train, flags=False,
                                          aliases={"--resume": ("train.resume", "continue a run: a checkpoint or "
                                                                                "'latest'")}),
         help="GRPO fine-tuning (the main job; with no config: the toy-world default run)",
@@ -73,7 +68,7 @@ def add_train(commands) -> None:
 
 def add_calibrate(commands) -> None:
     add_config_command(
-        commands, "calibrate", ConfigCommand(_train_config, _run_calibrate, options=CalibrateOptions),
+        commands, "calibrate", ConfigCommand("flowalign.training.config:TrainConfig", _run_calibrate, options=CalibrateOptions),
         help="calibrate per-step noise levels (DenseGRPO) and write them as a train config",
         description="Sample trajectories with the training config, score the ODE completion of every state, and "
         "move each stochastic step's noise level up (signs of dR balanced) or down (unbalanced); the result is a "

@@ -441,10 +441,10 @@ class TrainConfig:
     def components(self) -> Components:
         """The registered parts this config names (``flowalign.rollout``, ``.credit``, ``.credit.steps``,
         ``.losses``, ``.objectives``), built from their settings."""
-        from flowalign.config import _registry
+        from flowalign.config import resolve_reference
 
         def build(ref: str, settings: ComponentConfig):
-            return _registry(ref).build(settings.name, settings)
+            return resolve_reference(ref).build(settings.name, settings)
 
         return Components(
             shape=build("flowalign.rollout:SHAPES", self.rollout),
