@@ -144,8 +144,11 @@ def main() -> int:
                   for name in changed]
         if changed and not args.check:
             path.write_text(text)
-    stale += [f"docs/results/{page}: table {name!r} has no markers" for name, (page, _, _) in TABLES.items()
-              if name not in seen]
+    missing = [f"docs/results/{page}: no markers for table {name!r}" for name, (page, _, _) in TABLES.items()
+               if name not in seen]
+    if missing:
+        print("\n".join(missing))
+        return 1
     for name in stale_plots():
         stale.append(f"docs/results/img/{name}: differs from bench/results/{name}")
         if not args.check:
