@@ -104,3 +104,7 @@ def test_flowalign_sample_takes_plain_prompts_and_refuses_them_for_a_geneval_rew
     assert all(row["nfe"] == 6 for row in summary["results"])
     with pytest.raises(SetupError, match=r"--reward = 'toy_geneval' scores a prompt by its GenEval metadata"):
         sample("reward=toy_geneval")
+    red = sample("reward=brightness", "sampler.name=bon", 'reward_kwargs={"channel": 0}')  # --reward-kwargs JSON
+    assert [row["reward"] for row in red["results"]] != [row["reward"] for row in summary["results"]]
+    with pytest.raises(SetupError, match="brightness channel must be 0, 1, 2 or None"):
+        sample("reward=brightness", 'reward_kwargs={"channel": 7}')

@@ -44,7 +44,7 @@ from flowalign.devices import resolve_device
 from flowalign.inference.guided import RGS_GRADIENTS  # re-exported (bench/guided.py)
 from flowalign.samplers.guided import GuidedResult
 from flowalign.seeding import generator as seeded_generator
-from flowalign.settings import at_least, flagged, option
+from flowalign.settings import at_least, flagged, option, parse_json_object
 
 __all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "encode_prompts", "latent_reward",
            "prompt_velocity", "run_guided", "run_sample"]
@@ -78,6 +78,9 @@ class SampleConfig:
     steps: int = option(10, "sampler steps per trajectory")
     seed: int = option(0, "noise seed (prompt p's draws from the generator keyed (seed, p))")
     reward: str = option("toy_geneval", "registered image reward that scores samples")
+    reward_kwargs: dict[str, Any] = option({}, "--reward's constructor arguments as a JSON object, e.g. local "
+                                           "weights: '{\"model\": \"/w/PickScore_v1\", \"processor\": \"/w/CLIP\"}'",
+                                           parse=parse_json_object, metavar="JSON")
     partial_credit: bool = option(True, "toy_geneval gives partial credit (--binary-reward: it does not)",
                                   flag="binary-reward", flag_value=False)
     max_prompts: int | None = option(None, "sample only the first M prompts")
@@ -301,7 +304,7 @@ def run_sample(config: SampleConfig) -> dict:
         from flowalign.rewards import build_reward
 
         reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
-        reward_fn = build_reward(config.reward, **reward_kwargs)
+        reward_fn = build_reward(config.reward, **{**reward_kwargs, **config.reward_kwargs})
         device = str(resolve_device(config.device))
         model = load_model(model_path, lora, device=device)
     model.transformer.requires_grad_(False)
