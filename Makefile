@@ -1,11 +1,12 @@
 # Two commands do all the set-up on a fresh machine (see README):
-#   make train   -- the main job: GRPO on the embedded toy default (flowalign train)
+#   make train   -- the default run: GRPO on the embedded toy world (flowalign train)
 #   make test    -- install into .venv and run the whole test suite
+# and `make docs` builds the documentation site into site/ (mkdocs build --strict).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast train clean
+.PHONY: install test test-fast train clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,3 +29,15 @@ test-fast: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+$(VENV)/.docs-installed: pyproject.toml | $(VENV)/.installed
+	$(BIN)/python -m pip install -e ".[test,docs]"
+	touch $@
+
+# The generated reference pages must be fresh (python -m flowalign.cli.reference regenerates them).
+docs: $(VENV)/.docs-installed
+	$(BIN)/python -m flowalign.cli.reference --check
+	$(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.docs-installed
+	$(BIN)/mkdocs serve

@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from kernel_tables import check_table, gpu_table  # from this file's folder, before it leaves sys.path below
+
 # This file is named kernels.py: keep its folder off sys.path, so that nothing in this process finds it as a top-level
 # `kernels` module (transformers and diffusers probe for the Hugging Face `kernels` package by that name;
 # docs/contributing/architecture.md#installed-names).
@@ -177,11 +179,7 @@ def interpreter_check() -> dict:
             rows.append({"shape": name, "latent": list(shape), "op": op_name, "max_rel_error": error,
                          "ok": error < 1e-4})
     print("CUDA is not available: Triton interpreter correctness check only (no timings).")
-    print("| latents | op | max relative error vs eager torch | ok |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['shape']} {tuple(row['latent'])} x5 | {row['op']} | {row['max_rel_error']:.2e} | "
-              f"{'yes' if row['ok'] else 'NO'} |")
+    print(check_table(rows))
     if not all(row["ok"] for row in rows):
         raise SystemExit("the kernels disagree with the torch reference")
     return {"device": "cpu (TRITON_INTERPRET=1)", "timed": False, "checks": rows}
@@ -252,15 +250,8 @@ def gpu_benchmark(args, out: Path) -> dict:
             results.append(row)
             write_report(out, report)
             torch.cuda.empty_cache()
-    names = [impl for impl, _, _ in impls]
     print(f"batch {args.batch}, {args.dtype} latents, median of {args.repeats}; peak = MiB above the inputs")
-    print("| size | op | " + " | ".join(f"{n} ms | {n} MiB" for n in names) + " | speed-up | memory saved | target |")
-    print("|---|---|" + "---|---|" * len(names) + "---|---|---|")
-    for row in results:
-        cells = " | ".join(f"{row[n]['ms']:.3f} | {row[n]['peak_mib']:.0f}" if "ms" in row[n] else "failed | -"
-                           for n in names)
-        print(f"| {row['size']} | {row['op']} | {cells} | {row['speedup_vs_eager']:.2f}x | "
-              f"{100 * row['memory_reduction_vs_eager']:.0f}% | {'met' if row['meets_target'] else 'NOT met'} |")
+    print(gpu_table([report]))
     return report
 
 

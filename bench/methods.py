@@ -76,24 +76,44 @@ def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt:
 
 
 def report(out: Path) -> None:
-    """``methods.md`` / ``methods.json``: per preset, the final paired gain (mean over seeds), wall time, and the NFE
-    at which it first reached flow_grpo's final score."""
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))]
+    """Rebuild ``methods.md`` / ``methods.json`` from the finished runs in ``out``."""
+    runs = load_runs(out)
     if not runs:
         print(f"no finished runs in {out}")
         return
-    by_preset: dict[str, list[dict]] = {}
+    text, summary = summary_table(runs)
+    text += "\nThe curve of each run with seed 0, gain ± SE at each quarter of the budget:\n\n"
+    text += curve_table([r for r in runs if r["seed"] == 0]) + "\n"
+    (out / "methods.md").write_text(text)
+    (out / "methods.json").write_text(json.dumps(summary, indent=1))
+    print(text)
+
+
+def load_runs(out: Path) -> list[dict]:
+    """The finished runs' JSON (``<preset>-seed<k>.json``) in ``out``, in file-name order."""
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*-seed*.json"))]
+
+
+def by_preset(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by preset, in the order of ``PRESETS``."""
+    groups: dict[str, list[dict]] = {}
     for run in runs:
-        by_preset.setdefault(run["preset"], []).append(run)
-    reference = by_preset.get("flow_grpo")
+        groups.setdefault(run["preset"], []).append(run)
+    return {preset: groups[preset] for preset in PRESETS if preset in groups}
+
+
+def summary_table(runs: list[dict]) -> tuple[str, dict]:
+    """``methods.md``'s table and ``methods.json``'s content: per preset, the final paired gain (mean over seeds),
+    wall time, and the NFE at which it first reached flow_grpo's final score."""
+    groups = by_preset(runs)
+    reference = groups.get("flow_grpo")
     target = None
     if reference:
         target = sum(r["curve"][-1]["overall"]["diff"] for r in reference) / len(reference)
     lines = ["| preset | seeds | NFE budget | iterations | final gain | SE | z | seed SD | wall s | NFE to reach "
              "flow_grpo's final gain (share of budget) |", "|---|---|---|---|---|---|---|---|---|---|"]
     table = {}
-    for preset in [p for p in PRESETS if p in by_preset]:
-        group = by_preset[preset]
+    for preset, group in groups.items():
         finals = [r["curve"][-1]["overall"] for r in group]
         gain, se, spread = seed_mean([f["diff"] for f in finals], [f["se"] for f in finals])
         reached = None
@@ -117,9 +137,29 @@ def report(out: Path) -> None:
     if target is not None and target <= 0:
         text += (f"\nflow_grpo's final gain is {target:+.3f} (not above the base), so every curve point at or above it "
                  "'reaches' it: the last column is no evidence of sample efficiency here.\n")
-    (out / "methods.md").write_text(text)
-    (out / "methods.json").write_text(json.dumps({"flow_grpo_final_gain": target, "presets": table}, indent=1))
-    print(text)
+    return text, {"flow_grpo_final_gain": target, "presets": table}
+
+
+def curve_table(runs: list[dict]) -> str:
+    """Per preset, the paired gain at each curve point (mean over the given runs' seeds) and the final gain with its
+    SE (``seed_mean``), z, seed SD and mean wall time; the curve points are labelled by their NFE target."""
+    groups = by_preset(runs)
+    points = min(len(r["curve"]) for r in runs)
+    budget = runs[0]["budget"]
+    labels = " / ".join(f"{budget * (k + 1) / points / 1000:g}k" for k in range(points))
+    lines = [f"| preset | seeds | iterations | gain at {labels} NFEs | final gain ± SE (z) | seed SD | wall s |",
+             "|---|---|---|---|---|---|---|"]
+    for preset, group in groups.items():
+        curve = [sum(r["curve"][k]["overall"]["diff"] for r in group) / len(group) for k in range(points)]
+        finals = [r["curve"][-1]["overall"] for r in group]
+        gain, se, spread = seed_mean([f["diff"] for f in finals], [f["se"] for f in finals])
+        iterations = sum(r["iterations"] for r in group) / len(group)
+        wall = sum(r["wall_s"] for r in group) / len(group)
+        seeds = ", ".join(str(r["seed"]) for r in group)
+        lines.append(f"| {preset} | {seeds} | {iterations:.0f} | {' / '.join(f'{g:+.3f}' for g in curve)} | "
+                     f"{gain:+.3f} ± {se:.3f} ({gain / se if se else float('nan'):.1f}) | "
+                     f"{'' if spread is None else f'{spread:.3f}'} | {wall:.0f} |")
+    return "\n".join(lines)
 
 
 def seed_mean(gains: list[float], ses: list[float]) -> tuple[float, float, float | None]:

@@ -18,7 +18,7 @@ import argparse
 import math
 from pathlib import Path
 
-from train_iteration import REPO, iteration_cost, print_table, run_config, run_each
+from train_iteration import REPO, format_table, iteration_cost, run_config, run_each
 
 SETTINGS = {  # name: overrides
     "fp32 / torch": ["model.kernels=torch"],
@@ -44,6 +44,15 @@ def summarize(result: dict) -> dict:
     }
 
 
+def precision_table(rows: dict[str, dict]) -> str:
+    """The first minibatch's ratio statistics of each setting (``rows`` as this script writes them)."""
+    return format_table(
+        "setting", ["device", "first ratio max", "first |log ratio| rms", "first clip frac", "s / iteration",
+                    "peak MiB"], rows,
+        lambda row: [row["device"], f"{row['first_ratio_max']:.7f}", f"{row['first_log_ratio_rms']:.2e}",
+                     f"{row['first_clip_frac']:.3f}", f"{row['seconds_per_iteration']:.2f}", f"{row['peak_mib']:.0f}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iterations", type=int, default=3)
@@ -55,11 +64,7 @@ def main() -> None:
     # A setting that fails (triton on a machine without CUDA, say) is reported and the others still run.
     rows = run_each(args.settings, lambda name: summarize(
         run_config(None, args.iterations, SETTINGS[name] + args.overrides)), out, header)
-    print_table("setting", ["device", "first ratio max", "first |log ratio| rms", "first clip frac", "s / iteration",
-                            "peak MiB"], rows,
-                lambda row: [row["device"], f"{row['first_ratio_max']:.7f}", f"{row['first_log_ratio_rms']:.2e}",
-                             f"{row['first_clip_frac']:.3f}", f"{row['seconds_per_iteration']:.2f}",
-                             f"{row['peak_mib']:.0f}"])
+    print(precision_table(rows))
     print(f"wrote {out}")
 
 

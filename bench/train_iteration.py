@@ -64,12 +64,21 @@ def write_rows(out: Path, header: dict, rows: dict) -> None:
     out.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
 
 
-def print_table(first: str, columns: list[str], rows: dict[str, dict], cells) -> None:
+def format_table(first: str, columns: list[str], rows: dict[str, dict], cells) -> str:
     """A markdown table of ``rows``: ``cells(row)`` gives a row's cells; a failed row shows its error instead."""
-    print(f"| {first} | " + " | ".join(columns) + " |")
-    print("|---" * (len(columns) + 1) + "|")
+    lines = [f"| {first} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for name, row in rows.items():
-        print(f"| {name} | " + (f"failed: {row['error']}" if "error" in row else " | ".join(cells(row))) + " |")
+        lines.append(f"| {name} | " + (f"failed: {row['error']}" if "error" in row else " | ".join(cells(row))) + " |")
+    return "\n".join(lines)
+
+
+def cost_table(rows: dict[str, dict]) -> str:
+    """The per-iteration cost of each preset (``rows`` as this script writes them, ``total_ratio`` included)."""
+    return format_table(
+        "preset", ["rollout s", "reward s", "train s", "total s", "total vs flow_grpo", "NFE/iter", "peak MiB"], rows,
+        lambda row: [f"{row['time/rollout']:.2f}", f"{row['time/reward']:.2f}", f"{row['time/train']:.2f}",
+                     f"{row['time/total']:.2f}", "-" if row.get("total_ratio") is None else f"{row['total_ratio']:.2f}",
+                     f"{row['nfe']:.0f}", f"{row['peak_mib']:.0f}"])
 
 
 def iteration_cost(history: list[dict]) -> dict[str, float]:
@@ -101,11 +110,7 @@ def main() -> None:
     for row in rows.values():
         if "error" not in row:
             row["total_ratio"] = row["time/total"] / base if base else None
-    print_table("preset", ["rollout s", "reward s", "train s", "total s", "total vs flow_grpo", "NFE/iter", "peak MiB"],
-                rows, lambda row: [f"{row['time/rollout']:.2f}", f"{row['time/reward']:.2f}",
-                                   f"{row['time/train']:.2f}", f"{row['time/total']:.2f}",
-                                   f"{row['total_ratio']:.2f}" if base else "-", f"{row['nfe']:.0f}",
-                                   f"{row['peak_mib']:.0f}"])
+    print(cost_table(rows))
     write_rows(out, header, rows)
 
 if __name__ == "__main__":

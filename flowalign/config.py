@@ -50,6 +50,8 @@ __all__ = [
     "save_config",
     "diff_configs",
     "format_help",
+    "help_entries",
+    "HelpEntry",
     "parse_yaml",
 ]
 
@@ -713,51 +715,96 @@ def _same(a: Any, b: Any) -> bool:
 # ------------------------------------------------------------------------------------------------ help
 
 
-def _component_help(meta: Mapping[str, Any], dotted: str, help_text: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class HelpEntry:
+    """One line of a schema's help (``help_entries``): ``format_help`` prints them as text (``--help-config``),
+    ``flowalign.cli.reference`` as the Markdown config reference.
+
+    ``kind`` is ``"section"`` (a section or component section: ``key`` and ``help``, ``note`` what a component map
+    holds), ``"key"`` (a setting: ``type`` as the error messages say it, ``default``, or ``required``), or
+    ``"component"`` (a registered component of the component section ``section``: ``key`` its name, ``help`` the
+    first line of its docstring; the settings that follow, up to the next component or section, are its own).
+    ``depth`` is the nesting of components: 1 for the settings of a component."""
+
+    kind: str
+    key: str
+    help: str = ""
+    type: str = ""
+    default: Any = None
+    required: bool = False
+    note: str = ""
+    section: str = ""
+    depth: int = 0
+
+
+ComponentFilter = typing.Callable[[Any, str], bool]  # (registry, name) -> list this component
+
+
+def _component_entries(meta: Mapping[str, Any], dotted: str, help_text: str, depth: int,
+                       include: ComponentFilter | None) -> Iterable[HelpEntry]:
     """A component section's help: the choice of component, then each registered one's settings."""
     registry = resolve_reference(meta["registry"])
+    names = [n for n in registry.names() if include is None or include(registry, n)]
     if meta.get("map"):
         on = ", ".join(meta.get("defaults", ())) or "none"
-        lines = [f"{dotted}:  {help_text} (a mapping of {registry.plural} by name; on by default: {on}; "
-                 f"null switches one off)"]
+        yield HelpEntry("section", dotted, help_text, depth=depth,
+                        note=f"a mapping of {registry.plural} by name; on by default: {on}; null switches one off")
     else:
-        lines = [f"{dotted}:  {help_text}",
-                 f"  {dotted}.name = {meta['default']!r}  (one of {', '.join(map(repr, registry.names()))})"]
-    for name in registry.names():
-        settings = registry.config_class(name)
+        yield HelpEntry("section", dotted, help_text, depth=depth)
+        yield HelpEntry("key", f"{dotted}.name", type=f"one of {', '.join(map(repr, names))}",
+                        default=meta["default"], depth=depth)
+    for name in names:
         summary = (registry.get(name).__doc__ or "").strip().split("\n")[0]
-        lines.append(f"  [{name}] {summary}".rstrip())
+        yield HelpEntry("component", name, summary, section=dotted, depth=depth)
         base = f"{dotted}.{name}." if meta.get("map") else f"{dotted}."
-        body = format_help(settings, base)
-        lines.extend("  " + line for line in body.splitlines() if not line.lstrip().startswith(base + "name ="))
-    return "\n".join(lines)
+        for entry in help_entries(registry.config_class(name), base, depth=depth + 1, include=include):
+            if entry.key != base + "name":
+                yield entry
 
 
-def format_help(cls: type, prefix: str = "") -> str:
-    """One line per dotted key: type, default and help string (for ``flowalign train --help-config``)."""
-    lines = []
+def help_entries(cls: type, prefix: str = "", *, depth: int = 0,
+                 include: ComponentFilter | None = None) -> Iterable[HelpEntry]:
+    """Every dotted key of the schema ``cls`` in field order, with its type, default and help string, sections and
+    component sections in place (``HelpEntry``); ``include(registry, name)`` picks the registered components listed
+    (all by default)."""
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
         dotted = prefix + f.name
         help_text = f.metadata.get("help", "")
         if "registry" in f.metadata:
-            lines.append(_component_help(f.metadata, dotted, help_text))
+            yield from _component_entries(f.metadata, dotted, help_text, depth, include)
             continue
         if _is_section(tp):
-            lines.append(f"{dotted}:  {help_text}".rstrip())
-            lines.append(format_help(tp, dotted + "."))
+            yield HelpEntry("section", dotted, help_text, depth=depth)
+            yield from help_entries(tp, dotted + ".", depth=depth, include=include)
             continue
+        required = False
         if f.default is not dataclasses.MISSING:
             default = f.default
         elif f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
         else:
-            default = "(required)"
+            default, required = None, True
         default = to_dict(default) if dataclasses.is_dataclass(default) else default
         if isinstance(default, list):
             default = [to_dict(d) if dataclasses.is_dataclass(d) else d for d in default]
-        lines.append(f"  {dotted} = {default!r}  ({_describe(tp)})  {help_text}".rstrip())
+        yield HelpEntry("key", dotted, help_text, type=_describe(tp), default=default, required=required, depth=depth)
         item = (typing.get_args(tp) or (None,))[0] if typing.get_origin(tp) is list else None
         if _is_section(item):  # the fields of each list entry, e.g. reward.rewards[].weight
-            lines.append(format_help(item, dotted + "[]."))
-    return "\n".join(lines)
+            yield from help_entries(item, dotted + "[].", depth=depth, include=include)
+
+
+def _entry_text(entry: HelpEntry) -> str:
+    indent = "  " * entry.depth
+    if entry.kind == "section":
+        note = f" ({entry.note})" if entry.note else ""
+        return f"{indent}{entry.key}:  {entry.help}{note}".rstrip()
+    if entry.kind == "component":
+        return f"{indent}  [{entry.key}] {entry.help}".rstrip()
+    default = "(required)" if entry.required else entry.default
+    return f"{indent}  {entry.key} = {default!r}  ({entry.type})  {entry.help}".rstrip()
+
+
+def format_help(cls: type, prefix: str = "") -> str:
+    """One line per dotted key: type, default and help string (for ``flowalign train --help-config``)."""
+    return "\n".join(_entry_text(entry) for entry in help_entries(cls, prefix))

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -180,6 +180,20 @@ def reward_class(name: str) -> type | None:
 
 def _has_entry_point(reward: Any) -> bool:
     return callable(getattr(reward, "forward", None))
+
+
+def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, Any]], path: Any) -> None:
+    """ValueError naming ``key`` when the registered reward ``name`` scores a prompt by its GenEval metadata (its class
+    says ``reads_geneval_metadata = True``: toy_geneval, toy_geneval_soft, geneval) and an entry of ``prompts`` (read
+    from ``path``) has none; checked on the class, so nothing is built and no weights load."""
+    from flowalign.data.prompts import is_geneval_entry
+
+    plain = next((entry for entry in prompts if not is_geneval_entry(entry)), None)
+    if plain is not None and getattr(reward_class(name), "reads_geneval_metadata", False):
+        raise ValueError(
+            f"{key} = {name!r} scores a prompt by its GenEval metadata (tag, include), but {path} has prompts "
+            f"without it (e.g. {plain['prompt']!r}): use GenEval-format prompts (docs/guides/rewards.md) or a reward "
+            "that reads only the prompt text (pickscore, hps, ...)")
 
 
 def differentiable_rewards() -> list[str]:

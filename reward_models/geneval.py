@@ -105,6 +105,7 @@ class GenEvalDetections:
 class GenEvalReward:
     """1.0 when GenEval judges the image correct, else 0.0; or the fraction of satisfied clauses (partial credit)."""
 
+    reads_geneval_metadata = True  # scores a prompt by its GenEval metadata (tag, include clauses)
     differentiable = False
 
     def __init__(self, detector: str = "mask2former", partial_credit: bool = False, **detector_kwargs: Any):

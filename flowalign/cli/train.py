@@ -60,7 +60,7 @@ def add_train(commands) -> None:
         commands, "train", ConfigCommand("flowalign.training.config:TrainConfig", _run_train, flags=False,
                                          aliases={"--resume": ("train.resume", "continue a run: a checkpoint or "
                                                                                "'latest'")}),
-        help="GRPO fine-tuning (the main job; with no config: the toy-world default run)",
+        help="GRPO fine-tuning; with no config, the toy-world default run",
         description="Fine-tune with GRPO. CONFIG is a YAML file (optional); KEY=VALUE overrides use dotted keys, "
         "e.g. optim.lr=3e-4 sampling.noise_level=0.9.",
     )

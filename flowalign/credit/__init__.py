@@ -26,6 +26,8 @@ __all__ = ["CREDIT", "BatchScores", "Credit", "CreditContext", "CreditEstimator"
 
 CREDIT: Registry = Registry("credit estimator")
 register_credit = CREDIT.register
+"""Register a credit estimator: ``@register_credit("name", config=Settings)`` on its class, or
+``register_credit("name", factory, config=...)`` (``Registry.register``)."""
 
 
 @dataclass

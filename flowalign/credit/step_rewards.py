@@ -5,7 +5,7 @@ the reward of the clean estimate of ``x_k`` (``flowalign.reward_models.intermedi
 reward. Transition ``t`` (0-based) is ``x_t -> x_{t+1}``. All functions take ``R`` as ``[B, T + 1]`` and return
 per-transition values ``[B, T]``; NaN marks a value that cannot be computed (an invalid reward).
 
-* **Dense increments** (DenseGRPO, Deng et al. 2025): ``dR_t = R_{t+1} - R_t``, the reward the step itself added.
+* **Dense increments** (DenseGRPO, Deng et al. 2026): ``dR_t = R_{t+1} - R_t``, the reward the step itself added.
 * **Return to go**: ``R_T - R_t``, what the rest of the trajectory from ``x_t`` added (a lower-variance variant worth
   measuring when the estimates saturate early).
 * **Turning points** (TP-GRPO, Tong et al. 2026, arXiv:2602.06422): with ``d_t = R_{t+1} - R_t`` and the global

@@ -7,13 +7,55 @@ GenEval's overall averages with equal weight.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from os import PathLike
+from pathlib import Path
 
 import numpy as np
 
+from flowalign.evaluation.geneval import GenEvalError, validate_metadata
 from flowalign.seeding import Purpose, numpy_rng
 
-__all__ = ["PromptSampler", "prompt_weights"]
+__all__ = ["PromptSampler", "is_geneval_entry", "load_prompts", "prompt_weights"]
+
+GENEVAL_FIELDS = ("tag", "include")
+
+
+def is_geneval_entry(entry: dict) -> bool:
+    """Whether a prompt entry carries GenEval's fields (``tag``, ``include``), which the GenEval rewards read."""
+    return any(field in entry for field in GENEVAL_FIELDS)
+
+
+def load_prompts(path: str | PathLike[str]) -> list[dict]:
+    """Training prompts as ``{"prompt": ..., ...}`` entries, from a ``.txt`` file (one prompt a line) or JSONL (one
+    object a line with a non-empty string ``prompt``; other keys travel with it as the prompt's metadata). Entries
+    with GenEval's fields are checked as GenEval metadata (``flowalign.evaluation.geneval.validate_metadata``). Blank
+    lines are skipped; a bad line raises ``GenEvalError`` naming the file and line."""
+    path = Path(path)
+    entries = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            if path.suffix == ".txt":
+                entries.append({"prompt": line.strip()})
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise GenEvalError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); a .jsonl prompt "
+                                   "file holds one object a line, a .txt file one prompt a line") from None
+            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+                raise GenEvalError(f"{where}: expected an object with a non-empty string 'prompt', "
+                                   f"got {line.strip()[:80]}")
+            if is_geneval_entry(entry):
+                validate_metadata(entry, where)
+            entries.append(entry)
+    if not entries:
+        raise GenEvalError(f"{path}: holds no prompts")
+    return entries
 
 
 def prompt_weights(prompts: list[dict], sampling: str) -> np.ndarray | None:

@@ -34,6 +34,8 @@ __all__ = ["NEEDS", "SAMPLERS", "GuidedProblem", "GuidedSampler", "register_samp
 
 SAMPLERS: Registry = Registry("guided sampler")
 register_sampler = SAMPLERS.register
+"""Register a guided sampler: ``@register_sampler("name", config=Settings)`` on its class, or
+``register_sampler("name", factory, config=...)`` (``Registry.register``)."""
 
 # What a sampler may need of ``flowalign sample`` (module docstring).
 NEEDS = frozenset({"reward", "differentiable_reward", "registers", "image_embedding"})

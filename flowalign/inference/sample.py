@@ -70,7 +70,8 @@ class SampleConfig:
                               "checkpoint's model", metavar="DIR")
     lora_weights: Literal["ema", "last"] | None = option(None, "a checkpoint's EMA or last weights (default: ema when it has them, else "
                                       "last)", flag="weights")
-    prompts: str | None = option(None, "GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
+    prompts: str | None = option(None, "prompt file: .txt (one prompt a line) or .jsonl ({prompt, ...} a line; GenEval "
+                                       "metadata for the GenEval rewards) (default: assets/prompts/test.jsonl)")
     sampler: ComponentConfig = flagged(component("flowalign.inference:SAMPLERS", "bon",
                                                  "the guided sampler and its settings"), "guidance")
     budget: int = option(40, "NFEs per prompt")
@@ -262,7 +263,8 @@ def run_sample(config: SampleConfig) -> dict:
     """Check, load, sample every prompt and write the outputs; returns the summary written to results.json."""
     from dataclasses import replace
 
-    from flowalign.evaluation.geneval import load_metadata
+    from flowalign.data.prompts import load_prompts
+    from flowalign.rewards import require_prompt_metadata
     from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
     from flowalign.errors import setup_phase
     from flowalign.export import base_model_path, load_model, resolve_lora
@@ -280,12 +282,14 @@ def run_sample(config: SampleConfig) -> dict:
         model_path = base_model_path(config.model, lora, DEFAULT_MODEL)
         config = replace(config, model=model_path, lora_weights=None if lora is None else lora.weights)
         config.validate(read_transformer_config(model_path))  # the budget under CFG, exactly, before the model loads
-        guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
-        metadata = load_metadata(config.prompts or default_prompts_path())
+        prompts_path = config.prompts or default_prompts_path()
+        metadata = load_prompts(prompts_path)
         if config.max_prompts is not None:
             metadata = metadata[: config.max_prompts]
-        if not metadata:
-            raise ValueError(f"no prompts in {config.prompts}")
+        require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
+        if guide is not None:
+            require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
+        guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None
         if register_path is not None:
             from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config

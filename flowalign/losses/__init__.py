@@ -24,6 +24,8 @@ __all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss"]
 
 LOSSES: Registry = Registry("loss term")
 register_loss = LOSSES.register
+"""Register a loss term: ``@register_loss("name", config=Settings)`` on its class, or
+``register_loss("name", factory, config=...)`` (``Registry.register``)."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ __all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOut
 
 OBJECTIVES: Registry = Registry("objective")
 register_objective = OBJECTIVES.register
+"""Register an objective: ``@register_objective("name", config=Settings)`` on its class, or
+``register_objective("name", factory, config=...)`` (``Registry.register``)."""
 
 
 @dataclass

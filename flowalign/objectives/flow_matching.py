@@ -93,7 +93,9 @@ def draw_sigmas(config: FlowMatchingConfig, batch: int, generator: torch.Generat
 
 @register_objective("flow_matching", config=FlowMatchingConfig)
 class FlowMatching(Objective):
-    """Supervised flow matching on an image-caption dataset (module docstring)."""
+    """Supervised flow matching on an image-caption dataset.
+
+    The loss and its data units are described in the module docstring."""
 
     config: FlowMatchingConfig
 

@@ -33,6 +33,8 @@ __all__ = ["SHAPES", "Batch", "RolloutContext", "RolloutHook", "RolloutShape", "
 
 SHAPES: Registry = Registry("rollout shape")
 register_shape = SHAPES.register
+"""Register a rollout shape: ``@register_shape("name", config=Settings)`` on its class, or
+``register_shape("name", factory, config=...)`` (``Registry.register``)."""
 
 
 @dataclass

@@ -42,6 +42,8 @@ __all__ = ["ToyGenEvalReward", "clause_credit", "sub_metadata"]
 class ToyGenEvalReward:
     """GenEval correctness of toy images, binary or with partial credit (see the module docstring)."""
 
+    reads_geneval_metadata = True  # scores a prompt by its GenEval metadata (tag, include clauses)
+
     def __init__(self, partial_credit: bool = False) -> None:
         self.partial_credit = bool(partial_credit)
         self.name = "toy_geneval"

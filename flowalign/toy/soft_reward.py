@@ -63,6 +63,7 @@ def shape_area(kind: str) -> float:
 class SoftToyGenEval:
     """``reward(images [B, 3, H, W] in [0, 1], prompts, metadata) -> [B]``, differentiable in ``images``."""
 
+    reads_geneval_metadata = True  # scores a prompt by its GenEval metadata (tag, include clauses)
     differentiable = True
 
     def __init__(self, segmenter: ShapeSegmenter | str | None = None, color_temperature: float = COLOR_TEMPERATURE):

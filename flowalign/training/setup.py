@@ -17,6 +17,15 @@ __all__ = ["build_rewards", "enable_xformers", "load_policy"]
 logger = logging.getLogger(__name__)
 
 
+def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
+    """Before any reward is built: each configured reward that reads GenEval metadata finds it in every training
+    prompt (``flowalign.rewards.require_prompt_metadata``)."""
+    from flowalign.rewards import require_prompt_metadata
+
+    for i, spec in enumerate(config.reward.rewards):
+        require_prompt_metadata(spec.name, f"reward.rewards[{i}].name", prompts, config.data.train_prompts)
+
+
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
     """``(name, weight, fn)`` for each reward: ``config.reward.rewards`` built from the registry, or ``rewards``: reward
     callables ``fn(images, prompts, metadata) -> scores`` (weight 1, named after the function or class), a mapping of

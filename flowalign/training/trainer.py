@@ -30,7 +30,6 @@ from torch import Tensor
 
 from flowalign.credit import CreditContext
 from flowalign.errors import setup_phase
-from flowalign.evaluation.geneval import load_metadata
 from flowalign.kernels import use_backend
 from flowalign.lr_schedule import learning_rate_scale
 from flowalign.models import FlowModel
@@ -46,7 +45,7 @@ from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.policy import micro_batch, policy_output, unit_output
 from flowalign.training.scoring import score_iteration, state_reward
-from flowalign.training.setup import build_rewards, load_policy
+from flowalign.training.setup import build_rewards, check_prompts_fit_rewards, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class GRPOTrainer:
     def _set_up(self, config: TrainConfig, rewards, model, accelerator) -> None:
         from accelerate import Accelerator
 
-        from flowalign.data.prompts import PromptSampler
+        from flowalign.data.prompts import PromptSampler, load_prompts
 
         self.config, cfg = config, config.train
         self.accelerator = accelerator or Accelerator(
@@ -77,8 +76,11 @@ class GRPOTrainer:
         self.checkpoint = self.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
         self.parts = config.components()
         self.schedule = noise_schedule(config.noise_schedule_spec())
-        self.prompts = PromptSampler(load_metadata(config.data.train_prompts), seed=cfg.seed,
-                                     count=config.data.prompts_per_iteration, sampling=config.data.prompt_sampling)
+        train_prompts = load_prompts(config.data.train_prompts)
+        if rewards is None:
+            check_prompts_fit_rewards(config, train_prompts)
+        self.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
+                                     sampling=config.data.prompt_sampling)
         self.rewards = build_rewards(config, rewards, self.layout)
         for part in self.parts.all():
             part.start_up()

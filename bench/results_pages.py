@@ -1,0 +1,166 @@
+"""Render the tables of docs/results/ from the benchmarks' JSON, and keep the pages' result plots in sync.
+
+Each generated table sits in its page between ``<!-- generated: NAME -->`` and ``<!-- end generated -->``; this
+script rewrites what lies between the markers with the table that NAME's JSON gives, using the benchmarks' own
+formatters (``bench/guided.py``'s ``table``, ``bench/methods.py``'s ``summary_table`` and ``curve_table``,
+``bench/train_iteration.py``'s ``cost_table``, ``bench/mixed_precision.py``'s ``precision_table``,
+``bench/tree_rollout.py``'s ``table``, ``bench/kernel_tables.py``). It also copies the plots the pages show from
+``bench/results/`` into ``docs/results/img/`` when they differ. It only reads JSON and PNG files: no model, no torch.
+
+    python bench/results_pages.py           # rewrite the generated tables and copy changed plots
+    python bench/results_pages.py --check   # exit 1, naming each stale table or plot, if anything would change
+
+Tables whose figures exist only as prose (no JSON) are written by hand on the pages, with their date, commit and
+command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+RESULTS = BENCH / "results"
+PAGES = REPO / "docs/results"
+IMAGES = PAGES / "img"
+# The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
+PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png")
+MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
+
+
+def _read(path: str) -> dict:
+    return json.loads((RESULTS / path).read_text())
+
+
+def _guided(path: str) -> str:
+    import guided
+
+    return guided.table(_read(path)["rows"])
+
+
+def _methods_summary() -> str:
+    import methods
+
+    return methods.summary_table(methods.load_runs(RESULTS / "methods"))[0].rstrip("\n")
+
+
+def _methods_curves(*, seeds: int) -> str:
+    """The curve table over the presets that have ``seeds`` seeds (seed 0 only when ``seeds`` is 1)."""
+    import methods
+
+    runs = methods.load_runs(RESULTS / "methods")
+    if seeds == 1:
+        return methods.curve_table([r for r in runs if r["seed"] == 0])
+    counts = {p: sum(r["preset"] == p for r in runs) for p in {r["preset"] for r in runs}}
+    return methods.curve_table([r for r in runs if counts[r["preset"]] >= seeds])
+
+
+def _cost(path: str) -> str:
+    import train_iteration
+
+    return train_iteration.cost_table(_read(path)["rows"])
+
+
+def _precision(path: str) -> str:
+    import mixed_precision
+
+    return mixed_precision.precision_table(_read(path)["rows"])
+
+
+def _tree() -> str:
+    import tree_rollout
+
+    return tree_rollout.table(_read("tree_rollout.json"))
+
+
+def _kernels_gpu() -> str:
+    import kernel_tables
+
+    return kernel_tables.gpu_table([_read("device/kernels_bf16.json"), _read("device/kernels_fp32.json")])
+
+
+def _kernels_check() -> str:
+    import kernel_tables
+
+    return kernel_tables.check_table(_read("kernels_check.json")["checks"])
+
+
+GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "guided_bon_confirm_80", "guided_fk_rgs",
+          "guided_fk_rgs_confirm_40", "guided_rgs_high", "guided_rgs_mid", "guided_rgs_confirm", "guided_rgs_scale2",
+          "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full")
+# NAME: (page, the table's source under bench/results/, a function rendering it)
+TABLES = {
+    "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
+    "methods_seed0": ("methods.md", "methods/*-seed0.json", lambda: _methods_curves(seeds=1)),
+    "methods_three_seeds": ("methods.md", "methods/*-seed*.json", lambda: _methods_curves(seeds=3)),
+    "methods_summary": ("methods.md", "methods/*-seed*.json", _methods_summary),
+    "tree_rollout": ("methods.md", "tree_rollout.json", _tree),
+    **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
+    "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
+    "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
+    "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",
+                               lambda: _precision("device/mixed_precision.json")),
+    "device_train_iteration": ("gpu_kernels.md", "device/train_iteration.json",
+                               lambda: _cost("device/train_iteration.json")),
+}
+
+
+def render_page(text: str, page: str) -> tuple[str, list[str]]:
+    """``text`` with every generated table of ``page`` re-rendered, and the names of the tables that changed."""
+    changed = []
+
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        if name not in TABLES or TABLES[name][0] != page:
+            raise SystemExit(f"docs/results/{page}: unknown generated table {name!r}")
+        body = "\n" + TABLES[name][2]().strip("\n") + "\n\n"
+        if body != match["body"]:
+            changed.append(name)
+        return match[1] + body + match[4]
+
+    return MARKER.sub(replace, text), changed
+
+
+def stale_plots() -> list[str]:
+    return [name for name in PLOTS
+            if not (IMAGES / name).exists() or (IMAGES / name).read_bytes() != (RESULTS / name).read_bytes()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table or plot is stale")
+    args = parser.parse_args()
+    sys.path.insert(0, str(BENCH))  # the benchmarks' formatters (none of them imports torch at module level)
+    stale, seen = [], set()
+    for page in sorted({page for page, _, _ in TABLES.values()}):
+        path = PAGES / page
+        text, changed = render_page(path.read_text(), page)
+        seen.update(m["name"] for m in MARKER.finditer(text))
+        stale += [f"docs/results/{page}: table {name!r} differs from bench/results/{TABLES[name][1]}"
+                  for name in changed]
+        if changed and not args.check:
+            path.write_text(text)
+    missing = [f"docs/results/{page}: no markers for table {name!r}" for name, (page, _, _) in TABLES.items()
+               if name not in seen]
+    if missing:
+        print("\n".join(missing))
+        return 1
+    for name in stale_plots():
+        stale.append(f"docs/results/img/{name}: differs from bench/results/{name}")
+        if not args.check:
+            IMAGES.mkdir(parents=True, exist_ok=True)
+            (IMAGES / name).write_bytes((RESULTS / name).read_bytes())
+    for line in stale:
+        print(("stale: " if args.check else "updated: ") + line)
+    if args.check and stale:
+        print("run `python bench/results_pages.py` to regenerate them")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
