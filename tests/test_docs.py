@@ -40,20 +40,18 @@ VOLATILE = [
 ]
 
 
-def prose_lines(path: Path):
-    """(line number, text) of the lines outside fenced code blocks, with inline code spans blanked."""
+def prose_lines(path: Path, *, keep_code_spans: bool = False):
+    """(line number, text) of the lines outside fenced code blocks, with inline code spans blanked unless kept
+    (headings may hold them)."""
     fence = None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         match = FENCE.match(line)
         if match:
             marker = match.group(2)
-            if fence is None:
-                fence = marker
-            elif fence == marker:
-                fence = None
+            fence = marker if fence is None else (None if fence == marker else fence)
             continue
         if fence is None:
-            yield number, re.sub(r"`+[^`]*`+", lambda m: " " * len(m.group(0)), line)
+            yield number, line if keep_code_spans else re.sub(r"`+[^`]*`+", lambda m: " " * len(m.group(0)), line)
 
 
 def slug(text: str) -> str:
@@ -69,7 +67,7 @@ def slug(text: str) -> str:
 def anchors(path: Path) -> set[str]:
     found: set[str] = set()
     counts: dict[str, int] = {}
-    for _, line in prose_lines_raw(path):
+    for _, line in prose_lines(path, keep_code_spans=True):
         for name in HTML_ANCHOR.findall(line):
             found.add(name)
         heading = HEADING.match(line)
@@ -85,19 +83,6 @@ def anchors(path: Path) -> set[str]:
         found.add(base if n == 0 else f"{base}-{n}")
         found.add(base)
     return found
-
-
-def prose_lines_raw(path: Path):
-    """Like prose_lines, but keeps code spans (headings may hold them)."""
-    fence = None
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        match = FENCE.match(line)
-        if match:
-            marker = match.group(2)
-            fence = marker if fence is None else (None if fence == marker else fence)
-            continue
-        if fence is None:
-            yield number, line
 
 
 def links(path: Path):

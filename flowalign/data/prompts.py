@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowalign.evaluation.geneval import GenEvalError, validate_metadata
+from flowalign.evaluation.geneval import GenEvalError, located_lines, validate_metadata
 from flowalign.seeding import Purpose, numpy_rng
 
 __all__ = ["PromptSampler", "is_geneval_entry", "load_prompts", "prompt_weights"]
@@ -34,25 +34,21 @@ def load_prompts(path: str | PathLike[str]) -> list[dict]:
     lines are skipped; a bad line raises ``GenEvalError`` naming the file and line."""
     path = Path(path)
     entries = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            if path.suffix == ".txt":
-                entries.append({"prompt": line.strip()})
-                continue
-            try:
-                entry = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise GenEvalError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); a .jsonl prompt "
-                                   "file holds one object a line, a .txt file one prompt a line") from None
-            if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
-                raise GenEvalError(f"{where}: expected an object with a non-empty string 'prompt', "
-                                   f"got {line.strip()[:80]}")
-            if is_geneval_entry(entry):
-                validate_metadata(entry, where)
-            entries.append(entry)
+    for where, line in located_lines(path):
+        if path.suffix == ".txt":
+            entries.append({"prompt": line.strip()})
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise GenEvalError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); a .jsonl prompt "
+                               "file holds one object a line, a .txt file one prompt a line") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+            raise GenEvalError(f"{where}: expected an object with a non-empty string 'prompt', "
+                               f"got {line.strip()[:80]}")
+        if is_geneval_entry(entry):
+            validate_metadata(entry, where)
+        entries.append(entry)
     if not entries:
         raise GenEvalError(f"{path}: holds no prompts")
     return entries

@@ -53,7 +53,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from numbers import Integral, Real
 from os import PathLike
 from typing import Any
@@ -101,15 +101,19 @@ def load_metadata(path: str | PathLike[str]) -> list[dict]:
     file, the 1-based line number and the field. The parsed objects are returned unchanged.
     """
     entries = []
+    for where, line in located_lines(path):
+        entry = _parse_json_line(line, where)
+        validate_metadata(entry, where)
+        entries.append(entry)
+    return entries
+
+
+def located_lines(path: str | PathLike[str]) -> Iterator[tuple[str, str]]:
+    """``("<path>:<1-based line number>", line)`` for each non-blank line of a text file."""
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            entry = _parse_json_line(line, where)
-            validate_metadata(entry, where)
-            entries.append(entry)
-    return entries
+            if line.strip():
+                yield f"{path}:{line_number}", line
 
 
 def _parse_json_line(line: str, where: str) -> Any:
