@@ -39,7 +39,7 @@ def small_run(model_path, out, **extra):
 
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                         "tempflow_grpo", "dense_grpo", "tp_grpo", "register_grpo"}
+                                         "tempflow_grpo", "dense_grpo", "tp_grpo", "register_grpo", "vgpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -60,6 +60,7 @@ EXPECTED = {
     "dense_grpo": (9, 2 * 2 * (10 + 55)),
     "tp_grpo": (9, 2 * 2 * (10 + 55)),
     "register_grpo": (9, 2 * 2 * (10 + 1)),
+    "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
 }
 
 
@@ -116,6 +117,9 @@ PRESET_DIFFS = {
                               "credit.ode_steps": None, "credit.balanced": True}),
     "register_grpo": ("flow_grpo", {"credit.name": "registers", "credit.register_pass": "policy",
                                     "credit.registers": "outputs/registers/registers.pt"}),
+    "vgpo": ("flow_grpo", {"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,
+                           "credit.eps": 1e-4, "credit.std_unbiased": False, "credit.variant": "reconstruction",
+                           "credit.x0_pass": "rollout"}),
 }
 
 
