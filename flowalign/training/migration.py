@@ -9,6 +9,7 @@ naming the moved keys). The moves:
                                                      -> credit.* (tree credit)
     step_reward.estimator                            -> credit.name (terminal: the shape's own credit, group or tree)
     step_reward.clean / ode_steps / balanced         -> credit.* (dense, return_to_go, turning_point)
+    step_reward.estimator: turning_point             -> also credit.semantics: paper (the reading those configs ran)
     step_reward.registers / register_pass            -> credit.* (registers); RG-OPD's registers -> loss.rg_opd.registers
     sampling.train_steps_per_rollout: N              -> step_selection: {name: random_subset, count: N}
     loss.clip_range / beta / kl                      -> loss.grpo.*
@@ -83,6 +84,8 @@ def migrate_layer(layer: Any) -> tuple[Any, list[str]]:
         elif estimator is not None:
             section("credit")["name"] = estimator
             kept = STEP_REWARD_KEYS.get(estimator, ())
+            if estimator == "turning_point":
+                section("credit")["semantics"] = "paper"
         else:
             kept = tuple(step)
         for key in kept:
