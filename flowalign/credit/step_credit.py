@@ -54,24 +54,29 @@ class TurningPointConfig(StepRewardConfig):
     use_sde_minus_rt: bool = option(
         _R["use_sde_minus_rt"], "released, take_delta_global_as_main false: the bonus is R_T - R_t")
     eta: float = option(_R["eta"], "released: the bonus coefficient")
-    apply_first_step_bonus: bool = option(_R["apply_first_step_bonus"], "released: the first step can be a turning point")
+    apply_first_step_bonus: bool = option(
+        _R["apply_first_step_bonus"], "released: the first step can be a turning point")
     select_first_step_only_from_consistent_trajectory: bool = option(
         _R["select_first_step_only_from_consistent_trajectory"],
         "released: the first step needs sign(d_0) sign(R_T - R_1) > 0 instead of agreeing with the global trend")
     select_only_positive_intermediate_step: bool = option(
-        _R["select_only_positive_intermediate_step"], "released: later turning points only on trajectories with R_T > R_0")
+        _R["select_only_positive_intermediate_step"],
+        "released: later turning points only on trajectories with R_T > R_0")
     select_inter_step_only_from_consistent_trajectory: bool = option(
         _R["select_inter_step_only_from_consistent_trajectory"],
         "released: later turning points need sign(d_t) sign(R_T - R_{t+1}) > 0")
     indicator_wo_delta_global_constraint: bool = option(
-        _R["indicator_wo_delta_global_constraint"], "released: a later turning point is any sign change of d (d_{t-1} d_t < 0)")
+        _R["indicator_wo_delta_global_constraint"],
+        "released: a later turning point is any sign change of d (d_{t-1} d_t < 0)")
     use_balanced_bonus: bool = option(
-        _R["use_balanced_bonus"], "released: keep as many positive as negative bonuses per group, largest |d_t| first")
+        _R["use_balanced_bonus"],
+        "released: keep as many positive as negative bonuses per group, largest |d_t| (or |global gain|) first")
     drop_original_reward_when_having_bonus: bool = option(
-        _R["drop_original_reward_when_having_bonus"], "released: a step with a nonzero bonus drops its main term")
+        _R["drop_original_reward_when_having_bonus"],
+        "released: a step with a nonzero bonus drops its main term")
     propagate_bonus_to_future_steps: bool = option(
-        _R["propagate_bonus_to_future_steps"], "released: spread each turning point's R_T - R_t over the steps after it "
-        "(positive) or before it (negative)")
+        _R["propagate_bonus_to_future_steps"],
+        "released: spread each turning point's R_T - R_t over the steps after it (positive) or before it (negative)")
     turn_on_bonus_global_step: int = option(
         _R["turn_on_bonus_global_step"], "released: no bonus before this iteration")
 
@@ -138,9 +143,11 @@ class ReturnToGoCredit(StepRewardCredit):
 
 @register_credit("turning_point", config=TurningPointConfig)
 class TurningPointCredit(StepRewardCredit):
-    """TP-GRPO. ``released``: the public code's process rewards over the SDE window (``released_process_rewards``)
-    with ``R_0`` from the trajectory's own initial noise and the pools of its balancing the GRPO groups; ``paper``:
-    incremental rewards, and the aggregated R_T - R_t at turning points."""
+    """TP-GRPO: step rewards as its released code computes them (semantics released) or as its paper reads (paper).
+
+    ``released``: the public code's process rewards over the SDE window (``released_process_rewards``), with ``R_0``
+    from the trajectory's own initial noise and the GRPO groups as the pools of its balancing; ``paper``: incremental
+    rewards, and the aggregated R_T - R_t at turning points."""
 
     def positions(self, steps, num_steps):
         return set(range(num_steps + 1))

@@ -8,20 +8,20 @@ released code reuses the final image for ``R_n``, so ``R_n = R_sde`` there). Col
 output belongs to the ``i``-th window step. With the released option names (defaults: the values of every released
 ``*_op3`` configuration, ``RELEASED_OPTIONS``)::
 
-    D = R_sde - R_0   (R_sde if not use_delta_global)      d_i = R_i - R_{i-1}      s_i = sign(d_i) sign(D)
-    I_1 = [s_1 > 0]                       (select_first_step_only_from_consistent_trajectory: [sign(d_1) sign(R_sde - R_1) > 0];
-                                           0 unless apply_first_step_bonus)
+    D = R_sde - R_0      d_i = R_i - R_{i-1}      s_i = sign(d_i) sign(D)      G = D  (R_sde if not use_delta_global)
+    I_1 = [s_1 > 0]                       (0 unless apply_first_step_bonus),
+          or [sign(d_1) sign(R_sde - R_1) > 0]     with select_first_step_only_from_consistent_trajectory
     I_i = [s_{i-1} < 0 and s_i > 0]       (indicator_wo_delta_global_constraint: [d_{i-1} d_i < 0]), i >= 2,
           times [D > 0]                   if select_only_positive_intermediate_step,
           times [sign(d_i) sign(R_sde - R_i) > 0]  if select_inter_step_only_from_consistent_trajectory
     all I = 0 (and no balancing or propagation) while global_step < turn_on_bonus_global_step
 
-    take_delta_global_as_main (released):  M_i = D,    C_i = d_i
-    otherwise:                              M_i = d_i,  C_i = D   (use_sde_minus_rt: C_i = R_sde - R_{i-1})
+    take_delta_global_as_main (released):  M_i = G,    C_i = d_i
+    otherwise:                              M_i = d_i,  C_i = G   (use_sde_minus_rt: C_i = R_sde - R_{i-1})
     B_i = eta I_i C_i,   P_i = M_i + B_i;   drop_original_reward_when_having_bonus: M_i = 0 where B_i != 0
 
 ``use_balanced_bonus`` keeps, within each pool (the released code: one per-process sampling batch), as many turning
-points of each sign of ``V`` (``d_i`` if take_delta_global_as_main, else ``D``) as the rarer sign has, the largest
+points of each sign of ``V`` (``d_i`` if take_delta_global_as_main, else ``G``) as the rarer sign has, the largest
 ``|V|`` by ``torch.topk`` over the row-major order; the others (and those with ``V = 0``) lose their indicator.
 ``propagate_bonus_to_future_steps`` sweeps each trajectory with ``g_i = R_sde - R_{i-1}``: from ``i = n`` down, a
 turning point with ``g_i < 0`` switches on and increments ``c-``, and every step from there on adds ``c- g_i``; then
