@@ -23,7 +23,8 @@ FOLDERS = {"flowalign": "flowalign", "samplers": "flowalign.samplers", "reward_m
 FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.normalization",
               "flowalign.serialization", "flowalign.lr_schedule", "flowalign.config", "flowalign.settings",
               "flowalign.components")
-COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives")
+COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives",
+              "flowalign.step_rewards")
 UPPER = ("flowalign.inference", "flowalign.training", "flowalign.cli")
 
 
@@ -74,6 +75,8 @@ RULES = [
          never("flowalign.credit", "flowalign.losses", "flowalign.objectives", *UPPER)),
     Rule("credit never imports losses, objectives or the layers above them", under("flowalign.credit"),
          never("flowalign.losses", "flowalign.objectives", *UPPER)),
+    Rule("flowalign.step_rewards re-exports the credit layer's step-reward math and imports nothing else",
+         under("flowalign.step_rewards"), only("flowalign.step_rewards", "flowalign.credit")),
     Rule("loss terms never import objectives or the layers above them", under("flowalign.losses"),
          never("flowalign.objectives", *UPPER)),
     Rule("objectives never import rollout shapes, credit or the layers above them", under("flowalign.objectives"),

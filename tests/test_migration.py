@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from flowalign.config import load_config, to_dict
+from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
 from flowalign.training.migration import migrate_layer
 
@@ -42,9 +44,30 @@ def test_every_old_preset_loads_as_the_new_one(name, tmp_path, caplog):
     (tmp_path / f"{name}.yaml").write_text(OLD_PRESETS[name])
     with caplog.at_level("WARNING", logger="flowalign.config"):
         old = load_config(TrainConfig, tmp_path / f"{name}.yaml")
-    assert to_dict(old) == to_dict(load_config(TrainConfig, REPO / "configs/methods" / f"{name}.yaml"))
+    new = "tp_grpo_paper" if name == "tp_grpo" else name  # old turning-point configs ran the paper's reading
+    assert to_dict(old) == to_dict(load_config(TrainConfig, REPO / "configs/methods" / f"{new}.yaml"))
     notices = [r.getMessage() for r in caplog.records if "moved" in r.getMessage()]
     assert notices and all(message.count("\n") == 0 for message in notices)  # one line each
+
+
+def test_a_turning_point_config_saved_before_credit_semantics_loads_as_the_paper_variant(tmp_path, caplog):
+    """A config.yaml written before credit.semantics existed (its credit section: name, clean, ode_steps, balanced)
+    ran the paper's reading: it loads as tp_grpo_paper, so its checkpoints resume with the same math."""
+    from flowalign.config import save_config
+    from flowalign.step_rewards import RELEASED_OPTIONS
+
+    paper = load_config(TrainConfig, REPO / "configs/methods/tp_grpo_paper.yaml")
+    save_config(paper, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    for key in ("semantics", *RELEASED_OPTIONS):
+        del saved["credit"][key]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    with caplog.at_level("WARNING", logger="flowalign.config"):
+        assert to_dict(load_config(TrainConfig, tmp_path / "config.yaml")) == to_dict(paper)
+    assert any("credit.semantics = paper" in r.getMessage() for r in caplog.records)
+    # a partial section (an override) is not guessed at: credit.balanced alone is the paper variant's, refused
+    with pytest.raises(SetupError, match="credit.balanced is the paper variant's setting"):
+        load_config(TrainConfig, REPO / "configs/methods/tp_grpo.yaml", ["credit.balanced=true"])
 
 
 @pytest.mark.parametrize("old, new", [
@@ -56,7 +79,7 @@ def test_every_old_preset_loads_as_the_new_one(name, tmp_path, caplog):
     (["loss.rg_opd_weight=0.5", "loss.rg_opd_reward=toy_geneval_soft"],
      ["loss.rg_opd.weight=0.5", "loss.rg_opd.reward=toy_geneval_soft"]),
     (["step_reward.estimator=turning_point", "step_reward.balanced=true"],
-     ["credit.name=turning_point", "credit.balanced=true"]),
+     ["credit.name=turning_point", "credit.semantics=paper", "credit.balanced=true"]),
 ])
 def test_old_command_line_keys_land_on_their_components(old, new):
     every_step = ["sampling.window_size=null", "sampling.window_start=fixed", "sampling.window_last=null"]

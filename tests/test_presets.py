@@ -8,6 +8,7 @@ import yaml
 
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.step_rewards import RELEASED_OPTIONS
 from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import GRPOTrainer
@@ -39,7 +40,8 @@ def small_run(model_path, out, **extra):
 
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
-                                         "tempflow_grpo", "dense_grpo", "tp_grpo", "register_grpo", "vgpo"}
+                                         "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
+                                         "register_grpo", "vgpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -58,7 +60,8 @@ EXPECTED = {
     "branch_grpo": (9, 2 * (1 + 2 + 2 + 4 + 4 + 8 + 8 + 16 * 3)),
     "tempflow_grpo": (9, 2 * 7 + 2 * 2 * (9 + 7 + 5 + 3)),
     "dense_grpo": (9, 2 * 2 * (10 + 55)),
-    "tp_grpo": (9, 2 * 2 * (10 + 55)),
+    "tp_grpo": (9, 2 * 2 * (10 + 54)),  # x_9's completion is the final image: R_n = R_T, as released
+    "tp_grpo_paper": (9, 2 * 2 * (10 + 55)),
     "register_grpo": (9, 2 * 2 * (10 + 1)),
     "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
 }
@@ -114,7 +117,9 @@ PRESET_DIFFS = {
                                     "step_weighting.name": "noise_aware"}),
     "dense_grpo": ("flow_grpo", {"credit.name": "dense", "credit.clean": "ode", "credit.ode_steps": None}),
     "tp_grpo": ("flow_grpo", {"sampling.kind": "cps", "credit.name": "turning_point", "credit.clean": "ode",
-                              "credit.ode_steps": None, "credit.balanced": True}),
+                              "credit.ode_steps": None, "credit.semantics": "released", "credit.balanced": False,
+                              **{f"credit.{k}": v for k, v in RELEASED_OPTIONS.items()}}),
+    "tp_grpo_paper": ("tp_grpo", {"credit.semantics": "paper", "credit.balanced": True}),
     "register_grpo": ("flow_grpo", {"credit.name": "registers", "credit.register_pass": "policy",
                                     "credit.registers": "outputs/registers/registers.pt"}),
     "vgpo": ("flow_grpo", {"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,

@@ -487,8 +487,9 @@ def test_step_reward_estimators_give_per_step_group_normalised_advantages(tiny_m
     trainer = make_trainer(tiny_model, tmp_path / "run", **{"credit.name": estimator})
     chunks, _, nfe = _credited(trainer)
     # sampling.num_steps 4: completions from x_0..x_3 cost 4 + 3 + 2 + 1 evaluations per sample (8 samples); dense
-    # and turning points need every state, return-to-go only the trained steps' sources (x_0, x_1, x_2).
-    assert nfe == 8 * (10 if estimator != "return_to_go" else 9)
+    # needs every state, return-to-go only the trained steps' sources (x_0, x_1, x_2), and so do the released turning
+    # points (x_3 completes to the final image, whose reward is R_T).
+    assert nfe == 8 * (10 if estimator == "dense" else 9)
     for chunk in chunks:
         t = chunk.rollout.transitions
         trained = chunk.weights > 0

@@ -1,5 +1,6 @@
 """Step rewards from the rewards of ODE-completed (or x0-projected) intermediate states: DenseGRPO's increments,
-the return to go, and TP-GRPO's turning points (the math is in ``flowalign.credit.step_rewards``).
+the return to go, and TP-GRPO's turning points (the math is in ``flowalign.credit.step_rewards`` and, for TP-GRPO as
+its released code runs, ``flowalign.credit.tp_grpo``).
 
 Each state ``x_k`` of a chain gets ``R_k``, the weighted sum of the raw rewards of its clean estimate
 (``flowalign.reward_models.intermediate.IntermediateScorer``: an ODE completion over the rest of the schedule, capped
@@ -20,6 +21,7 @@ from flowalign.components import ComponentConfig
 from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit, trained_mask
 from flowalign.normalization import group_normalize
 from flowalign.credit.step_rewards import dense_increments, return_to_go, turning_point_rewards
+from flowalign.credit.tp_grpo import RELEASED_OPTIONS, released_process_rewards
 from flowalign.settings import at_least, check, option
 
 __all__ = ["StepRewardConfig", "TurningPointConfig", "intermediate_rewards", "normalized_step_credit"]
@@ -35,9 +37,61 @@ class StepRewardConfig(ComponentConfig):
         at_least("ode_steps", self.ode_steps, 1)
 
 
+_R = RELEASED_OPTIONS
+
+
 @dataclass
 class TurningPointConfig(StepRewardConfig):
-    balanced: bool = option(False, "keep as many positive as negative turning points per group")
+    semantics: Literal["released", "paper"] = option(
+        "released", "released: the public code's process rewards (every step the global gain R_T - R_0, turning points "
+        "add their local gain; the settings below are its options); paper: the paper's reading (local gains, replaced "
+        "by R_T - R_t at turning points)")
+    balanced: bool = option(False, "paper semantics: keep as many positive as negative turning points per group")
+    take_delta_global_as_main: bool = option(
+        _R["take_delta_global_as_main"], "released: every step gets the global gain, turning points add d_t; false: "
+        "every step gets d_t, turning points add the global gain (or R_T - R_t with use_sde_minus_rt)")
+    use_delta_global: bool = option(_R["use_delta_global"], "released: the global gain is R_T - R_0 (false: R_T)")
+    use_sde_minus_rt: bool = option(
+        _R["use_sde_minus_rt"], "released, take_delta_global_as_main false: the bonus is R_T - R_t")
+    eta: float = option(_R["eta"], "released: the bonus coefficient")
+    apply_first_step_bonus: bool = option(
+        _R["apply_first_step_bonus"], "released: the first step can be a turning point")
+    select_first_step_only_from_consistent_trajectory: bool = option(
+        _R["select_first_step_only_from_consistent_trajectory"],
+        "released: the first step needs sign(d_0) sign(R_T - R_1) > 0 instead of agreeing with the global trend")
+    select_only_positive_intermediate_step: bool = option(
+        _R["select_only_positive_intermediate_step"],
+        "released: later turning points only on trajectories with R_T > R_0")
+    select_inter_step_only_from_consistent_trajectory: bool = option(
+        _R["select_inter_step_only_from_consistent_trajectory"],
+        "released: later turning points need sign(d_t) sign(R_T - R_{t+1}) > 0")
+    indicator_wo_delta_global_constraint: bool = option(
+        _R["indicator_wo_delta_global_constraint"],
+        "released: a later turning point is any sign change of d (d_{t-1} d_t < 0)")
+    use_balanced_bonus: bool = option(
+        _R["use_balanced_bonus"],
+        "released: keep as many positive as negative bonuses per group, largest |d_t| (or |global gain|) first")
+    drop_original_reward_when_having_bonus: bool = option(
+        _R["drop_original_reward_when_having_bonus"],
+        "released: a step with a nonzero bonus drops its main term")
+    propagate_bonus_to_future_steps: bool = option(
+        _R["propagate_bonus_to_future_steps"],
+        "released: spread each turning point's R_T - R_t over the steps after it (positive) or before it (negative)")
+    turn_on_bonus_global_step: int = option(
+        _R["turn_on_bonus_global_step"], "released: no bonus before this iteration")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.semantics == "paper":
+            changed = [key for key in RELEASED_OPTIONS if getattr(self, key) != RELEASED_OPTIONS[key]]
+            check(not changed, changed[0] if changed else "semantics",
+                  "is an option of credit.semantics = 'released'; with 'paper' leave it at its default, or set "
+                  "credit.semantics = released")
+        else:
+            check(not self.balanced, "balanced", "is the paper variant's setting; with credit.semantics = 'released' "
+                  "balance with credit.use_balanced_bonus = true, or set credit.semantics = paper")
+        check(math.isfinite(self.eta), "eta", f"must be a finite number, got {self.eta}")
+        at_least("turn_on_bonus_global_step", self.turn_on_bonus_global_step, 0)
 
 
 class StepRewardCredit(CreditEstimator):
@@ -89,10 +143,40 @@ class ReturnToGoCredit(StepRewardCredit):
 
 @register_credit("turning_point", config=TurningPointConfig)
 class TurningPointCredit(StepRewardCredit):
-    """TP-GRPO: incremental rewards, and the aggregated R_T - R_t at turning points."""
+    """TP-GRPO: step rewards as its released code computes them (semantics released) or as its paper reads (paper).
+
+    ``released``: the public code's process rewards over the SDE window (``released_process_rewards``), with ``R_0``
+    from the trajectory's own initial noise and the GRPO groups as the pools of its balancing; ``paper``: incremental
+    rewards, and the aggregated R_T - R_t at turning points."""
 
     def positions(self, steps, num_steps):
         return set(range(num_steps + 1))
+
+    def assign(self, batch, scores, context):
+        if self.config.semantics == "paper":
+            return super().assign(batch, scores, context)
+        t = batch.rollout.transitions
+        window = sorted({int(s) for s in t.step[t.stochastic]})
+        first, end = window[0], window[-1] + 1  # the SDE window x_first -> .. -> x_end; the rest of the steps are ODE
+        rewards, nfe = intermediate_rewards(batch, set(range(first, end)), scores, context, clean=self.config.clean,
+                                            ode_steps=self.config.ode_steps)
+        return normalized_step_credit(batch, context, self.released_values(rewards, first, end, batch, context), nfe)
+
+    def released_values(self, rewards: Tensor, first: int, end: int, batch, context: CreditContext) -> Tensor:
+        """Process rewards ``[B, T]`` of the window's transitions ``first .. end - 1`` (NaN elsewhere, and on a
+        trajectory with an invalid reward). ``R_0`` is the reward of ``x_first`` completed (the ODE continuation of the
+        trajectory's own initial noise), ``R_i`` of ``x_{first + i}``; the last, ``x_end``, completes to the final
+        image, so ``R_n = R_T`` as in the released code."""
+        final = rewards[:, -1]
+        sequence = torch.cat([rewards[:, first:end], final[:, None]], dim=1)  # R_0 .. R_n
+        options = {key: getattr(self.config, key) for key in RELEASED_OPTIONS}
+        out = released_process_rewards(final, sequence[:, 0], sequence[:, 1:], global_step=context.iteration,
+                                       pools=batch.sample_ids // context.config.data.group_size, **options)
+        values = torch.full_like(rewards[:, 1:], math.nan)
+        finite = torch.isfinite(sequence).all(dim=1, keepdim=True)
+        values[:, first:end] = torch.where(finite, out["process_rewards"], torch.full_like(out["process_rewards"],
+                                                                                           math.nan))
+        return values
 
     def step_values(self, rewards, batch, context):
         values, _ = turning_point_rewards(rewards, balanced=self.config.balanced,

@@ -9,6 +9,9 @@ naming the moved keys). The moves:
                                                      -> credit.* (tree credit)
     step_reward.estimator                            -> credit.name (terminal: the shape's own credit, group or tree)
     step_reward.clean / ode_steps / balanced         -> credit.* (dense, return_to_go, turning_point)
+    step_reward.estimator: turning_point             -> also credit.semantics: paper (the reading those configs ran)
+    credit: {name: turning_point, clean, ode_steps, balanced} without semantics (a whole turning-point section written
+    before credit.semantics existed: a saved config.yaml, the old preset) -> credit.semantics: paper
     step_reward.registers / register_pass            -> credit.* (registers); RG-OPD's registers -> loss.rg_opd.registers
     sampling.train_steps_per_rollout: N              -> step_selection: {name: random_subset, count: N}
     loss.clip_range / beta / kl                      -> loss.grpo.*
@@ -33,6 +36,7 @@ TREE_CREDIT_KEYS = ("fusion", "width_prune", "width_prune_fraction", "depth_prun
 TREE_SHAPE_KEYS = ("split_steps", "branching", "split_noise_scale")
 STEP_REWARD_KEYS = {"dense": ("clean", "ode_steps"), "return_to_go": ("clean", "ode_steps"),
                     "turning_point": ("clean", "ode_steps", "balanced"), "registers": ("registers", "register_pass")}
+OLD_TURNING_POINT_KEYS = ("clean", "ode_steps", "balanced")
 OLD_LOSS_KEYS = ("clip_range", "beta", "kl", "step_weighting", "rg_opd_weight", "rg_opd_reward",
                  "rg_opd_reward_kwargs", "rg_opd_bands")
 
@@ -83,6 +87,8 @@ def migrate_layer(layer: Any) -> tuple[Any, list[str]]:
         elif estimator is not None:
             section("credit")["name"] = estimator
             kept = STEP_REWARD_KEYS.get(estimator, ())
+            if estimator == "turning_point":
+                section("credit")["semantics"] = "paper"
         else:
             kept = tuple(step)
         for key in kept:
@@ -126,7 +132,20 @@ def migrate_layer(layer: Any) -> tuple[Any, list[str]]:
             moved.append("loss.rg_opd_* -> loss.rg_opd.*")
         data["loss"] = new_loss
 
+    credit = data.get("credit")
+    if (isinstance(credit, Mapping) and credit.get("name") == "turning_point" and "semantics" not in credit
+            and all(key in credit for key in OLD_TURNING_POINT_KEYS)):
+        data["credit"] = {**credit, "semantics": "paper"}
+        return data, ["a turning_point credit section written before credit.semantics existed runs the paper's "
+                      "reading: credit.semantics = paper added (tp_grpo now follows the released code; "
+                      "flowalign.training.migration)"] + _notice(moved)
     if not moved:
         return layer, []
-    return data, [f"config keys from before the component redesign moved: {'; '.join(moved)} (resolved configs are "
-                  "now written the new way: flowalign.training.migration)"]
+    return data, _notice(moved)
+
+
+def _notice(moved: list[str]) -> list[str]:
+    if not moved:
+        return []
+    return [f"config keys from before the component redesign moved: {'; '.join(moved)} (resolved configs are "
+            "now written the new way: flowalign.training.migration)"]
