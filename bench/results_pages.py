@@ -95,6 +95,7 @@ GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "g
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
+    "train_iteration_new": ("methods.md", "train_iteration_new.json", lambda: _cost("train_iteration_new.json")),
     "methods_seed0": ("methods.md", "methods/*-seed0.json", lambda: _methods_curves(seeds=1)),
     "methods_three_seeds": ("methods.md", "methods/*-seed*.json", lambda: _methods_curves(seeds=3)),
     "methods_summary": ("methods.md", "methods/*-seed*.json", _methods_summary),
