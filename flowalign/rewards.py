@@ -127,10 +127,11 @@ class BrightnessReward:
         return self.forward(images, prompts, metadata)
 
 
-def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
+def _lazy(module: str, attribute: str, *, negative_scores: str | None = None, **fixed: Any) -> Callable[..., Reward]:
     """A factory importing ``flowalign.reward_models.<module>.<attribute>`` only when the reward is built.
 
     Real reward models pull in transformers/open_clip and load weights, so nothing is imported at registry time.
+    ``negative_scores`` says why the reward can score below 0 (``negative_scores_reason``), known without importing.
     """
 
     def reward_class() -> type:
@@ -142,6 +143,7 @@ def _lazy(module: str, attribute: str, **fixed: Any) -> Callable[..., Reward]:
         return reward_class()(**fixed, **kwargs)
 
     factory.reward_class = reward_class  # the class without building it: its entry points, before weights load
+    factory.negative_scores = negative_scores
     factory.__name__ = f"build_{attribute}"
     factory.__doc__ = f"Build flowalign.reward_models.{module}.{attribute} (kwargs: its constructor's)."
     return factory
@@ -154,10 +156,12 @@ REWARDS.register("brightness", BrightnessReward)
 # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
 REWARDS.register("pickscore", _lazy("pickscore", "PickScore"))
 REWARDS.register("hps", _lazy("hps", "HPSv2"))
-REWARDS.register("imagereward", _lazy("imagereward", "ImageRewardModel"))
+REWARDS.register("imagereward", _lazy("imagereward", "ImageRewardModel",
+                                      negative_scores="raw ImageReward scores are often negative"))
 REWARDS.register("clipscore", _lazy("clipscore", "CLIPScore"))
 REWARDS.register("aesthetic", _lazy("aesthetic", "LaionAesthetic"))
-REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility"))
+REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
+                                               negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
 
@@ -176,6 +180,12 @@ def reward_class(name: str) -> type | None:
         return factory
     find = getattr(factory, "reward_class", None)
     return find() if callable(find) else None
+
+
+def negative_scores_reason(name: str) -> str | None:
+    """Why the registered reward ``name`` can score below 0, or None when it does not say so. A reward declares it
+    with a ``negative_scores`` string on its factory or class (no weights load, nothing is imported)."""
+    return getattr(REWARDS.get(name), "negative_scores", None) if name in REWARDS else None
 
 
 def _has_entry_point(reward: Any) -> bool:

@@ -172,3 +172,25 @@ def tiny_paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     tiny_sd3_pipeline(words(), seed=0).save_pretrained(root / "sd3")
     return {"sd3": root / "sd3"}
+
+
+def test_a_registered_reward_that_declares_negative_scores_is_refused(tmp_path):
+    """The refusal reads what a reward declares (``negative_scores`` on its factory or class), so a user's reward
+    joins the check by saying so; nothing is built."""
+    from flowalign.rewards import REWARDS, negative_scores_reason, register_reward
+
+    class Centred:
+        name = "centred_brightness"
+        negative_scores = "brightness minus one half"
+
+        def __call__(self, images, prompts, metadata):
+            return images.mean(dim=(1, 2, 3)) - 0.5
+
+    assert negative_scores_reason("imagereward") and negative_scores_reason("jpeg_compressibility")
+    assert negative_scores_reason("jpeg_incompressibility") is None and negative_scores_reason("pickscore") is None
+    register_reward("centred_brightness", Centred)
+    try:
+        with pytest.raises(ConfigError, match=r"'centred_brightness' can score below 0 \(brightness minus one half\)"):
+            load_config(TrainConfig, PRESET, ["reward.rewards=[{name: centred_brightness}]"])
+    finally:
+        REWARDS.unregister("centred_brightness")

@@ -36,16 +36,11 @@ from flowalign.credit.step_credit import StepRewardCredit, intermediate_rewards
 from flowalign.credit.value_anchored import VARIANTS, value_anchored_advantages
 from flowalign.normalization import ZERO_STD
 from flowalign.rollout import RolloutHook
+from flowalign.rewards import negative_scores_reason
 from flowalign.samplers import predict_x0
 from flowalign.settings import at_least, check, finite, option
 
-__all__ = ["SIGNED_REWARDS", "CleanEstimateReader", "VGPOConfig", "VGPOCredit"]
-
-# Registered rewards whose scores go below 0: VGPO's omega = Q / mean Q needs values of one sign.
-SIGNED_REWARDS = {
-    "imagereward": "raw ImageReward scores are often negative",
-    "jpeg_compressibility": "it scores minus the JPEG size in kB, always negative",
-}
+__all__ = ["CleanEstimateReader", "VGPOConfig", "VGPOCredit"]
 
 
 @dataclass
@@ -104,8 +99,9 @@ class VGPOCredit(StepRewardCredit):
             check(spec.weight >= 0, f"reward.rewards[{i}].weight",
                   f"= {spec.weight:g} is negative: credit.name = 'vgpo' needs rewards >= 0 (omega = Q / mean Q); give "
                   "it a weight >= 0 or use another credit.name")
-            check(spec.name not in SIGNED_REWARDS, f"reward.rewards[{i}].name",
-                  f"= {spec.name!r} can score below 0 ({SIGNED_REWARDS.get(spec.name)}): credit.name = 'vgpo' needs "
+            negative = negative_scores_reason(spec.name)
+            check(negative is None, f"reward.rewards[{i}].name",
+                  f"= {spec.name!r} can score below 0 ({negative}): credit.name = 'vgpo' needs "
                   "rewards >= 0 (omega = Q / mean Q); use a reward bounded below by 0 (toy_geneval, geneval, "
                   "pickscore, hps, brightness) or another credit.name")
 
