@@ -236,3 +236,38 @@ def test_empty_index_is_an_error(tmp_path):
 def test_cond_rows_are_one_per_sample(model, toy_data):
     unit = objective(toy_data, batch_size=3).units(0, context(model))[0]
     assert isinstance(unit.cond, Cond) and len(unit.cond) == len(unit) == 3
+
+
+def test_the_toy_dataset_is_the_exact_keyed_render_of_each_training_prompt():
+    from flowalign.data.images import TOY_DATA_SEED, ToySceneDataset, check_image_dataset, open_image_dataset
+    from flowalign.seeding import numpy_rng
+    from flowalign.toy.prompts import split_prompts
+    from flowalign.toy.scenes import render, scene_for
+
+    train, _ = split_prompts()
+    data = open_image_dataset("toy:2", 32)
+    assert isinstance(data, ToySceneDataset) and len(data) == 2 * len(train)
+    row = len(train) + 5  # the second render of prompt 5
+    images, prompts = data.batch([5, row])
+    assert prompts == [train[5]["prompt"]] * 2
+    expected = render(scene_for(train[5], numpy_rng(TOY_DATA_SEED, row), 32), 32)
+    assert torch.equal(images[1], torch.from_numpy(expected).permute(2, 0, 1).float() / 255)
+    assert not torch.equal(images[0], images[1])  # another layout of the same prompt
+    assert torch.equal(open_image_dataset("toy", 32).image(row), images[1])  # keyed by row, not by dataset size
+    check_image_dataset("toy")  # no file to read
+    for bad in ("toy:0", "toy:x"):
+        with pytest.raises(ValueError, match="'toy' or 'toy:N'"):
+            check_image_dataset(bad)
+    with pytest.raises(ValueError, match="square"):
+        ToySceneDataset((32, 48))
+
+
+def test_flow_matching_trains_on_the_toy_scenes_without_a_file(model):
+    obj = objective("toy")
+    obj.start_up()
+    unit = obj.units(0, context(model))[0]
+    dataset = obj.dataset(context(model))
+    rows = unit.data["rows"].tolist()
+    images, _ = dataset.batch(rows)
+    x0 = model.encode_images(images, dtype=torch.float32)
+    torch.testing.assert_close(unit.data["x0"], x0, rtol=0, atol=0)

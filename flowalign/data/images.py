@@ -10,7 +10,13 @@ caption; other keys are kept but not read:
 fault; images load on demand as float tensors in [0, 1], ``[3, H, W]``, resized to cover the requested size and
 centre-cropped (an image already at that size is used pixel for pixel).
 
-``write_toy_dataset`` renders toy scenes (flowalign.toy.scenes) with their captions into such a folder, for tests.
+On the toy world real data is free: the dataset ``toy`` (or ``toy:N``, N renders per prompt, 8 by default) is the
+exact scene of every training prompt, rendered on demand by ``flowalign.toy.scenes`` (``ToySceneDataset``): row ``i``
+is prompt ``i mod P`` with the layout drawn from the generator keyed ``(TOY_DATA_SEED, i)``, so every process and every
+run reads the same images without a file. ``open_image_dataset`` and ``check_image_dataset`` take either kind of
+name; the objectives and reward fitting read data through them.
+
+``write_toy_dataset`` renders toy scenes with their captions into a folder, for tests and for the image-folder path.
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["ImageCaptionDataset", "ImageRecord", "index_path", "load_image", "read_records", "write_toy_dataset"]
+__all__ = ["ImageCaptionDataset", "ImageRecord", "ToySceneDataset", "check_image_dataset", "index_path", "load_image",
+           "open_image_dataset", "read_records", "write_toy_dataset"]
 
 METADATA = "metadata.jsonl"
+TOY_DATA_SEED = 7919  # key of the toy dataset's layouts (distinct from every training seed's purpose keys)
+TOY_RENDERS_PER_PROMPT = 8
 
 
 @dataclass(frozen=True)
@@ -152,3 +161,65 @@ def write_toy_dataset(folder: str | PathLike[str], count: int, *, seed: int = 0,
         lines.append(json.dumps({"image": name, "prompt": entry["prompt"], "tag": entry["tag"]}))
     (folder / METADATA).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return folder
+
+
+class ToySceneDataset:
+    """The toy world's data: ``renders`` exact scenes of each training prompt (``flowalign.toy.prompts.split_prompts``),
+    rendered on demand at ``size`` (square), with the ``ImageCaptionDataset`` interface."""
+
+    def __init__(self, size: int | Sequence[int], renders: int = TOY_RENDERS_PER_PROMPT):
+        from flowalign.toy.prompts import split_prompts
+
+        height, width = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if height != width:
+            raise ValueError(f"the toy dataset renders square scenes; got image size {height}x{width}")
+        if renders < 1:
+            raise ValueError(f"renders per prompt must be >= 1, got {renders}")
+        self.size, self.renders = height, renders
+        self.entries, _ = split_prompts()
+
+    def __len__(self) -> int:
+        return len(self.entries) * self.renders
+
+    def entry(self, index: int) -> dict:
+        """The GenEval-style metadata of row ``index`` (its prompt's)."""
+        return self.entries[index % len(self.entries)]
+
+    def prompt(self, index: int) -> str:
+        return self.entry(index)["prompt"]
+
+    def image(self, index: int) -> Tensor:
+        from flowalign.seeding import numpy_rng
+        from flowalign.toy.scenes import render, scene_for
+
+        pixels = render(scene_for(self.entry(index), numpy_rng(TOY_DATA_SEED, index), self.size), self.size)
+        return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float() / 255
+
+    def batch(self, indices: Sequence[int]) -> tuple[Tensor, list[str]]:
+        """``([B, 3, H, W] images in [0, 1], B prompts)`` for the given indices."""
+        indices = [int(i) for i in indices]
+        return torch.stack([self.image(i) for i in indices]), [self.prompt(i) for i in indices]
+
+
+def _toy_renders(name: str) -> int | None:
+    """N for a dataset name ``toy`` / ``toy:N``; None for any other name (a path)."""
+    if name != "toy" and not name.startswith("toy:"):
+        return None
+    if name == "toy":
+        return TOY_RENDERS_PER_PROMPT
+    count = name.split(":", 1)[1]
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"image dataset {name!r}: write 'toy' or 'toy:N' with N >= 1 renders per prompt")
+    return int(count)
+
+
+def check_image_dataset(name: str | PathLike[str]) -> None:
+    """Start-up check of a dataset name: ``toy[:N]``, or an index whose every line is valid (``read_records``)."""
+    if _toy_renders(str(name)) is None:
+        read_records(name)
+
+
+def open_image_dataset(name: str | PathLike[str], size: int | Sequence[int]) -> "ImageCaptionDataset | ToySceneDataset":
+    """The dataset ``name`` names at ``size``: the toy scenes for ``toy[:N]``, else an image-caption index."""
+    renders = _toy_renders(str(name))
+    return ImageCaptionDataset(name, size) if renders is None else ToySceneDataset(size, renders)

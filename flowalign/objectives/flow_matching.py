@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.data.images import ImageCaptionDataset, read_records
+from flowalign.data.images import ImageCaptionDataset, ToySceneDataset, check_image_dataset, open_image_dataset
 from flowalign.errors import SetupError
 from flowalign.models.base import as_image_size
 from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, process_slice, register_objective
@@ -46,7 +46,8 @@ __all__ = ["FlowMatching", "FlowMatchingConfig", "draw_sigmas"]
 @dataclass
 class FlowMatchingConfig(ComponentConfig):
     data: str = option("", "the image-caption dataset: a JSONL file of {\"image\": path, \"prompt\": text} lines "
-                           "(paths relative to it) or a folder with metadata.jsonl; checked at start-up")
+                           "(paths relative to it), a folder with metadata.jsonl, or toy / toy:N (the toy world's "
+                           "exact scenes, N per training prompt); checked at start-up")
     weight: float = option(1.0, "weight of this objective's loss")
     batch_size: int = option(4, "image-prompt pairs per data unit")
     units_per_iteration: int = option(1, "data units per iteration, split over the processes (a multiple of their "
@@ -101,13 +102,13 @@ class FlowMatching(Objective):
 
     def __init__(self, config: FlowMatchingConfig | None = None):
         super().__init__(config)
-        self._datasets: dict[tuple[int, int], ImageCaptionDataset] = {}
+        self._datasets: dict[tuple[int, int], ImageCaptionDataset | ToySceneDataset] = {}
         self._permutations: dict[int, list[int]] = {}
 
     def start_up(self) -> None:
         """The dataset index exists, every line is valid and names an existing image."""
         try:
-            read_records(self.config.data)
+            check_image_dataset(self.config.data)
         except (FileNotFoundError, ValueError) as error:
             raise SetupError(f"objective {self.name or 'flow_matching'!r}, data = {self.config.data!r}: {error}") \
                 from error
@@ -119,10 +120,10 @@ class FlowMatching(Objective):
             size = getattr(getattr(context.config, "sampling", None), "image_size", None)
         return as_image_size(size, context.model.default_image_size)
 
-    def dataset(self, context: ObjectiveContext) -> ImageCaptionDataset:
+    def dataset(self, context: ObjectiveContext) -> ImageCaptionDataset | ToySceneDataset:
         size = self.image_size(context)
         if size not in self._datasets:
-            self._datasets[size] = ImageCaptionDataset(self.config.data, size)
+            self._datasets[size] = open_image_dataset(self.config.data, size)
             logger.info("flow_matching: %d image-prompt pairs from %s at %dx%d", len(self._datasets[size]),
                         self.config.data, *size)
         return self._datasets[size]
