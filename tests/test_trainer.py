@@ -314,12 +314,24 @@ def test_two_processes_match_one_process(tiny_model, tmp_path):
     assert len(tables[0]) == 8 and tables[0] == tables[1]
 
 
+TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
+        "rollout.split_noise_scale": 2.0}
+
+
+SHARDED_CREDIT = {
+    "tree": TREE,
+    "dense": {"credit.name": "dense"},
+    "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
+    "tp_grpo": {"credit.name": "turning_point", "credit.semantics": "released", "sampling.kind": "cps"},
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["tree", "dense"])
+@pytest.mark.parametrize("shape", list(SHARDED_CREDIT))
 def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
-    """Each process grows whole trees / scores whole groups' intermediate states: the run does not depend on it."""
-    extra = TREE if shape == "tree" else {"credit.name": "dense"}
-    a, b = _one_vs_two_processes(tiny_model, tmp_path, **extra)
+    """Each process grows whole trees / scores whole groups' intermediate states (and VGPO's and TP-GRPO's per-step
+    credit reads only its own groups): the run does not depend on the process count."""
+    a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
 
 
@@ -399,10 +411,6 @@ def _credited(trainer, iteration=0):
     scores = score_iteration(trainer, chunks)
     nfe, _ = trainer.assign_credit(iteration, chunks, scores, trainer.trained_steps(iteration, chunks))
     return chunks, scores, nfe
-
-
-TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
-        "rollout.split_noise_scale": 2.0}
 
 
 def test_tree_rollouts_train_with_ratio_one_and_count_nfes(tiny_model, tmp_path):
