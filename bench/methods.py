@@ -1,7 +1,9 @@
-"""Sample efficiency of the method presets on the toy world, under one NFE budget.
+"""Sample efficiency of the method presets on the toy world, under one NFE budget or one wall-time budget.
 
 Every preset trains from the same toy model with the same shared settings (``--set key=value`` adds more) until its
-cumulative NFEs (rollout evaluations plus intermediate-state completions) reach ``--budget``. At ``--curve-points``
+cumulative NFEs (rollout evaluations plus intermediate-state completions) reach ``--budget``, or, with
+``--wall-budget SECONDS``, until its training wall time reaches that (the comparison at the default run's wall time:
+run it on an otherwise idle machine, since wall time is what a busy machine changes). At ``--curve-points``
 evenly spaced fractions of the budget the policy (its EMA weights when there are any) is evaluated on the held-out
 toy prompts with the ODE, on the same captions and seeds as the base model, so every point is a *paired* gain with
 its standard error. Wall time counts training only (the evaluations are excluded).
@@ -11,7 +13,8 @@ a rerun, so the benchmark can be resumed and can run in the background across se
 ``<out>/methods.md`` and ``<out>/methods.json`` from the finished runs.
 
     python bench/methods.py --presets flow_grpo,branch_grpo --seeds 0 [--budget 25600] [--images-per-prompt 16]
-    python bench/methods.py --report
+    python bench/methods.py --presets flow_grpo,vgpo --seeds 0,1,2 --wall-budget 1500 --out bench/results/methods_wall
+    python bench/methods.py --report [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0
           "optim.lr=5e-4", "optim.ema_decay=0.9"]
 
 
-def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt: int, extra: list[str],
-            out: Path) -> dict:
-    """Train ``preset`` until ``budget`` NFEs, evaluating at ``points`` fractions of it (runs in a child process)."""
+def run_one(preset: str, seed: int, budget: float, points: int, images_per_prompt: int, extra: list[str],
+            out: Path, unit: str = "nfe") -> dict:
+    """Train ``preset`` until ``budget`` NFEs (``unit="nfe"``) or seconds of training (``unit="wall_s"``), evaluating
+    at ``points`` fractions of it (runs in a child process)."""
     from flowalign.config import load_config
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import evaluate, paired_difference
@@ -56,12 +60,14 @@ def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt:
         start = time.perf_counter()
         metrics = trainer.step()
         wall += time.perf_counter() - start
-        if iteration == 0:  # the schedule's progress (sliding windows) needs the run length
-            config.train.iterations = max(2, math.ceil(budget / metrics["nfe"]))
+        if iteration == 0:  # the schedule's progress (sliding windows) needs the run length: estimated from the first
+            spent_first = metrics["nfe"] if unit == "nfe" else wall
+            config.train.iterations = max(2, math.ceil(budget / spent_first))
         iteration += 1
         nfe += int(metrics["nfe"])
-        if nfe >= targets[0]:
-            while targets and nfe >= targets[0]:
+        spent = nfe if unit == "nfe" else wall
+        if spent >= targets[0]:
+            while targets and spent >= targets[0]:
                 targets.pop(0)
             trainer.model.transformer.eval()
             with trainer.ema_weights():
@@ -71,7 +77,8 @@ def run_one(preset: str, seed: int, budget: int, points: int, images_per_prompt:
                           "tags": paired["tags"]})
             print(f"{preset} seed {seed}: {nfe} NFEs, {wall:.0f} s, gain {paired['overall']['diff']:+.3f} "
                   f"± {paired['overall']['se']:.3f}", flush=True)
-    return {"preset": preset, "seed": seed, "budget": budget, "overrides": overrides, "iterations": iteration,
+    return {"preset": preset, "seed": seed, "budget": budget, "budget_unit": unit, "overrides": overrides,
+            "iterations": iteration,
             "nfe": nfe, "wall_s": wall, "images_per_prompt": images_per_prompt, "curve": curve}
 
 
@@ -110,7 +117,9 @@ def summary_table(runs: list[dict]) -> tuple[str, dict]:
     target = None
     if reference:
         target = sum(r["curve"][-1]["overall"]["diff"] for r in reference) / len(reference)
-    lines = ["| preset | seeds | NFE budget | iterations | final gain | SE | z | seed SD | wall s | NFE to reach "
+    unit = budget_unit(runs)
+    label = "NFE" if unit == "nfe" else "training s"
+    lines = [f"| preset | seeds | {label} budget | iterations | final gain | SE | z | seed SD | wall s | {label} to reach "
              "flow_grpo's final gain (share of budget) |", "|---|---|---|---|---|---|---|---|---|---|"]
     table = {}
     for preset, group in groups.items():
@@ -122,22 +131,30 @@ def summary_table(runs: list[dict]) -> tuple[str, dict]:
                           for k in range(min(len(r["curve"]) for r in group))]
             hit = next((k for k, value in enumerate(mean_curve) if value >= target), None)
             if hit is not None:
-                reached = sum(r["curve"][hit]["nfe"] for r in group) / len(group)
+                reached = sum(r["curve"][hit][unit] for r in group) / len(group)
         budget = group[0]["budget"]
         wall = sum(r["wall_s"] for r in group) / len(group)
         iterations = sum(r["iterations"] for r in group) / len(group)
         reach = "not reached" if reached is None else f"{reached:.0f} ({reached / budget:.0%})"
         shown_spread = "" if spread is None else f"{spread:.3f}"
-        lines.append(f"| {preset} | {len(group)} | {budget} | {iterations:.0f} | {gain:+.3f} | {se:.3f} | "
+        lines.append(f"| {preset} | {len(group)} | {budget:g} | {iterations:.0f} | {gain:+.3f} | {se:.3f} | "
                      f"{gain / se if se else float('nan'):.1f} | {shown_spread} | {wall:.0f} | {reach} |")
         table[preset] = {"seeds": [r["seed"] for r in group], "final_gain": gain, "se": se, "seed_sd": spread,
-                         "finals": [f["diff"] for f in finals], "wall_s": wall, "nfe_to_reach_flow_grpo": reached,
+                         "finals": [f["diff"] for f in finals], "wall_s": wall, f"{unit}_to_reach_flow_grpo": reached,
                          "curves": [r["curve"] for r in group]}
     text = "\n".join(lines) + "\n"
     if target is not None and target <= 0:
         text += (f"\nflow_grpo's final gain is {target:+.3f} (not above the base), so every curve point at or above it "
                  "'reaches' it: the last column is no evidence of sample efficiency here.\n")
-    return text, {"flow_grpo_final_gain": target, "presets": table}
+    return text, {"budget_unit": unit, "flow_grpo_final_gain": target, "presets": table}
+
+
+def budget_unit(runs: list[dict]) -> str:
+    """``"nfe"`` or ``"wall_s"``: what the runs' budget counts (runs of both kinds are never compared)."""
+    units = {r.get("budget_unit", "nfe") for r in runs}
+    if len(units) != 1:
+        raise SystemExit(f"runs with NFE and wall-time budgets are mixed in one folder ({sorted(units)}): use --out")
+    return units.pop()
 
 
 def curve_table(runs: list[dict]) -> str:
@@ -146,8 +163,11 @@ def curve_table(runs: list[dict]) -> str:
     groups = by_preset(runs)
     points = min(len(r["curve"]) for r in runs)
     budget = runs[0]["budget"]
-    labels = " / ".join(f"{budget * (k + 1) / points / 1000:g}k" for k in range(points))
-    lines = [f"| preset | seeds | iterations | gain at {labels} NFEs | final gain ± SE (z) | seed SD | wall s |",
+    if budget_unit(runs) == "nfe":
+        labels = " / ".join(f"{budget * (k + 1) / points / 1000:g}k" for k in range(points)) + " NFEs"
+    else:
+        labels = " / ".join(f"{budget * (k + 1) / points:.0f}" for k in range(points)) + " training s"
+    lines = [f"| preset | seeds | iterations | gain at {labels} | final gain ± SE (z) | seed SD | wall s |",
              "|---|---|---|---|---|---|---|"]
     for preset, group in groups.items():
         curve = [sum(r["curve"][k]["overall"]["diff"] for r in group) / len(group) for k in range(points)]
@@ -180,6 +200,8 @@ def main() -> None:
     parser.add_argument("--presets", default=",".join(PRESETS))
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--budget", type=int, default=25_600, help="NFEs per run (40 flow_grpo iterations of 640)")
+    parser.add_argument("--wall-budget", type=float, default=None, metavar="SECONDS",
+                        help="budget every run by training wall time instead of NFEs")
     parser.add_argument("--curve-points", type=int, default=4)
     parser.add_argument("--images-per-prompt", type=int, default=16)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
@@ -191,7 +213,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.child:
         preset, seed = args.child[0], int(args.child[1])
-        result = run_one(preset, seed, args.budget, args.curve_points, args.images_per_prompt, args.set, out)
+        budget, unit = (args.budget, "nfe") if args.wall_budget is None else (args.wall_budget, "wall_s")
+        result = run_one(preset, seed, budget, args.curve_points, args.images_per_prompt, args.set, out, unit)
         (out / f"{preset}-seed{seed}.json").write_text(json.dumps(result, indent=1))
         return
     if not args.report:
@@ -206,6 +229,8 @@ def main() -> None:
                 command = [sys.executable, __file__, "--child", preset, str(seed), "--budget", str(args.budget),
                            "--curve-points", str(args.curve_points), "--images-per-prompt",
                            str(args.images_per_prompt), "--out", str(out)]
+                if args.wall_budget is not None:
+                    command += ["--wall-budget", str(args.wall_budget)]
                 for item in args.set:
                     command += ["--set", item]
                 done = subprocess.run(command, cwd=REPO)
