@@ -1,0 +1,149 @@
+"""Method presets against the default run at the default run's wall-time budget, several training seeds each.
+
+Wall time is what a busy machine changes, so the budget is set in iterations: a preset whose iteration costs ``r``
+times the default's (``time/total`` ratios measured in one ``bench/train_iteration.py`` run, ``--costs``) trains
+``round(default_iterations / r)`` iterations (``--iterations PRESET=N`` fixes one by hand). Every run is a plain
+``flowalign train`` of the preset with its seed and ends with the default run's held-out evaluation (3,168 images,
+the same captions and seeds before and after), so each gain is paired against the base model; the table gives, per
+preset, the mean gain over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE),
+the seed SD, the per-seed gains and the mean training wall time.
+
+Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` and a finished one (with ``eval/before_after.json``) is
+skipped; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json``. The default is the embedded default config
+(``flowalign train`` with no file), named ``default``.
+
+    python bench/equal_wall.py --presets default,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
+    python bench/equal_wall.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from methods import seed_mean  # noqa: E402 - the benchmarks' shared SE over seeds
+
+DEFAULT_ITERATIONS = 330  # the embedded default config's train.iterations
+DEFAULT_COST_NAME = "flow_grpo_fast"  # the default run's sampling, as bench/train_iteration.py names it
+COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0"]
+
+
+def costs(path: Path) -> dict[str, float]:
+    """``time/total`` per preset from a ``bench/train_iteration.py`` JSON."""
+    rows = json.loads(path.read_text())["rows"]
+    return {name: float(row["time/total"]) for name, row in rows.items()}
+
+
+def iterations_for(preset: str, cost: dict[str, float], fixed: dict[str, int]) -> int:
+    """The preset's iterations at the default run's wall time."""
+    if preset in fixed:
+        return fixed[preset]
+    if preset == "default":
+        return DEFAULT_ITERATIONS
+    if preset not in cost or DEFAULT_COST_NAME not in cost:
+        raise SystemExit(f"no measured cost for {preset!r} (or {DEFAULT_COST_NAME!r}) in --costs: run "
+                         f"bench/train_iteration.py --presets {DEFAULT_COST_NAME} {preset}, or give "
+                         f"--iterations {preset}=N")
+    return max(1, round(DEFAULT_ITERATIONS * cost[DEFAULT_COST_NAME] / cost[preset]))
+
+
+def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]) -> None:
+    """``flowalign train`` of the preset into ``out/<preset>-seed<k>`` (its log beside it)."""
+    run = out / f"{preset}-seed{seed}"
+    config = [] if preset == "default" else [str(REPO / "configs/methods" / f"{preset}.yaml")]
+    command = [str(Path(sys.executable).with_name("flowalign")), "train", *config, *COMMON,
+               f"train.iterations={iterations}", f"train.seed={seed}", f"train.out_dir={run}", *extra]
+    start = time.perf_counter()
+    with open(out / f"{preset}-seed{seed}.log", "w") as log:
+        done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    if done.returncode != 0:
+        raise SystemExit(f"{preset} seed {seed} failed (exit {done.returncode}): see {out / f'{preset}-seed{seed}.log'}")
+    (run / "bench.json").write_text(json.dumps({"preset": preset, "seed": seed, "iterations": iterations,
+                                                "command": command[1:], "wall_s": time.perf_counter() - start}))
+    print(f"{preset} seed {seed}: done", flush=True)
+
+
+def finished(out: Path) -> list[dict]:
+    """The finished runs: their ``bench.json`` with the paired overall gain and the training wall time."""
+    runs = []
+    for bench in sorted(out.glob("*-seed*/bench.json")):
+        report = bench.parent / "eval" / "before_after.json"
+        if not report.exists():
+            continue
+        info = json.loads(bench.read_text())
+        paired = json.loads(report.read_text())["paired"]
+        history = [json.loads(line) for line in (bench.parent / "metrics.jsonl").read_text().splitlines()
+                   if line.strip()] if (bench.parent / "metrics.jsonl").exists() else []
+        train_s = sum(float(m.get(k, 0.0)) for m in history for k in ("time/rollout", "time/reward", "time/train"))
+        runs.append({**info, "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
+                     "train_s": train_s})
+    return runs
+
+
+def report(out: Path) -> str:
+    runs = finished(out)
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run["preset"], []).append(run)
+    lines = ["| preset | iterations | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
+             "training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    summary = {}
+    for preset in sorted(groups, key=lambda p: (p != "default", p)):
+        group = sorted(groups[preset], key=lambda r: r["seed"])
+        gain, se, sd = seed_mean([r["overall"]["diff"] for r in group], [r["overall"]["se"] for r in group])
+        walls = [r["train_s"] for r in group if r["train_s"]]  # the three phases of every iteration, no evaluation
+        wall = sum(walls) / len(walls) if walls else math.nan
+        per_seed = ", ".join(f"{r['overall']['diff']:+.3f}" for r in group)
+        lines.append(f"| {preset} | {group[0]['iterations']} | {len(group)} | {gain:+.3f} | {se:.3f} | "
+                     f"{gain / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | {per_seed} | "
+                     f"{wall:.0f} |")
+        summary[preset] = {"iterations": group[0]["iterations"], "seeds": [r["seed"] for r in group], "gain": gain,
+                           "se": se, "seed_sd": sd, "gains": [r["overall"]["diff"] for r in group],
+                           "train_s": wall, "tags": [r["tags"] for r in group]}
+    text = "\n".join(lines) + "\n"
+    (out / "equal_wall.md").write_text(text)
+    (out / "equal_wall.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", default="default")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--costs", default=str(REPO / "bench/results/train_iteration_new.json"))
+    parser.add_argument("--iterations", action="append", default=[], metavar="PRESET=N")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
+    parser.add_argument("--out", default=str(REPO / "bench/results/equal_wall"))
+    parser.add_argument("--report", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        fixed = {k: int(v) for k, v in (item.split("=", 1) for item in args.iterations)}
+        cost = costs(Path(args.costs)) if Path(args.costs).exists() else {}
+        jobs = []
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for preset in args.presets.split(","):
+                if (out / f"{preset}-seed{seed}" / "eval" / "before_after.json").exists():
+                    print(f"{preset} seed {seed}: done, skipped")
+                    continue
+                jobs.append((preset, seed, iterations_for(preset, cost, fixed)))
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for future in [pool.submit(run_one, p, s, n, out, args.set) for p, s, n in jobs]:
+                future.result()
+    print(report(out))
+
+
+if __name__ == "__main__":
+    main()
