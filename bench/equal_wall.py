@@ -90,27 +90,39 @@ def finished(out: Path) -> list[dict]:
     return runs
 
 
-def report(out: Path) -> str:
-    runs = finished(out)
+def summarize(runs: list[dict]) -> dict:
+    """Per preset (the default first): iterations, seeds, the mean gain with its SE and seed SD, the per-seed gains
+    and per-tag gains, and the mean training wall time (the three phases of every iteration, no evaluation)."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
         groups.setdefault(run["preset"], []).append(run)
-    lines = ["| preset | iterations | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
-             "training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
     summary = {}
     for preset in sorted(groups, key=lambda p: (p != "default", p)):
         group = sorted(groups[preset], key=lambda r: r["seed"])
         gain, se, sd = seed_mean([r["overall"]["diff"] for r in group], [r["overall"]["se"] for r in group])
-        walls = [r["train_s"] for r in group if r["train_s"]]  # the three phases of every iteration, no evaluation
-        wall = sum(walls) / len(walls) if walls else math.nan
-        per_seed = ", ".join(f"{r['overall']['diff']:+.3f}" for r in group)
-        lines.append(f"| {preset} | {group[0]['iterations']} | {len(group)} | {gain:+.3f} | {se:.3f} | "
-                     f"{gain / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | {per_seed} | "
-                     f"{wall:.0f} |")
+        walls = [r["train_s"] for r in group if r["train_s"]]
         summary[preset] = {"iterations": group[0]["iterations"], "seeds": [r["seed"] for r in group], "gain": gain,
                            "se": se, "seed_sd": sd, "gains": [r["overall"]["diff"] for r in group],
-                           "train_s": wall, "tags": [r["tags"] for r in group]}
-    text = "\n".join(lines) + "\n"
+                           "train_s": sum(walls) / len(walls) if walls else None, "tags": [r["tags"] for r in group]}
+    return summary
+
+
+def table(summary: dict) -> str:
+    """The summary as a Markdown table."""
+    lines = ["| preset | iterations | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
+             "training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    for preset, row in summary.items():
+        se, sd, wall = row["se"], row["seed_sd"], row["train_s"]
+        lines.append(f"| {preset} | {row['iterations']} | {len(row['seeds'])} | {row['gain']:+.3f} | {se:.3f} | "
+                     f"{row['gain'] / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | "
+                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {'' if wall is None else f'{wall:.0f}'} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path) -> str:
+    """Rebuild ``equal_wall.md`` / ``.json`` in ``out`` from its finished runs; returns the table."""
+    summary = summarize(finished(out))
+    text = table(summary)
     (out / "equal_wall.md").write_text(text)
     (out / "equal_wall.json").write_text(json.dumps(summary, indent=1) + "\n")
     return text

@@ -4,7 +4,8 @@ Each generated table sits in its page between ``<!-- generated: NAME -->`` and `
 script rewrites what lies between the markers with the table that NAME's JSON gives, using the benchmarks' own
 formatters (``bench/guided.py``'s ``table``, ``bench/methods.py``'s ``summary_table`` and ``curve_table``,
 ``bench/train_iteration.py``'s ``cost_table``, ``bench/mixed_precision.py``'s ``precision_table``,
-``bench/tree_rollout.py``'s ``table``, ``bench/kernel_tables.py``). It also copies the plots the pages show from
+``bench/tree_rollout.py``'s ``table``, ``bench/vgpo_signal.py``'s and ``bench/equal_wall.py``'s ``table``,
+``bench/kernel_tables.py``). It also copies the plots the pages show from
 ``bench/results/`` into ``docs/results/img/`` when they differ. It only reads JSON and PNG files: no model, no torch.
 
     python bench/results_pages.py           # rewrite the generated tables and copy changed plots
@@ -75,6 +76,18 @@ def _tree() -> str:
     import tree_rollout
 
     return tree_rollout.table(_read("tree_rollout.json"))
+
+
+def _vgpo_signal() -> str:
+    import vgpo_signal
+
+    return vgpo_signal.table(_read("vgpo_signal.json"))
+
+
+def _equal_wall() -> str:
+    import equal_wall
+
+    return equal_wall.table(_read("equal_wall/equal_wall.json"))
 
 
 def _kernels_gpu() -> str:
