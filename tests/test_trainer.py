@@ -315,10 +315,13 @@ def test_two_processes_match_one_process(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["tree", "dense"])
+@pytest.mark.parametrize("shape", ["tree", "dense", "euphonium"])
 def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
-    """Each process grows whole trees / scores whole groups' intermediate states: the run does not depend on it."""
-    extra = TREE if shape == "tree" else {"credit.name": "dense"}
+    """Each process grows whole trees / scores whole groups' intermediate states / guides and credits whole groups
+    (Euphonium's process reward, here the differentiable brightness): the run does not depend on it."""
+    extra = TREE if shape == "tree" else {"credit.name": "dense"} if shape == "dense" else {
+        "credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
+        "credit.normalize": "true", "credit.scale": 1.0}
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **extra)
     _assert_same_run(a, b)
 
