@@ -227,18 +227,3 @@ def test_a_process_reward_without_a_gradient_fails_at_load_naming_the_key(tmp_pa
     assert message.startswith("credit.process_reward") and "not differentiable" in message
     assert "toy_geneval_soft" in message
 
-
-def test_guided_log_prob_run_keeps_the_first_ratio_at_one(tmp_path):
-    """With log_prob_under=guided the stored log-prob and its recomputation both use the guided mean."""
-    from flowalign.models.tiny import tiny_sd3_pipeline
-    from flowalign.training.trainer import GRPOTrainer
-    from test_presets import small_run, words
-
-    tiny_sd3_pipeline(words(), seed=0).save_pretrained(tmp_path / "sd3")
-    config = load_config(TrainConfig, REPO / "configs/methods/euphonium.yaml", small_run(
-        tmp_path / "sd3", tmp_path / "run", **{"credit.process_reward": "brightness", "credit.log_prob_under": "guided",
-                                               "credit.start_step": 1, "sampling.num_steps": 4,
-                                               "train.iterations": 1}))
-    history = GRPOTrainer(config).train()
-    assert history[0]["first_ratio_max"] == 1.0 and history[0]["guidance/shift_norm_mean"] > 0
-    assert history[0]["credit/guided_steps"] == 2 and history[0]["credit/pra_abs_mean"] > 0
