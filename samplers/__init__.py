@@ -15,7 +15,9 @@ from .sde import (
     REDUCTIONS,
     SDE_KINDS,
     StepOutput,
+    LOG_PROB_MEANS,
     check_sigmas,
+    euphonium_guidance,
     gaussian_log_prob,
     ode_step,
     predict_x0,
@@ -24,6 +26,7 @@ from .sde import (
 )
 
 __all__ = [
+    "LOG_PROB_MEANS",
     "REDUCTIONS",
     "SDE_KINDS",
     "ConstantNoise",
@@ -41,6 +44,7 @@ __all__ = [
     "check_sigmas",
     "count_nfe",
     "diffusion_tree_search",
+    "euphonium_guidance",
     "fk_steering",
     "gaussian_log_prob",
     "noise_schedule",

@@ -5,7 +5,9 @@ once, as nodes;
 a transition points at its source and destination node. A group of independent trajectories is a forest of chains,
 and a tree (later) is the same structure with shared source nodes, so one loss path serves every rollout shape.
 
-``rollout`` takes a plain ``velocity(x, sigma) -> v`` callable: samplers never know what a model is.
+``rollout`` takes a plain ``velocity(x, sigma) -> v`` callable: samplers never know what a model is, and an optional
+``guidance(x, v, sigma, sigma_next, step) -> mean shift or None`` that moves the mean of the SDE steps
+(``sde_step(..., mean_shift=...)``; Euphonium's process-reward guidance is one).
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .sde import check_kind, check_noise_level, check_reduce, check_sigmas, ode_step, sde_step
+from .sde import check_kind, check_log_prob_under, check_noise_level, check_reduce, check_sigmas, ode_step, sde_step
 
 Velocity = Callable[[Tensor, Tensor], Tensor]
+MeanShift = Callable[[Tensor, Tensor, Tensor, Tensor, int], "Tensor | None"]
 
 
 @dataclass
@@ -31,6 +34,9 @@ class Transitions:
     recomputed log-prob uses the same density.
     ``sample_id`` is the trajectory (final image) a transition belongs to; ``group_id`` and ``prompt_id`` index the
     GRPO group and the prompt (the row of the conditioning batch).
+    ``log_prob_shift`` (``[N, ...]`` like the states, or None) is the mean shift the log-prob was taken under, for
+    rollouts guided with ``log_prob_under="guided"``: the recomputed log-prob is then that of ``x_next - shift``
+    under the policy's unguided mean (``flowalign.samplers.sde.guided_log_prob_sample``).
     """
 
     states: Tensor
@@ -49,6 +55,7 @@ class Transitions:
     prompt_id: Tensor
     kind: str = "flow_grpo"
     reduce: str = "mean"
+    log_prob_shift: Tensor | None = None
 
     @property
     def x_t(self) -> Tensor:
@@ -62,7 +69,8 @@ class Transitions:
         return int(self.src.shape[0])
 
     def per_transition_fields(self) -> list[str]:
-        return [f.name for f in fields(self) if f.name not in ("states", "kind", "reduce")]
+        return [f.name for f in fields(self)
+                if f.name not in ("states", "kind", "reduce") and getattr(self, f.name) is not None]
 
     def select(self, index: Tensor) -> "Transitions":
         """The transitions picked by a boolean mask or an index tensor; the state storage is shared."""
@@ -112,13 +120,20 @@ def rollout(
     generator: torch.Generator | list[torch.Generator] | None = None,
     group_ids: Tensor | None = None,
     prompt_ids: Tensor | None = None,
+    guidance: MeanShift | None = None,
+    log_prob_under: str = "unguided",
 ) -> Rollout:
     """Integrate from ``x_init`` (at ``sigmas[0]``) over ``len(sigmas) - 1`` steps.
 
     Step ``i`` is an SDE step of ``kind`` when ``noise_levels[i] > 0`` and an ODE step otherwise. ``group_ids`` and
     ``prompt_ids`` default to one group/prompt per row. Noise comes from ``generator`` (or one generator per row);
     states keep ``x_init``'s dtype.
+
+    ``guidance(x, v, sigma, sigma_next, step)``, called on every step after the velocity (so it may record what it
+    reads at every state), returns the shift of an SDE step's mean (``[B, ...]``) or None (always None on ODE steps); the log-prob is taken under the unguided or the guided mean
+    (``log_prob_under``, ``sde_step``). With ``"guided"`` the shifts are stored in ``Transitions.log_prob_shift``.
     """
+    check_log_prob_under(log_prob_under)
     sigmas, noise_levels = check_rollout_inputs(sigmas, noise_levels, kind, reduce, x_init.device)
     num_steps = sigmas.numel() - 1
     batch, device = x_init.shape[0], x_init.device
@@ -126,16 +141,23 @@ def rollout(
     group_ids = rows if group_ids is None else torch.as_tensor(group_ids, device=device)
     prompt_ids = rows if prompt_ids is None else torch.as_tensor(prompt_ids, device=device)
 
-    states, stds, log_probs, nfe = [x_init], [], [], 0
+    states, stds, log_probs, shifts, nfe = [x_init], [], [], [], 0
     x = x_init
     for i in range(num_steps):
         sigma, sigma_next, level = sigmas[i], sigmas[i + 1], float(noise_levels[i])
         v = velocity(x, sigma)
         nfe += count_nfe(velocity, batch)
+        shift = None if guidance is None else guidance(x, v, sigma, sigma_next, i)
+        if shift is not None and level == 0:
+            raise ValueError(f"guidance returned a mean shift for step {i}, an ODE step (noise level 0): only SDE "
+                             "steps have a mean to shift")
         if level > 0:
-            out = sde_step(x, v, sigma, sigma_next, kind=kind, noise_level=level, reduce=reduce, generator=generator)
+            out = sde_step(x, v, sigma, sigma_next, kind=kind, noise_level=level, reduce=reduce, generator=generator,
+                           mean_shift=shift, log_prob_under=log_prob_under)
             x, std, log_prob = out.prev_sample, out.std, out.log_prob
+            shifts.append(shift)
         else:
+            shifts.append(None)
             x = ode_step(x, v, sigma, sigma_next)
             std = log_prob = torch.zeros(batch, device=device)
         states.append(x)
@@ -161,5 +183,14 @@ def rollout(
         prompt_id=prompt_ids.repeat(num_steps),
         kind=kind,
         reduce=reduce,
+        log_prob_shift=stored_shifts(shifts, x_init) if log_prob_under == "guided" else None,
     )
     return Rollout(transitions=transitions, final=x, nfe=nfe)
+
+
+def stored_shifts(shifts: list, like: Tensor) -> Tensor | None:
+    """The per-step shifts as one fp32 ``[T * B, ...]`` tensor (zeros for unguided steps), None when none was given."""
+    if all(shift is None for shift in shifts):
+        return None
+    zero = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+    return torch.cat([zero if shift is None else shift.float() for shift in shifts])

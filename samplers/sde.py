@@ -21,9 +21,16 @@ Kinds:
 * ``cps`` (coefficient-preserving sampling, Wang & Yu 2025): ``std = s' sin(a pi / 2)`` and
   ``mu = (1 - s') x0_hat + sqrt(s'^2 - std^2) x1_hat``: the next state is re-noised so that the noise
   coefficient is exactly ``s'``. Needs ``0 <= a <= 1``.
+
+Guided steps (Euphonium, Zhong et al. 2026, arXiv 2602.04928): ``sde_step(..., mean_shift=c G)`` draws
+``x' = mu + c G + std eps`` around a shifted mean (``euphonium_guidance`` computes ``c G`` from a process reward's
+gradient ``G``) and takes the log-prob under the unguided mean ``mu`` (the released code's default, which makes the
+policy gradient pull the unguided policy toward the guided samples) or under the guided one ``mu + c G``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -90,6 +97,8 @@ def sde_step(
     reduce: str = "mean",
     generator: torch.Generator | list[torch.Generator] | None = None,
     noise_scale: float | Tensor = 1.0,
+    mean_shift: Tensor | None = None,
+    log_prob_under: str = "unguided",
 ) -> StepOutput:
     """One stochastic step ``x -> x'`` and its exact log-prob (formulas in the module docstring).
 
@@ -106,7 +115,17 @@ def sde_step(
     BranchGRPO's split steps do. The returned ``std`` and the log-prob use ``c std``, the std that actually produced
     the sample (BranchGRPO's public code scores scaled noise with the unscaled std, which is not the density of
     what it sampled).
+
+    ``mean_shift`` (fp32 or ``x``'s dtype, shape of ``x``; e.g. ``euphonium_guidance``) moves the mean the sample is
+    drawn around: ``x' = (mu + mean_shift) + c std eps``, and with ``prev_sample`` it is the shift the given ``x'`` was
+    drawn with. ``log_prob_under`` picks the density the log-prob is taken under: ``"unguided"`` ``N(x'; mu, std^2)``
+    (Euphonium's released behaviour) or ``"guided"`` ``N(x'; mu + mean_shift, std^2)``, evaluated as
+    ``N(x' - mean_shift; mu, std^2)`` on ``x'.float() - mean_shift`` (what ``flowalign.losses.grpo`` recomputes, so
+    the first ratio stays exactly 1). The returned ``mean`` is the guided one. Without ``mean_shift`` the step is
+    bitwise the plain one (the fused kernel on CUDA); with it, the sample is drawn from the step's mean and std and
+    scored by the same kernel with ``prev_sample``.
     """
+    check_log_prob_under(log_prob_under)
     check_kind(kind)
     check_reduce(reduce)
     check_step_values(sigma, sigma_next, noise_level, noise_scale, kind)
@@ -119,9 +138,97 @@ def sde_step(
         raise ValueError(f"prev_sample has shape {tuple(prev_sample.shape)} but x has shape {tuple(x.shape)}")
     else:
         noise = None
-    # The fused Triton step on CUDA, the torch reference elsewhere (flowalign.kernels: FLOWALIGN_KERNELS switch).
-    return sde_transition(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level, noise_scale=noise_scale,
-                          noise=noise, prev_sample=prev_sample, reduce=reduce)
+    if mean_shift is None:
+        # The fused Triton step on CUDA, the torch reference elsewhere (flowalign.kernels: FLOWALIGN_KERNELS switch).
+        return sde_transition(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level, noise_scale=noise_scale,
+                              noise=noise, prev_sample=prev_sample, reduce=reduce)
+    if mean_shift.shape != x.shape:
+        raise ValueError(f"mean_shift has shape {tuple(mean_shift.shape)} but x has shape {tuple(x.shape)}")
+    shift = mean_shift.float()
+    if prev_sample is None:
+        # The step's own mean and std (one pass of the same op), then the draw around the shifted mean.
+        plain = sde_transition(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level, noise_scale=noise_scale,
+                               noise=noise, reduce=reduce)
+        std = plain.std.reshape(-1, *([1] * (x.ndim - 1)))
+        prev_sample = ((plain.mean + shift) + std * noise.float()).to(x.dtype)
+    scored = guided_log_prob_sample(prev_sample, shift) if log_prob_under == "guided" else prev_sample
+    out = sde_transition(x.float() if log_prob_under == "guided" else x, v, sigma, sigma_next, kind=kind,
+                         noise_level=noise_level, noise_scale=noise_scale, prev_sample=scored, reduce=reduce)
+    return StepOutput(prev_sample, out.mean + shift, out.std, out.log_prob)
+
+
+LOG_PROB_MEANS = ("unguided", "guided")
+GUIDANCE_NORMS = ("sample", "batch")
+
+
+def check_log_prob_under(value: str) -> str:
+    if value not in LOG_PROB_MEANS:
+        raise ValueError(f"unknown log_prob_under {value!r}: expected one of {', '.join(LOG_PROB_MEANS)} (the mean "
+                         "without or with the guidance shift)")
+    return value
+
+
+def guided_log_prob_sample(prev_sample: Tensor, mean_shift: Tensor) -> Tensor:
+    """``x'.float() - mean_shift``: scored under the unguided mean it gives the density under the guided one. The
+    rollout and the training loss both score this tensor, so their log-probs agree bitwise."""
+    return prev_sample.float() - mean_shift.float()
+
+
+def euphonium_guidance(
+    reward_gradient: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    noise_level: float | Tensor,
+    scale: float,
+    normalize: bool,
+    scale_by_dt: bool,
+    kl_beta: float | None = None,
+    norm: str = "sample",
+    eps: float = 1e-8,
+) -> Tensor:
+    """Euphonium's mean shift ``c G`` (Zhong et al. 2026, arXiv 2602.04928; ``flux_step`` of its public code), fp32.
+
+    ``G`` is ``reward_gradient`` (``[batch, ...]``, the gradient of a process reward at the step's state) and
+
+        c = scale                              if scale >= 0
+        c = noise_level^2 / (2 kl_beta)        if scale < 0 (the KL-regularised optimum's step, needs kl_beta > 0)
+        c = c * (sigma - sigma_next)           if scale_by_dt (released script default: on)
+
+    With ``normalize`` ``G`` is divided by ``||G|| + eps``: per sample (``norm="sample"``, the default) or over the
+    whole tensor, batch included (``norm="batch"``, the public code's norm, which it only ever calls with one sample).
+    A zero gradient (a row with ``||G|| = 0``, or the whole tensor with ``norm="batch"``) gives a zero shift, as the
+    public code skips the guidance when ``||G|| = 0``. ``sigma``, ``sigma_next`` and ``noise_level`` are scalars or
+    ``[batch]``.
+    """
+    if norm not in GUIDANCE_NORMS:
+        raise ValueError(f"unknown guidance norm {norm!r}: expected one of {', '.join(GUIDANCE_NORMS)}")
+    if not math.isfinite(scale):
+        raise ValueError(f"guidance scale must be finite, got {scale!r}")
+    if scale < 0 and (kl_beta is None or not kl_beta > 0):
+        raise ValueError(f"a negative guidance scale means c = noise_level^2 / (2 kl_beta): give kl_beta > 0, got "
+                         f"{kl_beta!r}")
+    if reward_gradient.ndim < 1 or reward_gradient.shape[0] == 0:
+        raise ValueError(f"reward_gradient must be a [batch, ...] tensor, got shape {tuple(reward_gradient.shape)}")
+    g = reward_gradient.float()
+    if scale >= 0:
+        c = torch.full((g.shape[0],), float(scale), dtype=torch.float32, device=g.device)
+    else:
+        level = torch.as_tensor(noise_level, dtype=torch.float32, device=g.device).reshape(-1)
+        c = (level**2 / (2 * kl_beta)).expand(g.shape[0])
+    if scale_by_dt:
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=g.device).reshape(-1)
+        s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=g.device).reshape(-1)
+        c = c * (s - s_next)
+    c = c.reshape(-1, *([1] * (g.ndim - 1)))
+    dims = tuple(range(1, g.ndim))
+    if norm == "sample":
+        size = g.pow(2).sum(dim=dims, keepdim=True).sqrt() if dims else g.abs()
+    else:
+        size = g.norm().reshape([1] * g.ndim)
+    if normalize:
+        g = g / (size + eps)
+    return torch.where(size > 0, c * g, torch.zeros_like(g))
 
 
 def standard_normal(

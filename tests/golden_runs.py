@@ -79,6 +79,7 @@ def fingerprint() -> str:
 SMALL_RUN_SHAPE = {
     "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
     "tempflow_grpo": {"sampling.batch_size": 8},
+    "euphonium": {"credit.process_reward": "brightness"},  # a differentiable process reward that needs no segmenter
 }
 
 

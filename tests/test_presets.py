@@ -41,7 +41,7 @@ def small_run(model_path, out, **extra):
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
-                                         "register_grpo", "vgpo"}
+                                         "register_grpo", "vgpo", "euphonium"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -64,6 +64,7 @@ EXPECTED = {
     "tp_grpo_paper": (9, 2 * 2 * (10 + 55)),
     "register_grpo": (9, 2 * 2 * (10 + 1)),
     "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
+    "euphonium": (9, 2 * 2 * 10),  # the process reward's gradient is taken on x0_hat: decodes, no NFE
 }
 
 
@@ -98,6 +99,19 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     assert history[0]["nfe"] == nfe
     if preset.stem == "register_grpo":
         assert history[0]["rg_opd"] > 0
+    if preset.stem == "euphonium":  # guided steps 6, 7, 8; PRM of x_6 .. x_9 for a chunk of 2 samples
+        assert history[0]["credit/guided_steps"] == 3 and history[0]["guidance/decodes"] == 4 * 2
+        assert history[0]["guidance/shift_norm_mean"] > 0
+
+
+def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
+    """With credit.log_prob_under=guided the rollout's log-prob and its recomputation both use the guided mean."""
+    config = load_config(TrainConfig, REPO / "configs/methods/euphonium.yaml", small_run(
+        tiny_paths["sd3"], tmp_path, **{"credit.process_reward": "brightness", "credit.log_prob_under": "guided",
+                                        "credit.start_step": 1, "sampling.num_steps": 4, "train.iterations": 1}))
+    history = GRPOTrainer(config).train()
+    assert history[0]["first_ratio_max"] == 1.0 and history[0]["guidance/shift_norm_mean"] > 0
+    assert history[0]["credit/guided_steps"] == 2 and history[0]["credit/pra_abs_mean"] > 0
 
 
 # Every method preset against its base (flow_grpo against the defaults): exactly these keys differ, to these values.
@@ -125,6 +139,14 @@ PRESET_DIFFS = {
     "vgpo": ("flow_grpo", {"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,
                            "credit.eps": 1e-4, "credit.std_unbiased": False, "credit.variant": "reconstruction",
                            "credit.x0_pass": "rollout"}),
+    "euphonium": ("flow_grpo", {"sampling.kind": "dance", "sampling.noise_level": 0.25, "sampling.shared_noise": True,
+                                "credit.name": "euphonium", "credit.process_reward": "toy_geneval_soft",
+                                "credit.reward_kwargs": {}, "credit.scale": 3.0, "credit.kl_beta": None,
+                                "credit.normalize": True, "credit.norm": "sample", "credit.scale_by_dt": True,
+                                "credit.start_step": 6, "credit.interval": 1, "credit.log_prob_under": "unguided",
+                                "credit.credit": "next", "credit.mode": "both", "credit.outcome_weight": 1.0,
+                                "credit.process_weight": 1.0, "credit.eps": 1e-4, "credit.std_unbiased": True,
+                                "credit.clip": 5.0}),
 }
 
 

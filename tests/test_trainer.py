@@ -323,6 +323,9 @@ SHARDED_CREDIT = {
     "dense": {"credit.name": "dense"},
     "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
     "tp_grpo": {"credit.name": "turning_point", "credit.semantics": "released", "sampling.kind": "cps"},
+    # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
+    "euphonium": {"credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
+                  "credit.normalize": "true", "credit.scale": 1.0},
 }
 
 
@@ -330,7 +333,7 @@ SHARDED_CREDIT = {
 @pytest.mark.parametrize("shape", list(SHARDED_CREDIT))
 def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
     """Each process grows whole trees / scores whole groups' intermediate states (and VGPO's and TP-GRPO's per-step
-    credit reads only its own groups): the run does not depend on the process count."""
+    credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
 

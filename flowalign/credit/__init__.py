@@ -10,7 +10,8 @@ Built in: ``group`` (the terminal group advantage on every transition, Flow-GRPO
 tree advantages with fusion and pruning), ``dense``, ``return_to_go`` and ``turning_point`` (step rewards from
 ODE-completed states: DenseGRPO, TP-GRPO), ``registers`` (step rewards from latent reward registers) and ``vgpo``
 (VGPO's value-anchored advantages from the instant rewards of one-step clean estimates;
-``value_anchored_advantages`` is its math for one group).
+``value_anchored_advantages`` is its math for one group) and ``euphonium`` (Euphonium's process-reward-guided rollouts
+and outcome plus process advantages; ``euphonium_advantages`` is its math).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from torch import Tensor
 from flowalign.components import Component
 from flowalign.registry import Registry
 
-__all__ = ["CREDIT", "BatchScores", "Credit", "CreditContext", "CreditEstimator", "register_credit",
-           "value_anchored_advantages"]
+__all__ = ["CREDIT", "BatchScores", "Credit", "CreditContext", "CreditEstimator", "euphonium_advantages",
+           "register_credit", "value_anchored_advantages"]
 
 CREDIT: Registry = Registry("credit estimator")
 register_credit = CREDIT.register
@@ -101,5 +102,6 @@ def trained_mask(transitions, steps: list[int]) -> Tensor:
 
 
 # The built-in estimators and step components register themselves on import.
-from flowalign.credit import group, registers, steps, step_credit, tree, vgpo  # noqa: E402,F401
+from flowalign.credit import euphonium, group, registers, steps, step_credit, tree, vgpo  # noqa: E402,F401
+from flowalign.credit.euphonium import euphonium_advantages  # noqa: E402
 from flowalign.credit.value_anchored import value_anchored_advantages  # noqa: E402

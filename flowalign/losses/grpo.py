@@ -150,9 +150,14 @@ class GRPOLoss(LossTerm):
 
     def loss(self, micro: MicroBatch, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
         st, cfg = micro.transitions, self.config
+        x_t, x_next = st.x_t, st.x_next
+        if st.log_prob_shift is not None:  # a guided rollout's log-prob under its guided mean (samplers.sde_step)
+            from flowalign.samplers.sde import guided_log_prob_sample
+
+            x_t, x_next = x_t.float(), guided_log_prob_sample(x_next, st.log_prob_shift)
         # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
         return transition_grpo_loss(
-            policy.v, st.x_t, st.x_next, st.sigma, st.sigma_next, st.log_prob, micro.advantages, kind=st.kind,
+            policy.v, x_t, x_next, st.sigma, st.sigma_next, st.log_prob, micro.advantages, kind=st.kind,
             noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=st.reduce, clip_range=cfg.clip_range,
             weights=micro.weights, v_ref=policy.v_ref if self.wants_reference() else None, beta=cfg.beta, kl=cfg.kl,
             backend=self.backend,

@@ -13,7 +13,9 @@ gives the same latents whatever the chunking and the process count.
 
 A ``RolloutHook`` reads the policy's own passes during a chain rollout (the latent-register reader is the first): the
 component that needs it (a credit estimator) returns it from ``rollout_hooks()``, and what it read lands in
-``Batch.extras[hook.name]``.
+``Batch.extras[hook.name]``. A ``RolloutGuidance`` (a hook too) shifts the mean of a chain rollout's SDE steps
+(``flowalign.samplers.rollout``'s ``guidance``; Euphonium's process-reward guidance is one), and what it recorded lands
+in ``Batch.extras[guidance.name]``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from flowalign.components import Component, ComponentConfig
 from flowalign.registry import Registry
 from flowalign.seeding import generator
 
-__all__ = ["SHAPES", "Batch", "RolloutContext", "RolloutHook", "RolloutShape", "per_row_velocity", "register_shape"]
+__all__ = ["SHAPES", "Batch", "RolloutContext", "RolloutGuidance", "RolloutHook", "RolloutShape", "per_row_velocity",
+           "register_shape"]
 
 SHAPES: Registry = Registry("rollout shape")
 register_shape = SHAPES.register
@@ -73,10 +76,27 @@ class RolloutHook:
         yield velocity, lambda: None
 
 
+class RolloutGuidance(RolloutHook):
+    """Shifts the mean of a chain rollout's SDE steps (``sde_step(..., mean_shift=...)``). A component returns it
+    from ``rollout_hooks()``; ``guide(context, metadata)`` is a context manager, entered once per chunk, yielding
+    ``shift(x, v, sigma, sigma_next, step) -> [B, ...] or None`` (called on every step after the velocity; a shift
+    only on SDE steps) and ``finish(final) -> what lands in Batch.extras[name]``. ``log_prob_under`` is the mean the
+    stored log-prob is taken under (``"unguided"`` or ``"guided"``), and training recomputes it under the same one, so
+    the first ratio stays exactly 1. It leaves the velocity unchanged (its ``watch`` passes it through)."""
+
+    name: ClassVar[str] = "guidance"
+    log_prob_under: str = "unguided"
+
+    @contextmanager
+    def guide(self, context: "RolloutContext", metadata: list[dict]) -> Iterator[tuple[Callable, Callable[[Tensor], Any]]]:
+        yield (lambda x, v, sigma, sigma_next, step: None), (lambda final: None)
+
+
 @dataclass
 class RolloutContext:
     """What a shape needs to grow one iteration's chunks: the model, the run's config, the iteration's noise
-    schedule (``sigmas``, per-step ``levels``) and the hooks of the run's components."""
+    schedule (``sigmas``, per-step ``levels``), the hooks of the run's components and the iteration's ``prompts``
+    (entries, indexed like the conditioning rows)."""
 
     model: Any
     config: Any
@@ -84,6 +104,26 @@ class RolloutContext:
     sigmas: Tensor
     levels: Tensor
     hooks: list[RolloutHook] = field(default_factory=list)
+    prompts: list[dict] = field(default_factory=list)
+
+    def guidance(self) -> RolloutGuidance | None:
+        """The one ``RolloutGuidance`` among the hooks, or None (two are refused: their shifts would not compose)."""
+        guides = [hook for hook in self.hooks if isinstance(hook, RolloutGuidance)]
+        if len(guides) > 1:
+            raise ValueError(f"two components guide the rollout ({', '.join(g.name for g in guides)}): use one")
+        return guides[0] if guides else None
+
+    @contextmanager
+    def guide(self, rows: list[int]) -> Iterator[tuple[Callable | None, str, Callable[[Tensor], dict[str, Any]]]]:
+        """``(shift or None, log_prob_under, finish(final) -> {guidance.name: what it recorded})`` for a chunk whose
+        samples belong to the prompts ``rows``."""
+        guidance = self.guidance()
+        if guidance is None:
+            yield None, "unguided", lambda final: {}
+            return
+        metadata = [self.prompts[r] for r in rows] if self.prompts else [{} for _ in rows]
+        with guidance.guide(self, metadata) as (shift, finish):
+            yield shift, guidance.log_prob_under, lambda final: {guidance.name: finish(final)}
 
     def generator(self, key: int, purpose: int) -> torch.Generator:
         """The generator of draw ``(seed, iteration, key, purpose)``."""
@@ -95,6 +135,8 @@ class RolloutContext:
         with ExitStack() as stack:
             readers = {}
             for hook in self.hooks:
+                if isinstance(hook, RolloutGuidance):  # it guides through guide(), not by reading passes
+                    continue
                 velocity, readers[hook.name] = stack.enter_context(hook.watch(velocity))
             yield velocity, lambda: {name: read() for name, read in readers.items()}
 

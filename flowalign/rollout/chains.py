@@ -26,10 +26,12 @@ class Chains(RolloutShape):
         x_init = context.model.prepare_noise(
             len(ids), sampling.image_size, generator=[context.generator(k, Purpose.INIT_NOISE) for k in noise_keys])
         chunk_cond = cond.index(rows)
-        with context.watch(context.model.velocity_fn(chunk_cond, sampling.guidance_scale)) as (velocity, readings):
+        velocity = context.model.velocity_fn(chunk_cond, sampling.guidance_scale)
+        with context.watch(velocity) as (velocity, readings), context.guide(rows) as (shift, under, finish):
             result = rollout(
                 velocity, x_init, context.sigmas, context.levels, kind=sampling.kind, reduce=sampling.log_prob_reduce,
                 generator=[context.generator(int(j), Purpose.SDE_NOISE) for j in ids],
-                group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)),
+                group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)), guidance=shift, log_prob_under=under,
             )
-        return Batch(result, ids, chunk_cond, prompt_index=torch.tensor(rows), extras=readings())
+            guided = finish(result.final)
+        return Batch(result, ids, chunk_cond, prompt_index=torch.tensor(rows), extras={**readings(), **guided})

@@ -193,7 +193,7 @@ class GRPOTrainer:
         cond = model.encode(texts, negative_prompts=[""] * len(texts) if model.uses_cfg(
             cfg.sampling.guidance_scale) else None)
         hooks = [hook for part in self.parts.all() for hook in part.rollout_hooks()]
-        context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks)
+        context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks, prompts)
         n = self.layout.samples_per_process
         ids = torch.arange(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
         with self.accelerator.autocast(), use_backend(cfg.model.kernels):
