@@ -41,7 +41,7 @@ def small_run(model_path, out, **extra):
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
-                                         "register_grpo", "vgpo"}
+                                         "register_grpo", "vgpo", "drl"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -64,6 +64,7 @@ EXPECTED = {
     "tp_grpo_paper": (9, 2 * 2 * (10 + 55)),
     "register_grpo": (9, 2 * 2 * (10 + 1)),
     "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
+    "drl": (9, 2 * 2 * 10),
 }
 
 
@@ -89,6 +90,11 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         extra["credit.registers"] = str(checkpoint)
         extra["loss.rg_opd.weight"] = 0.5  # and RG-OPD's regression onto RGS targets from the same registers
         extra["loss.rg_opd.registers"] = str(checkpoint)
+    if preset.stem == "drl":  # a discriminator checkpoint made for the tiny model the run trains
+        from flowalign.reward_models.discriminator import untrained_discriminator
+
+        checkpoint = untrained_discriminator(tiny_paths["sd3"], tmp_path / "d.safetensors", image_size=32, width=16)
+        extra["reward.rewards"] = "[{name: discriminator, kwargs: {path: " + str(checkpoint) + "}}]"
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
@@ -125,6 +131,9 @@ PRESET_DIFFS = {
     "vgpo": ("flow_grpo", {"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,
                            "credit.eps": 1e-4, "credit.std_unbiased": False, "credit.variant": "reconstruction",
                            "credit.x0_pass": "rollout"}),
+    "drl": ("flow_grpo", {"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
+                          "reward.rewards": [{"name": "discriminator", "weight": 1.0,
+                                              "kwargs": {"path": "outputs/discriminator/discriminator.safetensors"}}]}),
 }
 
 
