@@ -18,7 +18,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
-           "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo")  # register_grpo reads outputs/registers/registers.pt (flowalign registers train)
+           "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo", "drl")
+# register_grpo reads outputs/registers/registers.pt (flowalign registers train); drl reads
+# outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator)
 
 CHILD = r"""
 import json, resource, sys, torch

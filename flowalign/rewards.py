@@ -164,6 +164,10 @@ REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
                                                negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
+# DRL's discriminator logit (`flowalign reward train-discriminator` writes the checkpoint its path= names).
+REWARDS.register("discriminator", _lazy("discriminator", "DiscriminatorReward",
+                                        negative_scores="it is a logit, log q/p_base: negative where a sample looks "
+                                        "more like the base model's than the data"))
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:

@@ -28,7 +28,8 @@ from golden_runs import (
 
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
-    """The tiny SD3 and FLUX pipelines (seed 0) and a register checkpoint (seed 0) for register_grpo."""
+    """The tiny SD3 and FLUX pipelines (seed 0), a register checkpoint (seed 0) for register_grpo and a discriminator
+    checkpoint (seed 0) for drl."""
     from diffusers import SD3Transformer2DModel
 
     from flowalign.reward_models.registers import LatentRegisters
@@ -41,12 +42,18 @@ def golden_models(tmp_path_factory):
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel.from_pretrained(root / "sd3" / "transformer")
     registers = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(root / "registers.pt")
-    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers}
+    from flowalign.reward_models.discriminator import untrained_discriminator
+
+    discriminator = untrained_discriminator(root / "sd3", root / "discriminator.safetensors", image_size=32, width=16)
+    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers, "discriminator": discriminator}
 
 
 def _run(name, golden_models, out, extra=None):
     model = golden_models["flux" if name == "flux_dev" else "sd3"]
     registers = golden_models["registers"] if name == "register_grpo" else None
+    if name == "drl":  # scored by an (untrained, seed 0) discriminator made for the tiny SD3
+        spec = "[{name: discriminator, kwargs: {path: " + str(golden_models["discriminator"]) + "}}]"
+        extra = {**(extra or {}), "reward.rewards": spec}
     return run_golden(name, model, out, extra=extra, registers=registers)
 
 

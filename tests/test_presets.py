@@ -41,7 +41,7 @@ def small_run(model_path, out, **extra):
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
-                                         "register_grpo", "vgpo", "euphonium"}
+                                         "register_grpo", "vgpo", "euphonium", "drl"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -65,6 +65,7 @@ EXPECTED = {
     "register_grpo": (9, 2 * 2 * (10 + 1)),
     "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
     "euphonium": (9, 2 * 2 * 10),  # the process reward's gradient is taken on x0_hat: decodes, no NFE
+    "drl": (9, 2 * 2 * 10),
 }
 
 
@@ -90,6 +91,11 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         extra["credit.registers"] = str(checkpoint)
         extra["loss.rg_opd.weight"] = 0.5  # and RG-OPD's regression onto RGS targets from the same registers
         extra["loss.rg_opd.registers"] = str(checkpoint)
+    if preset.stem == "drl":  # a discriminator checkpoint made for the tiny model the run trains
+        from flowalign.reward_models.discriminator import untrained_discriminator
+
+        checkpoint = untrained_discriminator(tiny_paths["sd3"], tmp_path / "d.safetensors", image_size=32, width=16)
+        extra["reward.rewards"] = "[{name: discriminator, kwargs: {path: " + str(checkpoint) + "}}]"
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
@@ -147,6 +153,9 @@ PRESET_DIFFS = {
                                 "credit.credit": "next", "credit.mode": "both", "credit.outcome_weight": 1.0,
                                 "credit.process_weight": 1.0, "credit.eps": 1e-4, "credit.std_unbiased": True,
                                 "credit.clip": 5.0}),
+    "drl": ("flow_grpo", {"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
+                          "reward.rewards": [{"name": "discriminator", "weight": 1.0,
+                                              "kwargs": {"path": "outputs/discriminator/discriminator.safetensors"}}]}),
 }
 
 

@@ -357,6 +357,7 @@ def test_imagereward_end_to_end_on_a_small_blip(tmp_path, monkeypatch):
 def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
     from flowalign.reward_models.aesthetic import LaionAesthetic
     from flowalign.reward_models.clipscore import CLIPScore
+    from flowalign.reward_models.discriminator import DiscriminatorReward
     from flowalign.reward_models.geneval import GenEvalReward
     from flowalign.reward_models.hps import HPSv2
     from flowalign.reward_models.imagereward import ImageRewardModel
@@ -365,12 +366,14 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
 
     classes = {"pickscore": PickScore, "hps": HPSv2, "imagereward": ImageRewardModel, "clipscore": CLIPScore,
                "aesthetic": LaionAesthetic, "jpeg_compressibility": JpegCompressibility,
-               "jpeg_incompressibility": JpegCompressibility, "geneval": GenEvalReward}
+               "jpeg_incompressibility": JpegCompressibility, "geneval": GenEvalReward,
+               "discriminator": DiscriminatorReward}
     for name, cls in classes.items():
         assert reward_class(name) is cls
-    # exactly the scorers with a differentiable forward (the zoo's five, the soft toy reward, brightness)
-    assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "hps", "imagereward", "pickscore",
-                                        "toy_geneval_soft"]
+    # exactly the scorers with a differentiable forward (the zoo's five, DRL's discriminator, the soft toy reward,
+    # brightness)
+    assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "discriminator", "hps", "imagereward",
+                                        "pickscore", "toy_geneval_soft"]
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
                                                            "jpeg_incompressibility", "toy_geneval"}
     with pytest.raises(ValueError, match="unknown reward 'nope'"):

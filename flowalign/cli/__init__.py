@@ -25,7 +25,8 @@ Commands (modules of this package):
   registered guided sampler (``sample``).
 * ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
 * ``flowalign toy pretrain|segmenter``, ``flowalign registers train``, ``flowalign export CHECKPOINT --out DIR``
-  (``tools``). ``sample`` and every ``eval`` command take ``--lora DIR [--weights ema|last]``.
+  (``tools``), ``flowalign reward train-discriminator`` (``discriminator``). ``sample`` and every ``eval`` command
+  take ``--lora DIR [--weights ema|last]``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def _group(commands, name: str, help: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .discriminator import add_train_discriminator
     from .eval import add_eval_commands
     from .sample import add_sample
     from .tools import add_export, add_registers_train, add_toy_pretrain, add_toy_segmenter
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample(commands)
     add_export(commands)
     add_registers_train(_group(commands, "registers", "latent reward registers"))
+    add_train_discriminator(_group(commands, "reward", "fit learned rewards"))
     return parser
 
 
