@@ -321,10 +321,7 @@ def text_encoder(model: str, device: str | torch.device = "cpu"):
     VAE (only the text encoders are needed)."""
     from flowalign.models.loading import load_flow_model
 
-    flow = load_flow_model(model, device=device, transformer=None, vae=None)
-    cls, where = type(flow), torch.device(device)
-    # FlowModel.device reads the transformer's; this copy has none, so it answers the text encoders' device.
-    flow.__class__ = type(f"{cls.__name__}TextOnly", (cls,), {"device": property(lambda self: where)})
+    flow = load_flow_model(model, device=device, transformer=None, vae=None)  # its device is the text encoders'
     return lambda prompts: flow.encode(list(prompts)).pooled.float()
 
 

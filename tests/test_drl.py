@@ -224,3 +224,42 @@ def test_drl_preset_trains_with_the_kl_and_resumes_bitwise(tmp_path):
     a = load_file(str(tmp_path / "full" / "checkpoint-000002" / "trainable.safetensors"))
     b = load_file(str(tmp_path / "split" / "checkpoint-000002" / "trainable.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dinov2_features_from_a_local_tiny_checkpoint_score_images_with_gradients(tmp_path):
+    """The real-model feature path: transformers' Dinov2Model from a local directory (a tiny config saved in-process,
+    no hub), its CLS token after the final layer norm; the reward on it is differentiable on the image (R1 needs it)
+    and a checkpoint made on other DINOv2 weights is refused."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    from flowalign.models.tiny import tiny_sd3_pipeline
+    from flowalign.reward_models.discriminator import build_features
+
+    config = Dinov2Config(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                          image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    dinov2 = Dinov2Model(config).eval()
+    dinov2.save_pretrained(tmp_path / "dinov2")
+    features = build_features("dinov2", str(tmp_path / "dinov2"))
+    images = torch.rand(2, 3, 32, 32)
+    expected = dinov2(pixel_values=(torch.nn.functional.interpolate(images, size=(28, 28), mode="bilinear")
+                                    - torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1))
+                      / torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)).pooler_output
+    torch.testing.assert_close(features(images), expected)
+    assert not any(p.requires_grad for p in features.parameters())  # frozen
+
+    tiny_sd3_pipeline(["a", "red", "circle"], seed=0).save_pretrained(tmp_path / "tiny")
+    path = untrained_discriminator(tmp_path / "tiny", tmp_path / "d.safetensors", image_size=32, width=8,
+                                   features="dinov2", features_path=str(tmp_path / "dinov2"))
+    reward = DiscriminatorReward(str(path))
+    pixels = images.clone().requires_grad_(True)
+    scores = reward.forward(pixels, ["a red circle"] * 2)
+    assert scores.shape == (2,)
+    (grad,) = torch.autograd.grad(scores.sum(), pixels)
+    assert grad.abs().sum() > 0
+    check_discriminator(path, model=str(tmp_path / "tiny"), image_size=32)
+    with torch.no_grad():
+        next(dinov2.parameters()).add_(1.0)
+    dinov2.save_pretrained(tmp_path / "dinov2")  # other DINOv2 weights at the same path
+    with pytest.raises(ValueError, match=r"d\.safetensors.*other dinov2 features"):
+        check_discriminator(path, model=str(tmp_path / "tiny"), image_size=32)

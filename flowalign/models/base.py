@@ -118,6 +118,12 @@ class FlowModel:
 
     @property
     def device(self) -> torch.device:
+        """The transformer's device; a pipeline loaded without one (text encoders only) answers its first text
+        encoder's."""
+        if self.pipe.transformer is None:
+            encoders = self.text_encoders()
+            if encoders:
+                return next(encoders[0].parameters()).device
         return self.transformer.device
 
     @property
