@@ -99,7 +99,7 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|"]
 
     def cells(row: dict) -> str:
-        return (f"{row['zero_std_frac']:.2f} | {row['vgpo/converged_groups']:.0f} | "
+        return (f"{row['zero_std_frac']:.2f} | {round(row['vgpo/converged_groups'], 2):g} | "
                 f"{row['vgpo/converged_signal_frac/reconstruction']:.2f} | "
                 f"{row['vgpo/converged_signal_frac/std_free']:.2f} | "
                 f"{row['vgpo/signal_frac/reconstruction']:.2f} / {row['vgpo/signal_frac/std_free']:.2f}")
