@@ -120,6 +120,69 @@ def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_pa
     assert history[0]["credit/guided_steps"] == 2 and history[0]["credit/pra_abs_mean"] > 0
 
 
+def euphonium_with_registers(tiny_paths, tmp_path, **extra):
+    """The Euphonium preset's small run with registers for the tiny transformer as its process reward."""
+    from diffusers import SD3Transformer2DModel
+    from flowalign.reward_models.registers import LatentRegisters
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
+    checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
+    config = load_config(TrainConfig, REPO / "configs/methods/euphonium.yaml", small_run(
+        tiny_paths["sd3"], tmp_path / "run", **{"credit.process_reward": "null", "credit.registers": str(checkpoint),
+                                                **extra}))
+    return config, checkpoint
+
+
+def test_euphonium_with_registers_as_the_process_reward_trains_and_counts_its_passes(tiny_paths, tmp_path):
+    """credit.registers: the PRM is the registers' score at the noisy states. On 4 steps guided from step 1, per
+    sample, each of the guided states x_1, x_2 costs a forward and a backward of the reference transformer and x_3
+    (credit: next) a forward: 5 NFEs on top of the rollout's 4, no decode."""
+    config, _ = euphonium_with_registers(tiny_paths, tmp_path, **{"sampling.num_steps": 4, "credit.start_step": 1})
+    history = GRPOTrainer(config).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    assert history[0]["nfe"] == 2 * 2 * (4 + 2 * 2 + 1)
+    assert history[0]["guidance/nfe"] == 3 * 2 and history[0]["guidance/backward_nfe"] == 2 * 2  # a chunk of 2
+    assert history[0]["guidance/decodes"] == 0 and history[0]["credit/guided_steps"] == 2
+    assert history[0]["guidance/shift_norm_mean"] > 0 and history[0]["credit/pra_abs_mean"] > 0
+
+
+def test_euphonium_register_shift_is_the_guidance_of_the_registers_own_gradient(tiny_paths, tmp_path):
+    """At a guided state the shift is ``euphonium_guidance`` of ``d S / d x`` taken through ``LatentRegisters.guide``
+    of a freshly loaded checkpoint, and the recorded PRM is that pass's score (heads summed)."""
+    from flowalign.reward_models.registers import load_registers
+    from flowalign.rollout import RolloutContext, per_row_velocity
+    from flowalign.samplers import euphonium_guidance
+
+    config, checkpoint = euphonium_with_registers(tiny_paths, tmp_path)
+    trainer = GRPOTrainer(config)
+    model, sampling, cfg = trainer.model, config.sampling, config.credit
+    prompts = trainer.prompts.prompts_for(0)[:2]
+    cond = model.encode([p["prompt"] for p in prompts])
+    sigmas = model.sigmas(sampling.num_steps, sampling.image_size)
+    levels = torch.full((sampling.num_steps,), 0.25)
+    levels[-1] = 0.0
+    x = model.prepare_noise(2, sampling.image_size, generator=torch.Generator().manual_seed(3))
+    step, sigma, sigma_next = 6, sigmas[6], sigmas[7]
+    context = RolloutContext(model, config, 0, sigmas, levels, [], prompts)
+    with torch.no_grad(), trainer.parts.credit.guidance.guide(context, prompts, cond) as (shift, finish):
+        got = shift(x, model.velocity(x, sigma, cond, sampling.guidance_scale), sigma, sigma_next, step)
+        record = finish(x)
+
+    registers = load_registers(checkpoint, dict(model.transformer.config)).attach(model.transformer)
+    guide = registers.guide(per_row_velocity(model, cond, sampling.guidance_scale))
+    x_in = x.clone().requires_grad_(True)
+    _, scores = guide(x_in, sigma, torch.arange(2))
+    grad = torch.autograd.grad(scores.sum(), x_in)[0]
+    registers.detach()
+    expected = euphonium_guidance(grad, sigma, sigma_next, noise_level=0.25, scale=cfg.scale, normalize=cfg.normalize,
+                                  scale_by_dt=cfg.scale_by_dt, norm=cfg.norm)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(record["process"][:, step], scores.detach().sum(dim=1).double(), rtol=1e-5, atol=1e-6)
+    assert record["nfe"] == 2 and record["backward_nfe"] == 2 and record["process"][:, :step].isnan().all()
+
+
 # Every method preset against its base (flow_grpo against the defaults): exactly these keys differ, to these values.
 # Keys a preset repeats at its base's value (e.g. branch_grpo's split_steps) are not differences.
 PRESET_DIFFS = {
@@ -152,7 +215,7 @@ PRESET_DIFFS = {
                                 "credit.start_step": 6, "credit.interval": 1, "credit.log_prob_under": "unguided",
                                 "credit.credit": "next", "credit.mode": "both", "credit.outcome_weight": 1.0,
                                 "credit.process_weight": 1.0, "credit.eps": 1e-4, "credit.std_unbiased": True,
-                                "credit.clip": 5.0}),
+                                "credit.clip": 5.0, "credit.registers": None}),
     "drl": ("flow_grpo", {"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
                           "reward.rewards": [{"name": "discriminator", "weight": 1.0,
                                               "kwargs": {"path": "outputs/discriminator/discriminator.safetensors"}}]}),

@@ -4,10 +4,19 @@ Rollout. From ``start_step`` to the end (every ``interval``-th step), the SDE me
 ``c G`` (``flowalign.samplers.euphonium_guidance``), ``G`` the gradient of a process reward ``PRM`` at the state
 ``x_i``; the stored log-prob is taken under the unguided mean (``log_prob_under: unguided``, the released code's
 only "internalisation": the policy gradient pulls the unguided policy toward the guided samples) or the guided one.
-Here ``PRM(x_i) = r(decode(x0_hat_i))``, a differentiable image reward (``process_reward``, e.g. ``toy_geneval_soft``)
-of the decoded one-step estimate ``x0_hat = x - s v``, and ``G`` its gradient on ``x0_hat`` with ``v`` held fixed (no
-transformer backward, no NFE: one decode and one reward call per sample and scored state). The PRM of every state
-the credit needs is recorded during the rollout (``RolloutGuidance``: ``Batch.extras["euphonium"]``).
+The PRM is one of two sources (exactly one is set):
+
+* ``process_reward``: ``PRM(x_i) = r(decode(x0_hat_i))``, a differentiable image reward (e.g. ``toy_geneval_soft``)
+  of the decoded one-step estimate ``x0_hat = x - s v``, and ``G`` its gradient on ``x0_hat`` with ``v`` held fixed
+  (no transformer backward, no NFE: one decode and one reward call per sample and scored state);
+* ``registers``: ``PRM(x_i) = S(x_i, s_i)``, the latent reward registers' score (heads summed) at the noisy state,
+  read off a forward of the reference transformer (LoRA off: the one the registers were trained on), and
+  ``G = d S / d x_i`` through that forward (``LatentRegisters.guide``, as RGS takes it): per sample, one forward
+  (``evals_per_sample`` NFEs, 2 with CFG) per scored state plus one backward (as many NFEs) per guided state,
+  counted in the credit's NFEs.
+
+The PRM of every state the credit needs is recorded during the rollout (``RolloutGuidance``:
+``Batch.extras["euphonium"]``).
 
 Credit (``euphonium_advantages``). ORA is the group-normalised terminal reward, PRA the per-(group, step)
 group-normalised process reward of each guided transition ``i``:
@@ -26,7 +35,7 @@ is inside the clip range (always on an iteration's first step) that is exactly `
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,8 +48,8 @@ from flowalign.normalization import ZERO_STD
 from flowalign.rollout import RolloutGuidance
 from flowalign.settings import at_least, check, finite, option
 
-__all__ = ["CREDIT_MODES", "EuphoniumConfig", "EuphoniumCredit", "ProcessRewardGuidance", "euphonium_advantages",
-           "group_step_normalize"]
+__all__ = ["CREDIT_MODES", "EuphoniumConfig", "EuphoniumCredit", "ProcessRewardGuidance", "RegisterGuidance",
+           "euphonium_advantages", "group_step_normalize"]
 
 CREDIT_MODES = ("next", "increment", "released")
 LOSS_MODES = ("both", "none", "only")
@@ -124,9 +133,13 @@ def euphonium_advantages(
 
 @dataclass
 class EuphoniumConfig(ComponentConfig):
-    process_reward: str = option(
+    process_reward: str | None = option(
         "toy_geneval_soft", "the process reward: a differentiable image reward of the decoded one-step estimate "
-        "x0_hat (its gradient on x0_hat, v held fixed, guides the SDE mean)")
+        "x0_hat (its gradient on x0_hat, v held fixed, guides the SDE mean); null with registers")
+    registers: str | None = option(
+        None, "the process reward instead of process_reward (set that to null): a register checkpoint (`flowalign "
+        "registers train`) trained on this model, scoring the noisy states; its gradient through a reference "
+        "forward guides the SDE mean")
     reward_kwargs: dict[str, Any] = option({}, "keyword arguments for the process reward's constructor")
     scale: float = option(0.01, "guidance scale c; < 0 means c = noise_level^2 / (2 kl_beta)")
     kl_beta: float | None = option(None, "the KL coefficient of c = noise_level^2 / (2 kl_beta) when scale < 0")
@@ -162,6 +175,13 @@ class EuphoniumConfig(ComponentConfig):
         finite("process_weight", self.process_weight, 0.0)
         finite("eps", self.eps, 0.0, strict=True)
         finite("clip", self.clip, 0.0, strict=True)
+        check((self.registers is None) != (self.process_reward is None), "registers",
+              "or process_reward: give Euphonium exactly one process reward, a register checkpoint (registers, with "
+              "process_reward: null) or a differentiable image reward of x0_hat (process_reward)")
+        check(not self.reward_kwargs or self.process_reward is not None, "reward_kwargs",
+              "are the constructor arguments of process_reward: set process_reward, or drop them")
+        if self.process_reward is None:
+            return
         close = REWARDS.closest(self.process_reward)
         check(self.process_reward in REWARDS, "process_reward", f"= {self.process_reward!r} is not a registered "
               f"reward; known: {', '.join(REWARDS.names())}" + (f"; did you mean {close!r}?" if close else ""))
@@ -173,9 +193,11 @@ class EuphoniumConfig(ComponentConfig):
 
 
 class ProcessRewardGuidance(RolloutGuidance):
-    """Euphonium's guidance of a chain rollout: ``c G`` on the guided steps, the PRM of the states the credit reads.
+    """Euphonium's guidance of a chain rollout: ``c G`` on the guided steps, the PRM of the states the credit reads,
+    here from a differentiable image reward of the decoded ``x0_hat`` (``RegisterGuidance``: from registers).
 
-    Records ``{"process": [B, T + 1] float64 (NaN where not scored), "decodes": n, "shift_norm": sum of ||c G||}``."""
+    Records ``{"process": [B, T + 1] float64 (NaN where not scored), "decodes": n, "shift_norm": sum of ||c G||}``
+    (``RegisterGuidance`` adds its forward and backward NFEs)."""
 
     name = "euphonium"
 
@@ -208,38 +230,89 @@ class ProcessRewardGuidance(RolloutGuidance):
             grad = torch.autograd.grad(scores.sum(), x0)[0] if gradient else None
         return scores.detach().double().cpu(), grad
 
+    def new_record(self, process: Tensor) -> dict:
+        return {"process": process, "decodes": 0, "shift_norm": 0.0}
+
     @contextmanager
-    def guide(self, context, metadata: list[dict]):
-        from flowalign.samplers import euphonium_guidance, predict_x0
+    def scorer(self, context, metadata: list[dict], cond, record: dict):
+        """``score(x, v, sigma, gradient) -> (PRM [B], d PRM / d x or None)`` of the states of one chunk (``v`` None
+        for the clean final state). Here on ``x0_hat = x - s v`` with ``v`` fixed, so ``d / d x = d / d x0_hat``."""
+        from flowalign.samplers import predict_x0
+
+        def score(x: Tensor, v: Tensor | None, sigma: Tensor, gradient: bool) -> tuple[Tensor, Tensor | None]:
+            record["decodes"] += x.shape[0]
+            return self.score(x if v is None else predict_x0(x, v, sigma), metadata, gradient)
+
+        yield score
+
+    @contextmanager
+    def guide(self, context, metadata: list[dict], cond):
+        from flowalign.samplers import euphonium_guidance
 
         cfg, levels = self.config, context.levels
         guided = self.guided_steps(levels)
         scored = self.scored_states(guided)
         steps = len(levels)
         process = torch.full((len(metadata), steps + 1), math.nan, dtype=torch.float64)
-        record = {"process": process, "decodes": 0, "shift_norm": 0.0}
+        record = self.new_record(process)
 
-        def shift(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, step: int) -> Tensor | None:
-            if not scored[step]:
-                return None
-            score, grad = self.score(predict_x0(x, v, sigma), metadata, gradient=bool(guided[step]))
-            process[:, step] = score
-            record["decodes"] += x.shape[0]
-            if grad is None:
-                return None
-            mean_shift = euphonium_guidance(grad, sigma, sigma_next, noise_level=float(levels[step]), scale=cfg.scale,
-                                            normalize=cfg.normalize, scale_by_dt=cfg.scale_by_dt, kl_beta=cfg.kl_beta,
-                                            norm=cfg.norm)
-            record["shift_norm"] += float(mean_shift.flatten(1).norm(dim=1).sum())
-            return mean_shift
+        with self.scorer(context, metadata, cond, record) as score:
+            def shift(x: Tensor, v: Tensor, sigma: Tensor, sigma_next: Tensor, step: int) -> Tensor | None:
+                if not scored[step]:
+                    return None
+                prm, grad = score(x, v, sigma, bool(guided[step]))
+                process[:, step] = prm
+                if grad is None:
+                    return None
+                mean_shift = euphonium_guidance(grad, sigma, sigma_next, noise_level=float(levels[step]),
+                                                scale=cfg.scale, normalize=cfg.normalize, scale_by_dt=cfg.scale_by_dt,
+                                                kl_beta=cfg.kl_beta, norm=cfg.norm)
+                record["shift_norm"] += float(mean_shift.flatten(1).norm(dim=1).sum())
+                return mean_shift
 
-        def finish(final: Tensor) -> dict:
-            if scored[steps]:  # x_T is clean: its x0_hat is itself
-                process[:, steps], _ = self.score(final, metadata, gradient=False)
-                record["decodes"] += final.shape[0]
-            return record
+            def finish(final: Tensor) -> dict:
+                if scored[steps]:  # x_T is clean: its x0_hat is itself
+                    process[:, steps], _ = score(final, None, context.sigmas[steps], False)
+                return record
 
-        yield shift, finish
+            yield shift, finish
+
+
+class RegisterGuidance(ProcessRewardGuidance):
+    """Euphonium's guidance with latent reward registers as the PRM: ``S(x_i, s_i)`` (heads summed) and its gradient
+    ``d S / d x_i`` through one forward of the reference transformer (LoRA off) with ``x_i`` requiring grad, the pass
+    ``LatentRegisters.guide`` gives RGS. Records the forward (``nfe``) and backward (``backward_nfe``) NFEs too."""
+
+    def __init__(self, config: EuphoniumConfig, registers, model):
+        super().__init__(config, None, model)
+        self.registers = registers
+
+    def new_record(self, process: Tensor) -> dict:
+        return {**super().new_record(process), "nfe": 0, "backward_nfe": 0}
+
+    @contextmanager
+    def scorer(self, context, metadata: list[dict], cond, record: dict):
+        model, registers = self.model, self.registers
+        guide = registers.guide(context.per_row_velocity(cond))
+        evals = guide.evals_per_sample
+        reference = model.reference if model.has_lora else nullcontext
+
+        def score(x: Tensor, v: Tensor | None, sigma: Tensor, gradient: bool) -> tuple[Tensor, Tensor | None]:
+            rows = torch.arange(x.shape[0], device=x.device)
+            registers.attach(model.transformer)  # only around this pass: the rollout's own passes stay unread
+            try:
+                with reference(), torch.enable_grad() if gradient else torch.no_grad():
+                    x_in = x.detach().requires_grad_(gradient)
+                    _, scores = guide(x_in, sigma, rows)
+                    prm = scores.float().sum(dim=1)
+                    grad = torch.autograd.grad(prm.sum(), x_in)[0] if gradient else None
+            finally:
+                registers.detach()
+            record["nfe"] += x.shape[0] * evals
+            record["backward_nfe"] += x.shape[0] * evals if gradient else 0  # through both CFG halves
+            return prm.detach().double().cpu(), grad
+
+        yield score
 
 
 @register_credit("euphonium", config=EuphoniumConfig)
@@ -260,13 +333,24 @@ class EuphoniumCredit(CreditEstimator):
               "- 1): no step would be guided")
 
     def start_up(self) -> None:
+        from flowalign.credit.registers import check_register_file
         from flowalign.rewards import build_differentiable_reward
 
+        if self.config.registers is not None:
+            check_register_file(self.config.registers, "credit.registers")
+            return
         self.reward = build_differentiable_reward(self.config.process_reward, "credit.process_reward",
                                                   **self.config.reward_kwargs)
 
     def set_up(self, parts) -> None:
-        self.guidance = ProcessRewardGuidance(self.config, self.reward, parts.model)
+        from flowalign.credit.registers import load_for
+
+        if self.config.registers is None:
+            self.guidance = ProcessRewardGuidance(self.config, self.reward, parts.model)
+            return
+        registers = load_for(self.config.registers, parts.model)  # refused when made for another transformer config
+        registers.requires_grad_(False)  # the PRM is fixed: only d S / d x is taken
+        self.guidance = RegisterGuidance(self.config, registers, parts.model)
 
     def rollout_hooks(self) -> list:
         return [] if self.guidance is None else [self.guidance]
@@ -295,4 +379,8 @@ class EuphoniumCredit(CreditEstimator):
             "guidance/decodes": float(record["decodes"]),
             "guidance/shift_norm_mean": record["shift_norm"] / max(1, int(guided.sum()) * len(batch.sample_ids)),
         }
-        return Credit(advantages, stats=stats)
+        nfe = 0
+        if "nfe" in record:  # the registers' forwards at the scored states and backwards at the guided ones
+            nfe = record["nfe"] + record["backward_nfe"]
+            stats.update({"guidance/nfe": float(record["nfe"]), "guidance/backward_nfe": float(record["backward_nfe"])})
+        return Credit(advantages, nfe=nfe, stats=stats)

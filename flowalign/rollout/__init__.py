@@ -78,9 +78,11 @@ class RolloutHook:
 
 class RolloutGuidance(RolloutHook):
     """Shifts the mean of a chain rollout's SDE steps (``sde_step(..., mean_shift=...)``). A component returns it
-    from ``rollout_hooks()``; ``guide(context, metadata)`` is a context manager, entered once per chunk, yielding
-    ``shift(x, v, sigma, sigma_next, step) -> [B, ...] or None`` (called on every step after the velocity; a shift
-    only on SDE steps) and ``finish(final) -> what lands in Batch.extras[name]``. ``log_prob_under`` is the mean the
+    from ``rollout_hooks()``; ``guide(context, metadata, cond)`` is a context manager, entered once per chunk with
+    its prompts' entries and its conditioning (``cond``, one row per sample, so a guidance may run the model at the
+    chunk's states: ``context.per_row_velocity(cond)``), yielding ``shift(x, v, sigma, sigma_next, step) -> [B, ...]
+    or None`` (called on every step after the velocity; a shift only on SDE steps) and ``finish(final) -> what lands
+    in Batch.extras[name]``. ``log_prob_under`` is the mean the
     stored log-prob is taken under (``"unguided"`` or ``"guided"``), and training recomputes it under the same one, so
     the first ratio stays exactly 1. It leaves the velocity unchanged (its ``watch`` passes it through)."""
 
@@ -88,7 +90,8 @@ class RolloutGuidance(RolloutHook):
     log_prob_under: str = "unguided"
 
     @contextmanager
-    def guide(self, context: "RolloutContext", metadata: list[dict]) -> Iterator[tuple[Callable, Callable[[Tensor], Any]]]:
+    def guide(self, context: "RolloutContext", metadata: list[dict],
+              cond: Any) -> Iterator[tuple[Callable, Callable[[Tensor], Any]]]:
         yield (lambda x, v, sigma, sigma_next, step: None), (lambda final: None)
 
 
@@ -114,15 +117,16 @@ class RolloutContext:
         return guides[0] if guides else None
 
     @contextmanager
-    def guide(self, rows: list[int]) -> Iterator[tuple[Callable | None, str, Callable[[Tensor], dict[str, Any]]]]:
+    def guide(self, rows: list[int],
+              cond: Any = None) -> Iterator[tuple[Callable | None, str, Callable[[Tensor], dict[str, Any]]]]:
         """``(shift or None, log_prob_under, finish(final) -> {guidance.name: what it recorded})`` for a chunk whose
-        samples belong to the prompts ``rows``."""
+        samples belong to the prompts ``rows`` and whose conditioning is ``cond`` (one row per sample)."""
         guidance = self.guidance()
         if guidance is None:
             yield None, "unguided", lambda final: {}
             return
         metadata = [self.prompts[r] for r in rows] if self.prompts else [{} for _ in rows]
-        with guidance.guide(self, metadata) as (shift, finish):
+        with guidance.guide(self, metadata, cond) as (shift, finish):
             yield shift, guidance.log_prob_under, lambda final: {guidance.name: finish(final)}
 
     def generator(self, key: int, purpose: int) -> torch.Generator:

@@ -27,7 +27,7 @@ class Chains(RolloutShape):
             len(ids), sampling.image_size, generator=[context.generator(k, Purpose.INIT_NOISE) for k in noise_keys])
         chunk_cond = cond.index(rows)
         velocity = context.model.velocity_fn(chunk_cond, sampling.guidance_scale)
-        with context.watch(velocity) as (velocity, readings), context.guide(rows) as (shift, under, finish):
+        with context.watch(velocity) as (velocity, readings), context.guide(rows, chunk_cond) as (shift, under, finish):
             result = rollout(
                 velocity, x_init, context.sigmas, context.levels, kind=sampling.kind, reduce=sampling.log_prob_reduce,
                 generator=[context.generator(int(j), Purpose.SDE_NOISE) for j in ids],
