@@ -43,7 +43,12 @@ def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, C
 
 def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
     if rewards is None:
-        return [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        from flowalign.rewards import check_reward_model
+
+        built = [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        for _, _, fn in built:  # a reward made for one model (a fitted manifold) is asked before the model loads
+            check_reward_model(fn, config.model.path)
+        return built
     if isinstance(rewards, Mapping):
         rewards = [(name, 1.0, fn) for name, fn in rewards.items()]
     elif callable(rewards):
