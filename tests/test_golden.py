@@ -41,12 +41,25 @@ def golden_models(tmp_path_factory):
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel.from_pretrained(root / "sd3" / "transformer")
     registers = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(root / "registers.pt")
-    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers}
+    from test_shell_lcc import tiny_manifold
+
+    manifold = tiny_manifold(root / "sd3", root / "manifold.safetensors")  # seeded; for the shell_lcc presets
+    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers, "manifold": manifold}
+
+
+def shell_lcc_settings(name, manifold):
+    """The shell_lcc presets' small runs read the seeded manifold (the reward replaces brightness there)."""
+    if name == "shell_lcc":
+        return {"reward.rewards": f"[{{name: shell_lcc, kwargs: {{path: {manifold}, variant: band}}}}]"}
+    if name == "shell_lcc_objective":
+        return {"objectives.shell_lcc.path": str(manifold), "objectives.shell_lcc.batch_size": 2}
+    return {}
 
 
 def _run(name, golden_models, out, extra=None):
     model = golden_models["flux" if name == "flux_dev" else "sd3"]
     registers = golden_models["registers"] if name == "register_grpo" else None
+    extra = {**shell_lcc_settings(name, golden_models["manifold"]), **(extra or {})}
     return run_golden(name, model, out, extra=extra, registers=registers)
 
 
