@@ -272,3 +272,20 @@ def test_the_objective_resumes_bitwise_and_its_first_ratio_is_one(tiny_sd3, tmp_
     resumed.train()
     for name, value in full.trainable_state().items():
         assert torch.equal(value, resumed.trainable_state()[name]), name
+
+
+def test_image_statistics_tell_renders_from_blur_and_a_flat_canvas():
+    import torch.nn.functional as F
+
+    from flowalign.data.images import ToySceneDataset
+    from flowalign.toy.statistics import image_statistics
+
+    images, _ = ToySceneDataset(32, renders=1).batch(range(4))
+    crisp = image_statistics(images)
+    assert crisp["purity"] == 1.0 and crisp["palette_distance"] < 1e-6 and crisp["flat_fraction"] == 0.0
+    blurred = image_statistics(F.avg_pool2d(images, 3, stride=1, padding=1, count_include_pad=False))
+    assert blurred["purity"] < crisp["purity"] and blurred["edge_step"] < 0.5 * crisp["edge_step"]
+    flat = image_statistics(torch.full((2, 3, 32, 32), 128 / 255))
+    assert flat["flat_fraction"] == 1.0 and flat["background_fraction"] == 1.0 and flat["purity"] == 1.0
+    with pytest.raises(ValueError, match=r"\[B, 3, H, W\]"):
+        image_statistics(torch.zeros(3, 32, 32))
