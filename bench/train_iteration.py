@@ -18,9 +18,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
-           "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo", "drl")
+           "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo", "drl", "shell_lcc",
+           "shell_lcc_objective")
 # register_grpo reads outputs/registers/registers.pt (flowalign registers train); drl reads
-# outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator)
+# outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator); shell_lcc and
+# shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign reward fit-manifold)
 
 CHILD = r"""
 import json, resource, sys, torch

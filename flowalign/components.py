@@ -24,6 +24,9 @@ A component lives through four moments, each a method with a default that does n
 * ``check(config)``: what spans sections (``config`` is the whole ``TrainConfig``), again without reading files.
 * ``start_up()``: at start-up, before any model loads: the files its settings name exist; what needs no model (a
   reward) is built.
+* ``check_model(model_path)``: right after ``start_up``, still before the model loads: the files made for one model
+  (a fitted manifold, a discriminator) were made for the pipeline at ``model_path`` (None when the trainer was given
+  a model object: ``set_up`` checks the loaded model then).
 * ``set_up(parts)``: once the model is loaded (``parts`` is the trainer's ``Parts``: model, accelerator, rewards).
 
 It also declares what the rest of the run needs to know of it, instead of the trainer asking by name:
@@ -68,6 +71,9 @@ class Component:
 
     def start_up(self) -> None:
         """Start-up, before any model loads: check the files the settings name, build what needs no model."""
+
+    def check_model(self, model_path: str | None) -> None:
+        """Before the model loads: what the settings name fits the pipeline at ``model_path`` (None: unknown)."""
 
     def set_up(self, parts: Any) -> None:
         """Once the model is loaded: load what the component needs (register heads, a reward)."""

@@ -26,6 +26,12 @@ hold whole groups for it.
 returns NaN for an image it cannot judge) is not an error: the sample is marked invalid (``valid[b]`` is False when
 any reward of sample ``b`` is non-finite), counted, and left out of every later mean, std and advantage.
 
+A *latent* reward (``reads_latents = True`` on the callable, e.g. ``shell_lcc``) takes the model's latents
+``[B, C, h, w]`` in place of the images, in both entry points; the callers that decode latents to score them
+(``score_all`` with ``latents=``, ``score_latents``) hand it the latents instead. A reward whose file was made for one
+model declares a ``check_run(kwargs, *, key, model, image_size)`` classmethod, asked before it is built and before that
+model loads (``check_reward_run``).
+
 ``combine_rewards`` turns ``[R, B]`` scores into one reward per sample. Two modes:
 
 * ``sum_then_normalize``: ``r_b = sum_k w_k s_kb``; the group normalisation happens once, in the advantages. A reward
@@ -64,7 +70,10 @@ __all__ = [
     "require_differentiable_reward",
     "reward_class",
     "is_groupwise",
+    "check_reward_run",
+    "reads_latents",
     "score_all",
+    "score_latents",
 ]
 
 COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
@@ -168,6 +177,8 @@ REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
 REWARDS.register("discriminator", _lazy("discriminator", "DiscriminatorReward",
                                         negative_scores="it is a logit, log q/p_base: negative where a sample looks "
                                         "more like the base model's than the data"))
+REWARDS.register("shell_lcc", _lazy("shell_lcc", "ShellLCCReward",
+                                    negative_scores="it scores minus the distance to the data manifold"))
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:
@@ -190,6 +201,34 @@ def negative_scores_reason(name: str) -> str | None:
     """Why the registered reward ``name`` can score below 0, or None when it does not say so. A reward declares it
     with a ``negative_scores`` string on its factory or class (no weights load, nothing is imported)."""
     return getattr(REWARDS.get(name), "negative_scores", None) if name in REWARDS else None
+
+
+def reads_latents(reward: Any) -> bool:
+    """Whether ``reward`` (an instance or a class) scores the model's latents instead of decoded images."""
+    return bool(getattr(reward, "reads_latents", False))
+
+
+def check_reward_run(name: str, kwargs: Mapping[str, Any], *, key: str, model: str | None,
+                     image_size: Any = None) -> None:
+    """Before the reward is built and before any model loads: a reward whose class declares a ``check_run(kwargs, *,
+    key, model, image_size)`` classmethod (files fitted for one model: a discriminator, a manifold) checks them against
+    the run's model path and image size, naming ``key`` (its kwargs' config key) in the error; others pass."""
+    check = getattr(reward_class(name), "check_run", None)
+    if callable(check):
+        check(kwargs, key=key, model=model, image_size=image_size)
+
+
+def score_latents(reward: Any, latents: Tensor, decode: Callable[[Tensor], Tensor], prompts: Sequence[str],
+                  metadata: Sequence[dict] | None = None, *, differentiable: bool = False) -> Tensor:
+    """A reward's scores of clean latents: a latent reward (``reads_latents``) reads them, any other reward their
+    ``decode``d images. ``differentiable``: through ``differentiable_score`` (float32, the graph kept to the
+    latents); otherwise the plain ``__call__`` without gradients (float64 on the CPU)."""
+    inputs = latents if reads_latents(reward) else decode(latents)
+    if differentiable:
+        return differentiable_score(reward, inputs, prompts, metadata)
+    with torch.no_grad():
+        out = reward(inputs, list(prompts), list(metadata) if metadata is not None else [{} for _ in prompts])
+    return torch.as_tensor(out, dtype=torch.float64).flatten().cpu()
 
 
 def _has_entry_point(reward: Any) -> bool:
@@ -306,10 +345,11 @@ RewardSpec = tuple[str, float, Callable[..., Any]]
 @torch.no_grad()
 def score_all(
     rewards: Sequence[RewardSpec], images: Tensor, prompts: Sequence[str], metadata: Sequence[dict],
-    group_ids: Tensor | Sequence[int] | None = None,
+    group_ids: Tensor | Sequence[int] | None = None, latents: Tensor | None = None,
 ) -> RewardScores:
     """Run each ``(name, weight, fn)`` on the batch; see the module docstring for invalid scores and for groupwise
-    rewards, which need ``group_ids`` (one per image).
+    rewards, which need ``group_ids`` (one per image). A latent reward gets ``latents`` (the images' latents) in place
+    of the images; without them it is a ValueError naming it.
 
     A reward that raises is re-raised as RuntimeError naming the reward and the batch's first prompt (the original
     exception is chained). A reward that returns the wrong number of scores or a non-numeric value is a ValueError
@@ -329,9 +369,16 @@ def score_all(
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
             raise ValueError(f"reward {name!r}: weight must be a finite number, got {weight!r}")
         first = repr(prompts[0]) if batch else "(empty batch)"
+        inputs = images
+        if reads_latents(fn):
+            if latents is None:
+                raise ValueError(f"reward {name!r} scores latents, and this caller has only decoded images (credit "
+                                 "estimators that score intermediate states decode them): use it as the terminal "
+                                 "reward, or an image reward here")
+            inputs = latents
         try:
-            out = _groupwise(name, fn, images, prompts, metadata, group_ids) if is_groupwise(fn) else fn(
-                images, list(prompts), list(metadata))
+            out = _groupwise(name, fn, inputs, prompts, metadata, group_ids) if is_groupwise(fn) else fn(
+                inputs, list(prompts), list(metadata))
         except Exception as error:
             raise RuntimeError(
                 f"reward {name!r} failed on a batch of {batch} images (first prompt: {first}): "

@@ -43,17 +43,30 @@ def golden_models(tmp_path_factory):
     transformer = SD3Transformer2DModel.from_pretrained(root / "sd3" / "transformer")
     registers = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(root / "registers.pt")
     from flowalign.reward_models.discriminator import untrained_discriminator
+    from test_shell_lcc import tiny_manifold
 
     discriminator = untrained_discriminator(root / "sd3", root / "discriminator.safetensors", image_size=32, width=16)
-    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers, "discriminator": discriminator}
+    manifold = tiny_manifold(root / "sd3", root / "manifold.safetensors")  # seeded; for the shell_lcc presets
+    return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers, "discriminator": discriminator,
+            "manifold": manifold}
+
+
+def shell_lcc_settings(name, manifold):
+    """The shell_lcc presets' small runs read the seeded manifold (the reward replaces brightness there)."""
+    if name == "shell_lcc":
+        return {"reward.rewards": f"[{{name: shell_lcc, kwargs: {{path: {manifold}, variant: band}}}}]"}
+    if name == "shell_lcc_objective":
+        return {"objectives.shell_lcc.path": str(manifold), "objectives.shell_lcc.batch_size": 2}
+    return {}
 
 
 def _run(name, golden_models, out, extra=None):
     model = golden_models["flux" if name == "flux_dev" else "sd3"]
     registers = golden_models["registers"] if name == "register_grpo" else None
+    extra = {**shell_lcc_settings(name, golden_models["manifold"]), **(extra or {})}
     if name == "drl":  # scored by an (untrained, seed 0) discriminator made for the tiny SD3
         spec = "[{name: discriminator, kwargs: {path: " + str(golden_models["discriminator"]) + "}}]"
-        extra = {**(extra or {}), "reward.rewards": spec}
+        extra = {**extra, "reward.rewards": spec}
     return run_golden(name, model, out, extra=extra, registers=registers)
 
 

@@ -41,7 +41,8 @@ def small_run(model_path, out, **extra):
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
-                                         "register_grpo", "vgpo", "euphonium", "drl"}
+                                         "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
+                                         "shell_lcc_objective"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -66,6 +67,8 @@ EXPECTED = {
     "vgpo": (9, 2 * 2 * 10),  # the instant rewards' x0_hat comes from the rollout's own passes
     "euphonium": (9, 2 * 2 * 10),  # the process reward's gradient is taken on x0_hat: decodes, no NFE
     "drl": (9, 2 * 2 * 10),
+    "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
+    "shell_lcc_objective": (9, 2 * 2 * 10),  # the objective's one forward per unit is a training pass, not rollout
 }
 
 
@@ -96,6 +99,18 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
 
         checkpoint = untrained_discriminator(tiny_paths["sd3"], tmp_path / "d.safetensors", image_size=32, width=16)
         extra["reward.rewards"] = "[{name: discriminator, kwargs: {path: " + str(checkpoint) + "}}]"
+    if preset.stem.startswith("shell_lcc"):  # a manifold recorded as fitted for the tiny model's VAE
+        from test_shell_lcc import tiny_manifold
+
+        manifold = tiny_manifold(tiny_paths["sd3"], tmp_path / "manifold.safetensors")
+        if preset.stem == "shell_lcc":  # the latent reward in GRPO, and as RG-OPD's gradient source
+            extra["reward.rewards"] = f"[{{name: shell_lcc, kwargs: {{path: {manifold}, variant: band}}}}]"
+            extra["loss.rg_opd.weight"] = 0.5
+            extra["loss.rg_opd.reward"] = "shell_lcc"
+            extra["loss.rg_opd.reward_kwargs"] = f"{{path: {manifold}}}"
+        else:
+            extra["objectives.shell_lcc.path"] = str(manifold)
+            extra["objectives.shell_lcc.batch_size"] = 2
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
@@ -103,7 +118,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     stochastic, nfe = EXPECTED[preset.stem]
     assert config.sampling.stochastic_steps() == stochastic
     assert history[0]["nfe"] == nfe
-    if preset.stem == "register_grpo":
+    if preset.stem in ("register_grpo", "shell_lcc"):
         assert history[0]["rg_opd"] > 0
     if preset.stem == "euphonium":  # guided steps 6, 7, 8; PRM of x_6 .. x_9 for a chunk of 2 samples
         assert history[0]["credit/guided_steps"] == 3 and history[0]["guidance/decodes"] == 4 * 2
@@ -181,7 +196,15 @@ def test_euphonium_register_shift_is_the_guidance_of_the_registers_own_gradient(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(record["process"][:, step], scores.detach().sum(dim=1).double(), rtol=1e-5, atol=1e-6)
     assert record["nfe"] == 2 and record["backward_nfe"] == 2 and record["process"][:, :step].isnan().all()
+    if preset.stem == "shell_lcc":
+        assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
+    if preset.stem == "shell_lcc_objective":
+        assert history[0]["objectives/shell_lcc/distance"] > 0
 
+
+SHELL_LCC_OBJECTIVE = {"name": "shell_lcc", "path": "outputs/manifolds/shell_lcc.safetensors", "variant": "distance",
+                       "tau": None, "weight": 1.0, "batch_size": 4, "units_per_iteration": 1, "sigma_min": 0.7,
+                       "sigma_max": 1.0, "drift_margin": None, "image_size": None}
 
 # Every method preset against its base (flow_grpo against the defaults): exactly these keys differ, to these values.
 # Keys a preset repeats at its base's value (e.g. branch_grpo's split_steps) are not differences.
@@ -219,6 +242,10 @@ PRESET_DIFFS = {
     "drl": ("flow_grpo", {"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
                           "reward.rewards": [{"name": "discriminator", "weight": 1.0,
                                               "kwargs": {"path": "outputs/discriminator/discriminator.safetensors"}}]}),
+    "shell_lcc": ("flow_grpo", {"reward.rewards": [{"name": "shell_lcc", "weight": 1.0, "kwargs": {
+        "path": "outputs/manifolds/shell_lcc.safetensors", "variant": "band", "tau": None}}]}),
+    "shell_lcc_objective": ("flow_grpo", {"objectives": {"shell_lcc": SHELL_LCC_OBJECTIVE},
+                                          **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
 }
 
 

@@ -24,6 +24,7 @@ Commands (modules of this package):
 * ``flowalign sample [CONFIG] --guidance none|bon|fk|dts|rgs|... --budget NFE``: reward-guided sampling with a
   registered guided sampler (``sample``).
 * ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
+* ``flowalign reward fit-manifold``: a Shell-LCC data manifold on the model's VAE latents (``manifold``).
 * ``flowalign toy pretrain|segmenter``, ``flowalign registers train``, ``flowalign export CHECKPOINT --out DIR``
   (``tools``), ``flowalign reward train-discriminator`` (``discriminator``). ``sample`` and every ``eval`` command
   take ``--lora DIR [--weights ema|last]``.
@@ -82,6 +83,7 @@ def _group(commands, name: str, help: str):
 def build_parser() -> argparse.ArgumentParser:
     from .discriminator import add_train_discriminator
     from .eval import add_eval_commands
+    from .manifold import add_fit_manifold
     from .sample import add_sample
     from .tools import add_export, add_registers_train, add_toy_pretrain, add_toy_segmenter
     from .train import add_calibrate, add_train
@@ -97,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample(commands)
     add_export(commands)
     add_registers_train(_group(commands, "registers", "latent reward registers"))
-    add_train_discriminator(_group(commands, "reward", "fit learned rewards"))
+    reward = _group(commands, "reward", "fit reward models on data")
+    add_train_discriminator(reward)
+    add_fit_manifold(reward)
     return parser
 
 

@@ -180,14 +180,16 @@ def _provided() -> frozenset[str]:
 
 def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64,
                   differentiable: bool = False):
-    """``reward(x0, rows) -> [n]``: decode latents and score them with an image reward for prompts ``rows``.
+    """``reward(x0, rows) -> [n]``: score clean latents with a reward for prompts ``rows``: an image reward scores
+    their decoded images, a latent reward (``reads_latents``, e.g. ``shell_lcc``) the latents themselves
+    (``flowalign.rewards.score_latents``).
 
     By default scored without gradients, float64 on the CPU (``differentiable = False``). With ``differentiable``
-    (for an image reward with the entry point ``forward(images, prompts, metadata)``, refused here otherwise),
-    decoding and scoring go through ``flowalign.rewards.differentiable_score`` and keep the autograd graph, so
-    ``d reward / d x0`` flows back through the VAE decoder; scores are float32 on the latents' device.
+    (for a reward with the entry point ``forward(inputs, prompts, metadata)``, refused here otherwise), decoding and
+    scoring go through ``flowalign.rewards.differentiable_score`` and keep the autograd graph, so ``d reward / d x0``
+    flows back (through the VAE decoder for an image reward); scores are float32 on the latents' device.
     """
-    from flowalign.rewards import differentiable_score, require_differentiable
+    from flowalign.rewards import require_differentiable, score_latents
 
     if differentiable:
         require_differentiable(reward_fn, "reward")
@@ -196,13 +198,10 @@ def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[d
         scores = []
         for start in range(0, x0.shape[0], chunk):
             part = rows[start : start + chunk].tolist()
-            images = model.decode(x0[start : start + chunk])
             texts, entries = [prompts[r] for r in part], [metadata[r] for r in part]
-            if differentiable:
-                scores.append(differentiable_score(reward_fn, images, texts, entries).to(x0.device))
-            else:
-                out = reward_fn(images, texts, entries)
-                scores.append(torch.as_tensor(out, dtype=torch.float64).flatten().cpu())
+            out = score_latents(reward_fn, x0[start : start + chunk], model.decode, texts, entries,
+                                differentiable=differentiable)
+            scores.append(out.to(x0.device) if differentiable else out)
         return torch.cat(scores)
 
     reward.differentiable = differentiable
@@ -292,7 +291,6 @@ def run_sample(config: SampleConfig) -> dict:
         require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
         if guide is not None:
             require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
-        guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None
         if register_path is not None:
             from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config
@@ -304,7 +302,16 @@ def run_sample(config: SampleConfig) -> dict:
         from flowalign.rewards import build_reward
 
         reward_kwargs = {"partial_credit": config.partial_credit} if config.reward == "toy_geneval" else {}
+        from flowalign.rewards import check_reward_run
+
+        # a reward fitted for one model (a manifold, a discriminator) fits this one, before it is built
+        check_reward_run(config.reward, config.reward_kwargs, key="--reward-kwargs", model=model_path,
+                         image_size=getattr(config, "image_size", None))
+        if guide is not None:
+            check_reward_run(guide[0], guide[1], key="--rgs-reward", model=model_path,
+                             image_size=getattr(config, "image_size", None))
         reward_fn = build_reward(config.reward, **{**reward_kwargs, **config.reward_kwargs})
+        guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
         device = str(resolve_device(config.device))
         model = load_model(model_path, lora, device=device)
     model.transformer.requires_grad_(False)

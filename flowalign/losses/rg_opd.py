@@ -8,8 +8,9 @@ reference model (LoRA off) and detached:
     L = weight * sum_n w_n ||v_n - target_n||^2 / sum_n w_n        (mean over latent dims, w the step weights)
 
 The gradient source is either latent reward registers (``registers``: the heads' gradients at ``x``) or a
-differentiable image reward (``reward``: its gradient on the decoded ``x0_hat = x - sigma v_ref``, ``v_ref`` held
-fixed, as RGS's ``--rgs-gradient x0``: no backward through the transformer).
+differentiable reward (``reward``: its gradient on the decoded ``x0_hat = x - sigma v_ref``, or on ``x0_hat`` itself
+for a latent reward such as ``shell_lcc``; ``v_ref`` held fixed, as RGS's ``--rgs-gradient x0``: no backward through
+the transformer).
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ class RGOPDLoss(LossTerm):
             self.reward = build_differentiable_reward(self.config.reward, "loss.rg_opd.reward",
                                                       **self.config.reward_kwargs)
 
+    def check_model(self, model_path: str | None) -> None:
+        from flowalign.rewards import check_reward_run
+
+        if self.config.reward is not None:  # a reward fitted for one model (a manifold, a discriminator) fits this one
+            check_reward_run(self.config.reward, self.config.reward_kwargs, key="loss.rg_opd.reward_kwargs",
+                             model=model_path)
+
     def set_up(self, parts) -> None:
         from flowalign.credit.registers import load_for
 
@@ -120,7 +128,7 @@ class RGOPDLoss(LossTerm):
     def reward_target(self, x: Tensor, sigma: Tensor, sigma_next: Tensor, cond, metadata: list[dict],
                       v_ref: Tensor | None) -> Tensor:
         """Per-state targets from the reward's gradient on the decoded ``x0_hat`` (``v_ref`` held fixed)."""
-        from flowalign.rewards import differentiable_score
+        from flowalign.rewards import score_latents
         from flowalign.samplers.rgs import rgs_velocity_target, x0_hat_gradient
 
         model = self.model
@@ -129,8 +137,8 @@ class RGOPDLoss(LossTerm):
                 v_ref = model.velocity(x, sigma, cond, self.guidance_scale)
         prompts = [m["prompt"] for m in metadata]
 
-        def score(x0: Tensor, rows) -> Tensor:  # through the reward's differentiable entry point
-            return differentiable_score(self.reward, model.decode(x0), prompts, metadata)
+        def score(x0: Tensor, rows) -> Tensor:  # through the reward's differentiable entry point (latents or images)
+            return score_latents(self.reward, x0, model.decode, prompts, metadata, differentiable=True)
 
         grad = x0_hat_gradient(score, x.float(), v_ref.float(), sigma[0], None)
         return rgs_velocity_target(x.float(), v_ref.float(), [grad], [1.0], sigma[0], sigma_next[0],

@@ -99,3 +99,4 @@ class Objective(Component):
 
 # The built-in objectives register themselves on import.
 from flowalign.objectives import flow_matching  # noqa: E402,F401
+from flowalign.objectives import shell_lcc  # noqa: E402,F401

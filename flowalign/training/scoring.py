@@ -1,5 +1,5 @@
-"""An iteration's rewards: decode this process's final images, score them, gather across processes, combine and
-group-normalise (Flow-GRPO's advantages, ``flowalign.normalization``).
+"""An iteration's rewards: decode this process's final images, score them (a latent reward reads the final latents),
+gather across processes, combine and group-normalise (Flow-GRPO's advantages, ``flowalign.normalization``).
 
 A group may span processes (its ``K`` images are sampled on different ranks), so normalising per process would use
 a partial group's mean and std: the raw rewards and validity are gathered first, normalised once over the global
@@ -48,11 +48,12 @@ class Scores:
 def score_iteration(trainer, batches) -> Scores:
     """Decode, score, gather across processes, combine and group-normalise."""
     config, accelerator = trainer.config, trainer.accelerator
+    finals = torch.cat([b.rollout.final for b in batches])
     images = torch.cat([trainer.model.decode(b.rollout.final).float() for b in batches])
     ids = torch.cat([b.sample_ids for b in batches])
     metadata = [m for b in batches for m in b.sample_metadata]
     scores = score_all(trainer.rewards, images, [m["prompt"] for m in metadata], metadata,
-                       group_ids=ids // config.data.group_size)
+                       group_ids=ids // config.data.group_size, latents=finals.float())
     device = accelerator.device
     raw = accelerator.gather(scores.raw.T.contiguous().to(device)).T.cpu()
     valid = accelerator.gather(scores.valid.to(device)).cpu()
@@ -75,11 +76,12 @@ def score_iteration(trainer, batches) -> Scores:
 
 
 def state_reward(rewards):
-    """``reward(images, metadata, group_ids=None)``: the weighted sum of the raw rewards (float64, NaN where invalid),
-    how credit estimators score intermediate states."""
+    """``reward(images, metadata, group_ids=None, latents=None)``: the weighted sum of the raw rewards (float64, NaN
+    where invalid), how credit estimators score intermediate states (a latent reward needs their ``latents``)."""
 
-    def reward(images: Tensor, metadata: list[dict], group_ids=None) -> Tensor:
-        out = score_all(rewards, images.float(), [m["prompt"] for m in metadata], metadata, group_ids=group_ids)
+    def reward(images: Tensor, metadata: list[dict], group_ids=None, latents: Tensor | None = None) -> Tensor:
+        out = score_all(rewards, images.float(), [m["prompt"] for m in metadata], metadata, group_ids=group_ids,
+                        latents=None if latents is None else latents.float())
         total = (out.weights[:, None] * out.raw).sum(0).double()
         return torch.where(out.valid, total, torch.full_like(total, math.nan))
 

@@ -84,6 +84,7 @@ class GRPOTrainer:
         self.rewards = build_rewards(config, rewards, self.layout)
         for part in self.parts.all():
             part.start_up()
+            part.check_model(config.model.path if model is None else None)
         torch.manual_seed(cfg.seed)  # the LoRA initialisation, identical on every process and layout
         self.model = load_policy(config, self.accelerator.device, model)
         if self.accelerator.num_processes > 1:  # wrap before building the optimizer, as FSDP needs
