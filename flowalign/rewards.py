@@ -70,6 +70,7 @@ __all__ = [
     "require_differentiable_reward",
     "reward_class",
     "is_groupwise",
+    "bind_reward_model",
     "check_reward_run",
     "reads_latents",
     "score_all",
@@ -216,6 +217,15 @@ def check_reward_run(name: str, kwargs: Mapping[str, Any], *, key: str, model: s
     check = getattr(reward_class(name), "check_run", None)
     if callable(check):
         check(kwargs, key=key, model=model, image_size=image_size)
+
+
+def bind_reward_model(reward: Any, model: Any) -> None:
+    """Hand the loaded model to a built reward that declares ``bind_model(model)`` (a reward conditioned on the
+    model's own text embeddings: ``discriminator`` with ``conditioning: text``); others are left alone. The layer
+    that loads the model calls this, so reward models never load one themselves."""
+    bind = getattr(reward, "bind_model", None)
+    if callable(bind):
+        bind(model)
 
 
 def score_latents(reward: Any, latents: Tensor, decode: Callable[[Tensor], Tensor], prompts: Sequence[str],

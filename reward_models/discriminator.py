@@ -316,15 +316,6 @@ def load_discriminator(path: str | Path, device: str | torch.device = "cpu") -> 
 # ------------------------------------------------------------------------------------------------ text
 
 
-def text_encoder(model: str, device: str | torch.device = "cpu"):
-    """``prompts -> pooled text embeddings [B, D]`` of the base pipeline ``model``, loaded without its transformer and
-    VAE (only the text encoders are needed)."""
-    from flowalign.models.loading import load_flow_model
-
-    flow = load_flow_model(model, device=device, transformer=None, vae=None)  # its device is the text encoders'
-    return lambda prompts: flow.encode(list(prompts)).pooled.float()
-
-
 class TextEmbeddings:
     """Pooled text embeddings per prompt, computed once and cached (GRPO groups repeat every prompt)."""
 
@@ -361,9 +352,13 @@ class DiscriminatorReward:
         self.head, self.meta = load_discriminator(path, self.device)
         spec = self.meta["features"]
         self.features = build_features(spec["kind"], spec.get("path"), self.device)
-        self.text = None
+        self.text = None  # text conditioning: the run's model's pooled embeddings, handed over by bind_model
+
+    def bind_model(self, model) -> None:
+        """Take the pooled text embeddings of the run's loaded model (``flowalign.rewards.bind_reward_model``): the
+        text encoders are frozen, so they are the base model's the head was trained with."""
         if self.meta["conditioning"] == "text":
-            self.text = TextEmbeddings(text_encoder(self.meta["model"], self.device))
+            self.text = TextEmbeddings(lambda prompts: model.encode(list(prompts)).pooled.float())
 
     @classmethod
     def check_run(cls, kwargs: Mapping[str, Any], *, key: str, model: str | None, image_size: Any) -> None:
@@ -372,7 +367,12 @@ class DiscriminatorReward:
 
     def score(self, images: Tensor, prompts: Sequence[str]) -> Tensor:
         """Logits ``[B]`` of images already at the checkpoint's size (keeps the graph)."""
-        text = self.text(prompts, self.device) if self.text is not None else None
+        text = None
+        if self.meta["conditioning"] == "text":
+            if self.text is None:
+                raise RuntimeError(f"discriminator {self.path!r} is text-conditioned: hand it the run's model first "
+                                   "(flowalign.rewards.bind_reward_model(reward, model))")
+            text = self.text(prompts, self.device)
         return self.head(self.features(images), text)
 
     def forward(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:

@@ -315,6 +315,10 @@ def run_sample(config: SampleConfig) -> dict:
         device = str(resolve_device(config.device))
         model = load_model(model_path, lora, device=device)
     model.transformer.requires_grad_(False)
+    from flowalign.rewards import bind_reward_model
+
+    for built in (reward_fn, guide_reward):  # a reward conditioned on the model's text embeddings takes them here
+        bind_reward_model(built, model)
     if register_path is not None:
         registers = load_registers(register_path, dict(model.transformer.config)).to(device)
 

@@ -91,6 +91,10 @@ class RGOPDLoss(LossTerm):
         from flowalign.credit.registers import load_for
 
         self.model, self.autocast = parts.model, parts.accelerator.autocast
+        if getattr(self, "reward", None) is not None:
+            from flowalign.rewards import bind_reward_model
+
+            bind_reward_model(self.reward, parts.model)
         self.guidance_scale = parts.config.sampling.guidance_scale
         self.registers = load_for(self.config.registers, parts.model) if self.config.registers else None
 

@@ -34,6 +34,7 @@ from flowalign.kernels import use_backend
 from flowalign.lr_schedule import learning_rate_scale
 from flowalign.models import FlowModel
 from flowalign.objectives import ObjectiveContext
+from flowalign.rewards import bind_reward_model
 from flowalign.rollout import RolloutContext, per_row_velocity
 from flowalign.samplers import noise_schedule
 from flowalign.seeding import Purpose, generator
@@ -87,6 +88,8 @@ class GRPOTrainer:
             part.check_model(config.model.path if model is None else None)
         torch.manual_seed(cfg.seed)  # the LoRA initialisation, identical on every process and layout
         self.model = load_policy(config, self.accelerator.device, model)
+        for _, _, reward in self.rewards:  # a reward conditioned on the model's text embeddings takes them from it
+            bind_reward_model(reward, self.model)
         if self.accelerator.num_processes > 1:  # wrap before building the optimizer, as FSDP needs
             self.model.forward_module = self.accelerator.prepare(self.model.transformer)
         self.params = [p for p in (self.model.forward_module or self.model.transformer).parameters() if p.requires_grad]
