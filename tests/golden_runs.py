@@ -75,10 +75,13 @@ def fingerprint() -> str:
 
 
 # Rollout sizes that fit each preset's shape in a small run: a tree's leaves are its group, a probed trunk's chunk
-# holds all of a prompt's probe groups; the tiny FLUX runs without gradient checkpointing.
+# holds all of a prompt's probe groups; the objective-only presets train on 2 units of 1 pair; the tiny FLUX runs
+# without gradient checkpointing.
 SMALL_RUN_SHAPE = {
     "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
     "tempflow_grpo": {"sampling.batch_size": 8},
+    "soar": {"objectives.soar.batch_size": 1, "objectives.soar.units_per_iteration": 2},
+    "sft": {"objectives.flow_matching.batch_size": 1, "objectives.flow_matching.units_per_iteration": 2},
 }
 
 

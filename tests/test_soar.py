@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from flowalign.losses import soar_aux_points, soar_loss
+from flowalign.objectives import DataUnit
 from flowalign.losses.soar import (
     aux_model_sigma,
     aux_sigmas,
@@ -175,3 +176,99 @@ def test_the_loss_normalisation_ode_only_and_with_an_sde_path():
               soar_loss(base[2:], ode[12:], base_count=3, aux_count=18, num_processes=2)]
     assert (sum(halves) / 2).item() == pytest.approx(21.3 / 21)
     assert soar_loss(base[:0], ode[:0]).item() == 0.0  # nothing: max(count, 1) keeps it finite
+
+
+# --- the soar objective on the tiny real SD3 pipeline ---------------------------------------------------------------
+from dataclasses import dataclass, replace  # noqa: E402
+
+from flowalign.config import ConfigError, load_config  # noqa: E402
+from flowalign.errors import SetupError  # noqa: E402
+from flowalign.models.sd3 import SD3Model  # noqa: E402
+from flowalign.objectives import OBJECTIVES, ObjectiveContext  # noqa: E402
+from flowalign.training.config import TrainConfig  # noqa: E402
+
+
+@dataclass
+class Policy:
+    v: torch.Tensor
+
+
+def _soar(**settings):
+    return OBJECTIVES.build("soar", **{"data": "toy:2", "image_size": 32, "batch_size": 2, "guidance_scale": 3.0,
+                                       "points": 2, **settings})
+
+
+def _context(model, iteration=0, process=0, processes=1):
+    return ObjectiveContext(model=model, config=None, seed=5, iteration=iteration, process_index=process,
+                            num_processes=processes)
+
+
+def test_soar_units_are_the_released_construction_and_the_same_on_two_processes(sd3_pipe):
+    model = SD3Model(sd3_pipe)
+    settings = dict(units_per_iteration=2, rollout_paths=2, sde_kind="cps", logit_mean=-2.5)
+    single = _soar(**settings).units(1, _context(model, 1))
+    split = [u for p in range(2) for u in _soar(**settings).units(1, _context(model, 1, p, 2))]
+    for a, b in zip(single, split, strict=True):
+        assert torch.equal(a.x, b.x) and torch.equal(a.sigma, b.sigma) and a.data["scale"] == b.data["scale"]
+        assert torch.equal(a.data["target"], b.data["target"]) and torch.equal(a.cond.embeds, b.cond.embeds)
+    # The global count: 2 units x (2 base + 2 ODE points x 2 + 2 SDE points per sample off the clean boundary).
+    boundary = [int(clean_boundary(u.data["t0"], 40).sum()) for u in single]
+    counts = [2 + 2 * 2 + 2 * (2 - b) for b in boundary]
+    assert sum(boundary) > 0  # logit_mean -2.5 puts some t0 below 1/40: SDE rows are dropped there
+    assert [len(u) for u in single] == counts and single[0].data["scale"] == pytest.approx(2 / sum(counts))
+    assert all(u.nfe == 2 * 2 for u in single)  # the CFG step: 2 evaluations per pair
+
+    # Rows: the base points, then the ODE path's points (point-major), then the SDE path's; the ODE path's are
+    # recomputed here from the unit's own base rows and the model.
+    unit = single[0]
+    sigmas, _ = training_table()
+    t0 = unit.data["t0"]
+    s0, s1 = table_sigma(t0, sigmas), table_sigma(next_time(t0, 40), sigmas)
+    assert torch.equal(unit.sigma[:2], s0)
+    z_t0 = unit.x[:2]
+    z0 = z_t0 - s0.view(-1, 1, 1, 1) * unit.data["target"][:2]  # target z1 - z0 and z_t0 = z0 + s0 (z1 - z0)
+    z1 = z0 + unit.data["target"][:2]
+    with torch.no_grad():
+        empty = model.encode([""] * 2)  # the negative prompt ''
+        cond = replace(unit.cond.index(slice(0, 2)), negative_embeds=empty.embeds, negative_pooled=empty.pooled)
+        v_cfg = model.velocity(z_t0, s0, cond, 3.0)
+    z_t1 = z_t0 + v_cfg * (s1 - s0).view(-1, 1, 1, 1)
+    latents = unit.x[2:6].view(2, 2, *z_t0.shape[1:])
+    targets = unit.data["target"][2:6].view_as(latents)
+    # The aux sigma from each row's position between z_t1 and z1: a = (s' - s1) / (1 - s1).
+    diff = (latents - z_t1).flatten(2)
+    alpha = (diff * (z1 - z_t1).flatten(1)).sum(-1) / (z1 - z_t1).flatten(1).pow(2).sum(-1)
+    sigma_aux = s1 + alpha * (1 - s1)
+    expected = soar_aux_points(z0, z1, z_t1, s1, sigma_aux)
+    torch.testing.assert_close(latents, expected.latents, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(targets, expected.targets, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(unit.sigma[2:6], aux_model_sigma(sigma_aux, sigmas).flatten(), rtol=0, atol=2e-3)
+
+
+def test_soar_loss_is_the_released_normalisation_of_a_unit():
+    obj = OBJECTIVES.build("soar", data="toy", lambda_aux=0.5)
+    target = torch.zeros(5, 1, 1, 2)
+    v = torch.arange(10.0).view(5, 1, 1, 2)  # per-row MSEs: 0.5, 6.5, 20.5, 42.5, 72.5
+    weights = torch.tensor([1.0, 1.0, 0.5, 0.5, 0.5])
+    unit = DataUnit(x=target, sigma=torch.full((5,), 0.5), cond=None,
+                    data={"target": target, "weights": weights, "scale": 1 / 3.5, "base_rows": 2,
+                          "sigma_t0": torch.tensor([0.5, 0.5])})
+    loss, stats = obj.loss(unit, Policy(v))
+    # One unit of 2 pairs with 3 aux points: (0.5 + 6.5 + 0.5 (20.5 + 42.5 + 72.5)) / (2 + 0.5 * 3)
+    assert loss.item() == pytest.approx(soar_loss(torch.tensor([0.5, 6.5]), torch.tensor([20.5, 42.5, 72.5]),
+                                                  lambda_aux=0.5).item())
+    assert stats["base_mse"] == 3.5 and stats["aux_mse"] == pytest.approx(135.5 / 3)
+    assert stats["aux_points_per_sample"] == 1.5
+
+
+def test_soar_without_data_fails_at_the_config_naming_the_key_and_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_config(TrainConfig, None, ["loss.grpo=null", "objectives.soar.guidance_scale=3"])
+    assert "objectives.soar.data" in str(error.value) and "toy" in str(error.value)
+    with pytest.raises(ConfigError, match="sampling.guidance_scale"):
+        load_config(TrainConfig, None, ["objectives.soar.data=toy", "sampling.guidance_scale=3"])
+    with pytest.raises(ConfigError, match="nothing would be trained"):
+        load_config(TrainConfig, None, ["loss.grpo=null"])
+    missing = tmp_path / "pairs.jsonl"
+    with pytest.raises(SetupError, match="does not exist"):
+        OBJECTIVES.build("soar", data=str(missing)).start_up()
