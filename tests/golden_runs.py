@@ -49,8 +49,8 @@ MODELS = sorted((REPO / "configs/models").glob("*.yaml"))
 RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS]
 
 # Metrics that are the same on any machine; metrics read for iteration 0 at a tight tolerance.
-EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "nfe/objectives", "skipped", "reward_invalid", "lr",
-                 "first_ratio_max", "first_ratio_mean", "first_approx_kl", "first_clip_frac")
+EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "nfe/objectives", "skipped", "reward_invalid",
+                 "lr", "first_ratio_max", "first_ratio_mean", "first_approx_kl", "first_clip_frac")
 FORWARD_ONLY_METRICS = ("reward", "reward_std")
 COSINE_MIN, NORM_RATIO_TOLERANCE = 0.99, 0.02
 LATE_RTOL, LATE_ATOL, FORWARD_RTOL = 0.05, 5e-3, 1e-3
