@@ -272,3 +272,20 @@ def test_soar_without_data_fails_at_the_config_naming_the_key_and_the_fix(tmp_pa
     missing = tmp_path / "pairs.jsonl"
     with pytest.raises(SetupError, match="does not exist"):
         OBJECTIVES.build("soar", data=str(missing)).start_up()
+
+
+def test_exposure_bias_probe_compares_the_models_own_trajectory_with_teacher_forcing(sd3_pipe):
+    from flowalign.evaluation.exposure import exposure_bias, paired_rows
+
+    model = SD3Model(sd3_pipe)
+    settings = dict(data="toy:1", count=2, image_size=32, batch_size=2, seed=1)
+    # No step between the start and mid-noise: the generated state is the data's own, so no gap.
+    none = exposure_bias(model, start_sigma=0.5, mid_sigma=0.5, **settings)
+    assert none["gap"] == 0.0 and [r["generated"] for r in none["rows"]] == [r["teacher"] for r in none["rows"]]
+    # Two steps of the (untrained) model from 0.9 drift off the data's trajectory; the teacher error is unchanged.
+    drift = exposure_bias(model, start_sigma=0.9, mid_sigma=0.5, steps=2, guidance_scale=3.0, **settings)
+    assert len(drift["rows"]) == 2 and drift["generated"] > 0 and drift["gap"] != 0.0
+    assert [r["teacher"] for r in drift["rows"]] != [r["teacher"] for r in none["rows"]]  # guidance 3 vs 1
+    assert paired_rows(drift, drift, "gap") == {"before": drift["gap"], "after": drift["gap"], "diff": 0.0, "se": 0.0}
+    with pytest.raises(ValueError, match="mid_sigma"):
+        exposure_bias(model, start_sigma=0.4, mid_sigma=0.5, **settings)
