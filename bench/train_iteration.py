@@ -18,7 +18,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
-           "tp_grpo", "tp_grpo_paper", "vgpo", "register_grpo")  # register_grpo reads outputs/registers/registers.pt (flowalign registers train)
+           "tp_grpo", "tp_grpo_paper", "vgpo", "register_grpo",  # register_grpo reads outputs/registers/registers.pt (flowalign registers train)
+           "soar", "sft")  # objective-only runs: no rollout or reward time
 
 CHILD = r"""
 import json, resource, sys, torch
@@ -84,7 +85,8 @@ def cost_table(rows: dict[str, dict]) -> str:
 def iteration_cost(history: list[dict]) -> dict[str, float]:
     """Mean rollout / reward / train seconds, their total and NFEs per iteration; the first (warm-up) is dropped."""
     timed = history[1:] or history
-    row = {key: sum(m[key] for m in timed) / len(timed) for key in ("time/rollout", "time/reward", "time/train", "nfe")}
+    row = {key: sum(m.get(key, 0.0) for m in timed) / len(timed)  # an objective-only run has no rollout or reward
+           for key in ("time/rollout", "time/reward", "time/train", "nfe")}
     row["time/total"] = row["time/rollout"] + row["time/reward"] + row["time/train"]
     return row
 

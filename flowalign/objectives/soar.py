@@ -119,7 +119,8 @@ class SoarConfig(ComponentConfig):
 
 @register_objective("soar", config=SoarConfig)
 class Soar(FlowMatching):
-    """SOAR's base and auxiliary points on real pairs (module docstring); the data access is flow_matching's."""
+    """SOAR (Qin et al. 2026), reward-free on real pairs: flow matching at t0, plus auxiliary points after one
+    stop-gradient CFG step, re-noised toward the same noise and regressed onto the velocity back to the image."""
 
     config: SoarConfig
 
