@@ -49,8 +49,8 @@ MODELS = sorted((REPO / "configs/models").glob("*.yaml"))
 RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS]
 
 # Metrics that are the same on any machine; metrics read for iteration 0 at a tight tolerance.
-EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "skipped", "reward_invalid", "lr",
-                 "first_ratio_max", "first_ratio_mean", "first_approx_kl", "first_clip_frac")
+EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "nfe/objectives", "skipped", "reward_invalid",
+                 "lr", "first_ratio_max", "first_ratio_mean", "first_approx_kl", "first_clip_frac")
 FORWARD_ONLY_METRICS = ("reward", "reward_std")
 COSINE_MIN, NORM_RATIO_TOLERANCE = 0.99, 0.02
 LATE_RTOL, LATE_ATOL, FORWARD_RTOL = 0.05, 5e-3, 1e-3
@@ -75,11 +75,14 @@ def fingerprint() -> str:
 
 
 # Rollout sizes that fit each preset's shape in a small run: a tree's leaves are its group, a probed trunk's chunk
-# holds all of a prompt's probe groups; the tiny FLUX runs without gradient checkpointing.
+# holds all of a prompt's probe groups; the objective-only presets train on 2 units of 1 pair; the tiny FLUX runs
+# without gradient checkpointing.
 SMALL_RUN_SHAPE = {
     "branch_grpo": {"data.group_size": 16, "sampling.batch_size": 16},
     "tempflow_grpo": {"sampling.batch_size": 8},
     "euphonium": {"credit.process_reward": "brightness"},  # a differentiable process reward that needs no segmenter
+    "soar": {"objectives.soar.batch_size": 1, "objectives.soar.units_per_iteration": 2},
+    "sft": {"objectives.flow_matching.batch_size": 1, "objectives.flow_matching.units_per_iteration": 2},
 }
 
 

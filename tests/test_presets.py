@@ -42,7 +42,7 @@ def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
-                                         "shell_lcc_objective"}
+                                         "shell_lcc_objective", "soar", "sft"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
@@ -70,6 +70,9 @@ EXPECTED = {
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
     "shell_lcc_objective": (9, 2 * 2 * 10),  # the objective's one forward per unit is a training pass, not rollout
 }
+# Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
+# and 6 auxiliary points (7) per pair; SFT: 1.
+OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1}
 
 
 def assert_kl_follows_the_lora(config, history):
@@ -85,6 +88,14 @@ def assert_kl_follows_the_lora(config, history):
 @pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
 def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     extra = dict(SMALL_RUN_SHAPE.get(preset.stem, {}))
+    if preset.stem in OBJECTIVE_ONLY:  # no rollout: 2 iterations of the objective alone
+        config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
+        history = GRPOTrainer(config).train()
+        (name,) = config.objectives
+        assert len(history) == 2 and not config.loss and "reward" not in history[0]
+        assert [h["nfe"] for h in history] == [h["nfe/objectives"] for h in history] == [OBJECTIVE_ONLY[preset.stem]] * 2
+        assert all(h[f"objectives/{name}/loss"] > 0 and h["grad_norm"] > 0 for h in history)
+        return
     if preset.stem == "register_grpo":  # registers for the tiny transformer the run trains
         from diffusers import SD3Transformer2DModel
         from flowalign.reward_models.registers import LatentRegisters
@@ -249,7 +260,18 @@ PRESET_DIFFS = {
 }
 
 
-@pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
+def test_soar_and_sft_presets_train_on_the_same_data_at_the_same_steps():
+    soar, sft = (load_config(TrainConfig, REPO / f"configs/methods/{n}.yaml", []) for n in ("soar", "sft"))
+    assert not soar.loss and not sft.loss and list(soar.objectives) == ["soar"] and list(sft.objectives) == [
+        "flow_matching"]
+    a, b = soar.objectives["soar"], sft.objectives["flow_matching"]
+    assert (a.data, a.batch_size, a.units_per_iteration, a.logit_mean, a.logit_std, a.table_shift) == \
+        (b.data, b.batch_size, b.units_per_iteration, b.logit_mean, b.logit_std, b.shift) == ("toy", 4, 4, 0.0, 1.0, 1.0)
+    assert to_dict(soar.optim) == to_dict(sft.optim) and to_dict(soar.train) == to_dict(sft.train)
+    assert (a.guidance_scale, a.points, a.rollout_paths, a.lambda_aux, a.aux_timestep) == (3.0, 6, 1, 1.0, "released")
+
+
+@pytest.mark.parametrize("preset", [p for p in METHODS if p.stem not in OBJECTIVE_ONLY], ids=lambda p: p.stem)
 def test_method_presets_differ_from_their_base_in_exactly_their_knobs(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loading reads no file a preset names (register_grpo's registers are absent here)
     base, expected = PRESET_DIFFS[preset.stem]

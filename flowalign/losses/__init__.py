@@ -20,7 +20,7 @@ from torch import Tensor
 from flowalign.components import Component
 from flowalign.registry import Registry
 
-__all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss"]
+__all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss", "soar_aux_points", "soar_loss"]
 
 LOSSES: Registry = Registry("loss term")
 register_loss = LOSSES.register
@@ -75,3 +75,5 @@ class LossTerm(Component):
 
 # The built-in terms register themselves on import.
 from flowalign.losses import grpo, rg_opd  # noqa: E402,F401
+# SOAR's pure math (the objective on data is flowalign.objectives.soar).
+from flowalign.losses.soar import soar_aux_points, soar_loss  # noqa: E402

@@ -1,4 +1,4 @@
-"""Objectives: losses on data units instead of rollout transitions (supervised flow matching; later SOAR and the
+"""Objectives: losses on data units instead of rollout transitions (supervised flow matching, SOAR; later the
 forward-process objectives: DiffusionNFT, AWM, online DPO).
 
 An ``Objective`` is registered in ``OBJECTIVES`` with its settings (``objectives: {flow_matching: {data: ...}}``, several
@@ -37,12 +37,14 @@ register_objective = OBJECTIVES.register
 @dataclass
 class DataUnit:
     """One micro-batch of data: latents ``x`` ``[B, ...]``, noise levels ``sigma`` ``[B]``, conditioning rows ``cond``
-    (one per sample) and what the loss needs in ``data``."""
+    (one per sample) and what the loss needs in ``data``. ``nfe``: the per-sample model evaluations spent making the
+    unit (SOAR's rollout step), counted in the trainer's ``nfe`` with its own evaluations of the unit."""
 
     x: Tensor
     sigma: Tensor
     cond: Any
     data: dict[str, Any] = field(default_factory=dict)
+    nfe: int = 0
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -98,5 +100,4 @@ class Objective(Component):
 
 
 # The built-in objectives register themselves on import.
-from flowalign.objectives import flow_matching  # noqa: E402,F401
-from flowalign.objectives import shell_lcc  # noqa: E402,F401
+from flowalign.objectives import flow_matching, shell_lcc, soar  # noqa: E402,F401

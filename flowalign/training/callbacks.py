@@ -45,9 +45,9 @@ class RunLog:
         if trainer.is_main and iteration % max(1, cfg.train.log_every) == 0:
             with open(trainer.out_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
-        if trainer.is_main and cfg.train.sample_every and iteration % cfg.train.sample_every == 0:
+        if trainer.is_main and cfg.train.sample_every and iteration % cfg.train.sample_every == 0 and batches:
             self.save_samples(iteration, batches, scores)
-        postfix = {"reward": f"{metrics['reward']:.3f}"}
+        postfix = {"reward": f"{metrics['reward']:.3f}"} if "reward" in metrics else {}
         if trainer.computes_kl and "kl" in metrics:  # a KL to the reference is computed only for these
             postfix["kl"] = f"{metrics['kl']:.2e}"
         self.bar.set_postfix(postfix)
@@ -83,16 +83,19 @@ def flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def summarize_records(records: list[dict], objective_records: dict[str, list[dict]]) -> dict[str, float]:
+def summarize_records(records: list[dict], objective_records: dict[str, list[dict]],
+                      norms: list[float]) -> dict[str, float]:
     """An update's metrics: the mean of every loss statistic over its micro-batches (the max of ``ratio_max``), the
     first micro-batch's ratio (exactly 1 when the rollout's log-probs are recomputed exactly), the mean gradient norm
-    and each objective's mean statistics (``objectives/<name>/<stat>``)."""
-    summary = {key: sum(r[key] for r in records) / len(records)
-               for key in records[0] if key not in ("epoch", "ratio_max", "grad_norm")}
-    summary["ratio_max"] = max(r["ratio_max"] for r in records)
-    for key in ("ratio_max", "ratio_mean", "approx_kl", "clip_frac"):
-        summary[f"first_{key}"] = records[0][key]  # approx_kl > 0 when training recomputes other log-probs
-    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    over its optimizer steps (``norms``) and each objective's mean statistics (``objectives/<name>/<stat>``). An
+    objective-only run has no micro-batches: only the last two."""
+    summary = {}
+    if records:
+        summary = {key: sum(r[key] for r in records) / len(records)
+                   for key in records[0] if key not in ("epoch", "ratio_max")}
+        summary["ratio_max"] = max(r["ratio_max"] for r in records)
+        for key in ("ratio_max", "ratio_mean", "approx_kl", "clip_frac"):
+            summary[f"first_{key}"] = records[0][key]  # approx_kl > 0 when training recomputes other log-probs
     summary["grad_norm"] = sum(norms) / max(1, len(norms))
     for name, rows in objective_records.items():
         for key in [k for k in (rows[0] if rows else {}) if k != "epoch"]:

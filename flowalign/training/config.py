@@ -425,7 +425,9 @@ class TrainConfig:
     reward: RewardConfig = section(RewardConfig, "reward models")
     advantage: AdvantageConfig = section(AdvantageConfig, "advantage normalization")
     loss: dict[str, ComponentConfig] = component_map("flowalign.losses:LOSSES", ["grpo"],
-                                                     "loss terms on the rollout's transitions, summed")
+                                                     "loss terms on the rollout's transitions, summed; none (every "
+                                                     "term null) with an objective = an objective-only run: no "
+                                                     "rollout, no rewards")
     objectives: dict[str, ComponentConfig] = component_map("flowalign.objectives:OBJECTIVES", [],
                                                            "losses on data units, interleaved into the minibatches")
     optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
@@ -554,6 +556,9 @@ class TrainConfig:
         """Cross-section checks; runs after every section's own ``validate``: each component checks what it needs
         of the other sections (``Component.check``), the credit the rollout shape it accepts."""
         parts = self.components()
+        _check(bool(self.loss) or bool(self.objectives), "loss",
+               "is empty and no objective is on, so nothing would be trained: keep a loss term (loss.grpo) or add "
+               "an objective (objectives.flow_matching.data=toy, objectives.soar.data=toy) for an objective-only run")
         parts.credit.check_shape(self)
         for part in parts.all():
             part.check(self)

@@ -13,6 +13,12 @@ therefore equals a 1-process run at the same global batch, and a resumed run equ
 forward passes run on micro-batches of one rollout batch at one step (``flowalign.training.policy``), so the first
 recomputed log-prob ratio of an iteration is exactly 1. Log-probs are always fp32.
 
+An objective-only run (no loss terms: ``loss: {grpo: null}``, and at least one objective, e.g. SFT or SOAR on data)
+has no rollout, rewards or credit: each iteration is the objectives' units, in ``optim.minibatches`` optimizer steps.
+``nfe`` counts every per-sample model evaluation: the rollout's and the completions', plus, with objectives, the
+forwards their units cost (``nfe/objectives``: what making a unit spent, ``DataUnit.nfe``, and the trainer's
+evaluations of it in every inner epoch, doubled under CFG and with the reference).
+
 Everything method-specific lives in the components; this module knows none of them by name.
 """
 
@@ -156,6 +162,8 @@ class GRPOTrainer:
 
     def train_iteration(self, iteration: int):
         """One iteration: ``(metrics, prompts, batches, scores)``."""
+        if not self.parts.losses:
+            return self.objective_iteration(iteration)
         clock = time.perf_counter()
         prompts = self.prompts.prompts_for(iteration)
         self.model.transformer.eval()
@@ -178,10 +186,21 @@ class GRPOTrainer:
             self.set_learning_rate(iteration)
             update = {**self.update(iteration, batches, steps), "skipped": 0.0}
         timings["time/train"] = time.perf_counter() - clock
+        objective_nfe = update.get("nfe/objectives", 0.0)
         metrics = {"iteration": float(iteration), **scores.stats, **credit_stats, **update, **timings,
-                   "nfe": float(rollout_nfe + completion_nfe), "nfe/rollout": float(rollout_nfe),
+                   "nfe": float(rollout_nfe + completion_nfe + objective_nfe), "nfe/rollout": float(rollout_nfe),
                    "nfe/completion": float(completion_nfe), "lr": self.optimizer.param_groups[0]["lr"]}
         return metrics, prompts, batches, scores
+
+    def objective_iteration(self, iteration: int):
+        """An iteration of an objective-only run (module docstring): ``(metrics, [], [], None)``."""
+        clock = time.perf_counter()
+        self.model.transformer.train()
+        self.set_learning_rate(iteration)
+        update = self.update(iteration, [], [])
+        metrics = {"iteration": float(iteration), **update, "skipped": 0.0, "time/train": time.perf_counter() - clock,
+                   "nfe": update["nfe/objectives"], "lr": self.optimizer.param_groups[0]["lr"]}
+        return metrics, [], [], None
 
     # ---------------------------------------------------------------------------------- rollout and credit
     @torch.no_grad()
@@ -239,12 +258,12 @@ class GRPOTrainer:
         data = self.objective_units(iteration)
         per_minibatch, shares = self.layout.micro_batches_per_minibatch, cfg.optim.minibatches
         module = self.model.forward_module or self.model.transformer
-        records, objective_records = [], {name: [] for name in data}
+        records, objective_records, norms = [], {name: [] for name in data}, []
         for epoch in range(cfg.optim.inner_epochs):
             order = torch.randperm(len(steps), generator=generator(cfg.train.seed, iteration, epoch, Purpose.SHUFFLE))
             units = [(i, steps[k]) for k in order.tolist() for i in range(len(batches))]
-            for m, start in enumerate(range(0, len(units), per_minibatch)):
-                minibatch = units[start: start + per_minibatch]
+            for m in range(shares):
+                minibatch = units[m * per_minibatch:(m + 1) * per_minibatch]
                 work = [(None, unit, len(minibatch)) for unit in minibatch]
                 for name, items in data.items():
                     share = items[m * len(items) // shares:(m + 1) * len(items) // shares]
@@ -256,12 +275,24 @@ class GRPOTrainer:
                                        else self.objective_loss(name, unit))
                         self.accelerator.backward(loss / count)
                     (records if name is None else objective_records[name]).append({**stats, "epoch": epoch})
-                records[-1]["grad_norm"] = float(self.accelerator.clip_grad_norm_(self.params, cfg.optim.max_grad_norm))
+                norms.append(float(self.accelerator.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:
                     self.ema.update()
-        return summarize_records(records, objective_records)
+        summary = summarize_records(records, objective_records, norms)
+        if data:
+            summary["nfe/objectives"] = float(summed(self.accelerator, self.objective_nfe(data)))
+        return summary
+
+    def objective_nfe(self, data: dict[str, list]) -> int:
+        """This process's per-sample evaluations for its objectives' units (module docstring)."""
+        evals = 2 if self.model.uses_cfg(self.config.sampling.guidance_scale) else 1
+        total = 0
+        for name, units in data.items():
+            per_row = evals * (2 if self.parts.objectives[name].needs_reference else 1) * self.config.optim.inner_epochs
+            total += sum(unit.nfe + per_row * len(unit) for unit in units)
+        return total
 
     def micro_batch_loss(self, batch, step: int) -> tuple[Tensor, dict]:
         """The sum of the loss terms on one batch at one step, on one policy forward."""
