@@ -68,7 +68,7 @@ EXPECTED = {
     "euphonium": (9, 2 * 2 * 10),  # the process reward's gradient is taken on x0_hat: decodes, no NFE
     "drl": (9, 2 * 2 * 10),
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
-    "shell_lcc_objective": (9, 2 * 2 * 10),  # the objective's one forward per unit is a training pass, not rollout
+    "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
 # and 6 auxiliary points (7) per pair; SFT: 1.
@@ -134,6 +134,10 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     if preset.stem == "euphonium":  # guided steps 6, 7, 8; PRM of x_6 .. x_9 for a chunk of 2 samples
         assert history[0]["credit/guided_steps"] == 3 and history[0]["guidance/decodes"] == 4 * 2
         assert history[0]["guidance/shift_norm_mean"] > 0
+    if preset.stem == "shell_lcc":
+        assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
+    if preset.stem == "shell_lcc_objective":
+        assert history[0]["objectives/shell_lcc/distance"] > 0
 
 
 def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
@@ -207,10 +211,6 @@ def test_euphonium_register_shift_is_the_guidance_of_the_registers_own_gradient(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(record["process"][:, step], scores.detach().sum(dim=1).double(), rtol=1e-5, atol=1e-6)
     assert record["nfe"] == 2 and record["backward_nfe"] == 2 and record["process"][:, :step].isnan().all()
-    if preset.stem == "shell_lcc":
-        assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
-    if preset.stem == "shell_lcc_objective":
-        assert history[0]["objectives/shell_lcc/distance"] > 0
 
 
 SHELL_LCC_OBJECTIVE = {"name": "shell_lcc", "path": "outputs/manifolds/shell_lcc.safetensors", "variant": "distance",

@@ -315,8 +315,9 @@ class GRPOTrainer:
 
     def objective_loss(self, name: str, unit) -> tuple[Tensor, dict]:
         objective = self.parts.objectives[name]
-        policy = unit_output(self.model, unit, guidance_scale=self.config.sampling.guidance_scale,
-                             autocast=self.accelerator.autocast, reference=objective.needs_reference)
+        # objectives on data regress the conditional velocity, whatever CFG the rollouts sample with
+        policy = unit_output(self.model, unit, guidance_scale=1.0, autocast=self.accelerator.autocast,
+                             reference=objective.needs_reference)
         return objective.loss(unit, policy)
 
     def set_learning_rate(self, iteration: int) -> None:
