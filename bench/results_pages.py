@@ -109,6 +109,8 @@ GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "g
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
     "train_iteration_new": ("methods.md", "train_iteration_new.json", lambda: _cost("train_iteration_new.json")),
+    "train_iteration_methods24": ("methods.md", "train_iteration_methods24.json",
+                                  lambda: _cost("train_iteration_methods24.json")),
     "methods_seed0": ("methods.md", "methods/*-seed0.json", lambda: _methods_curves(seeds=1)),
     "methods_three_seeds": ("methods.md", "methods/*-seed*.json", lambda: _methods_curves(seeds=3)),
     "methods_summary": ("methods.md", "methods/*-seed*.json", _methods_summary),
