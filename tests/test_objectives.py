@@ -22,6 +22,9 @@ class Policy:
     v_ref: torch.Tensor | None = None
 
 
+from test_presets import small_run, tiny_paths  # noqa: E402,F401 - the fixture
+
+
 @pytest.fixture(scope="module")
 def toy_data(tmp_path_factory):
     return write_toy_dataset(tmp_path_factory.mktemp("toy_data"), 6, seed=0)
@@ -271,3 +274,23 @@ def test_flow_matching_trains_on_the_toy_scenes_without_a_file(model):
     images, _ = dataset.batch(rows)
     x0 = model.encode_images(images, dtype=torch.float32)
     torch.testing.assert_close(unit.data["x0"], x0, rtol=0, atol=0)
+
+
+def test_an_objective_regresses_the_conditional_velocity_when_the_rollouts_use_cfg(tiny_paths, tmp_path):
+    """GRPO with CFG'd rollouts (sampling.guidance_scale 3) plus flow_matching on data: the objective's loss is the
+    MSE of the conditional velocity (its units carry no negative embeddings; a CFG'd velocity is not its target)."""
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
+
+    config = load_config(TrainConfig, None, small_run(
+        tiny_paths["sd3"], tmp_path / "run", **{"sampling.guidance_scale": 3.0, "train.iterations": 1,
+                                                "objectives.flow_matching.data": "toy",
+                                                "objectives.flow_matching.batch_size": 2}))
+    trainer = GRPOTrainer(config)
+    unit = trainer.objective_units(0)["flow_matching"][0]
+    with torch.no_grad():
+        v = trainer.model.velocity(unit.x, unit.sigma, unit.cond, 1.0)
+    _, stats = trainer.objective_loss("flow_matching", unit)
+    expected = (v.float() - unit.data["target"].float()).pow(2).mean()
+    assert stats["loss"] == pytest.approx(float(expected), rel=1e-5)
