@@ -40,18 +40,42 @@ _PICKS = 0  # sub-key of the epoch permutations (keyed (seed, epoch, OBJECTIVE, 
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FlowMatching", "FlowMatchingConfig", "draw_sigmas"]
+__all__ = ["DataObjectiveConfig", "FlowMatching", "FlowMatchingConfig", "draw_sigmas"]
+
+
+DATA_NAMES = ("toy (the toy world's exact scenes of the training prompts), toy:N (N renders per prompt), a JSONL file "
+              "of {\"image\": path, \"prompt\": text} lines (paths relative to it), or a folder with metadata.jsonl")
 
 
 @dataclass
-class FlowMatchingConfig(ComponentConfig):
-    data: str = option("", "the image-caption dataset: a JSONL file of {\"image\": path, \"prompt\": text} lines "
-                           "(paths relative to it), a folder with metadata.jsonl, or toy / toy:N (the toy world's "
-                           "exact scenes, N per training prompt); checked at start-up")
+class DataObjectiveConfig(ComponentConfig):
+    """The settings every objective on image-caption pairs shares: its data, its weight and its keyed data units."""
+
+    data: str = option("", "the image-caption pairs (required): toy / toy:N (the toy world's exact scenes, N per "
+                           "training prompt), a JSONL file of {\"image\": path, \"prompt\": text} lines (paths "
+                           "relative to it) or a folder with metadata.jsonl; checked at start-up")
     weight: float = option(1.0, "weight of this objective's loss")
-    batch_size: int = option(4, "image-prompt pairs per data unit")
+    batch_size: int = option(4, "image-caption pairs per data unit")
     units_per_iteration: int = option(1, "data units per iteration, split over the processes (a multiple of their "
                                          "number)")
+    image_size: int | None = option(None, "images are resized (cover, centre crop) to this side; null = "
+                                          "sampling.image_size, else the model's default")
+    sample_posterior: bool = option(False, "draw x0 from the VAE posterior (keyed) instead of taking its mean")
+
+    def validate(self) -> None:
+        check(isinstance(self.data, str) and bool(self.data), "data",
+              f"is not set: this objective trains on image-caption pairs; set it to {DATA_NAMES}")
+        finite("weight", self.weight, 0.0, strict=True)
+        for key in ("batch_size", "units_per_iteration"):
+            value = getattr(self, key)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.image_size is None or (isinstance(self.image_size, int) and self.image_size >= 1), "image_size",
+              f"must be a positive integer or null, got {self.image_size!r}")
+
+
+@dataclass
+class FlowMatchingConfig(DataObjectiveConfig):
     sigma_sampling: Literal["uniform", "logit_normal"] = option(
         "logit_normal", "density of the noise levels: uniform in (0, 1), or sigmoid(logit_mean + logit_std * n) "
                         "(SD3's training default)")
@@ -59,25 +83,14 @@ class FlowMatchingConfig(ComponentConfig):
     logit_std: float = option(1.0, "standard deviation of the logit-normal density's normal")
     shift: float = option(1.0, "shift of the drawn noise levels, shift s / (1 + (shift - 1) s); 1 = none "
                                "(SD3's scripts train at the scheduler's shift, 3)")
-    image_size: int | None = option(None, "images are resized (cover, centre crop) to this side; null = "
-                                          "sampling.image_size, else the model's default")
-    sample_posterior: bool = option(False, "draw x0 from the VAE posterior (keyed) instead of taking its mean")
 
     def validate(self) -> None:
-        check(isinstance(self.data, str) and bool(self.data), "data",
-              "must name an image-caption dataset (a JSONL file or a folder with metadata.jsonl)")
-        finite("weight", self.weight, 0.0, strict=True)
-        check(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size",
-              f"must be an integer >= 1, got {self.batch_size!r}")
-        check(isinstance(self.units_per_iteration, int) and self.units_per_iteration >= 1, "units_per_iteration",
-              f"must be an integer >= 1, got {self.units_per_iteration!r}")
+        super().validate()
         check(self.sigma_sampling in ("uniform", "logit_normal"), "sigma_sampling",
               f"must be 'uniform' or 'logit_normal', got {self.sigma_sampling!r}")
         finite("logit_mean", self.logit_mean, -float("inf"))
         finite("logit_std", self.logit_std, 0.0, strict=True)
         finite("shift", self.shift, 0.0, strict=True)
-        check(self.image_size is None or (isinstance(self.image_size, int) and self.image_size >= 1), "image_size",
-              f"must be a positive integer or null, got {self.image_size!r}")
 
 
 def draw_sigmas(config: FlowMatchingConfig, batch: int, generator: torch.Generator) -> Tensor:

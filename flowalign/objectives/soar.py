@@ -36,7 +36,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flowalign.components import ComponentConfig
 from flowalign.losses.soar import (
     ROLLOUT_KINDS,
     aux_model_sigma,
@@ -49,7 +48,7 @@ from flowalign.losses.soar import (
     training_table,
 )
 from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, process_slice, register_objective
-from flowalign.objectives.flow_matching import FlowMatching
+from flowalign.objectives.flow_matching import DataObjectiveConfig, FlowMatching
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
 
@@ -60,19 +59,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Soar", "SoarConfig"]
 
-DATA_HELP = ("objectives.soar.data = toy (the toy world's exact scenes of the training prompts), toy:N (N renders per "
-             "prompt), a JSONL file of {\"image\": path, \"prompt\": text} lines, or a folder with metadata.jsonl")
-
 
 @dataclass
-class SoarConfig(ComponentConfig):
-    data: str = option("", "the real image-caption pairs (required): a JSONL file of {\"image\": path, \"prompt\": "
-                           "text} lines (paths relative to it), a folder with metadata.jsonl, or toy / toy:N (the toy "
-                           "world's exact scenes); checked at start-up")
-    weight: float = option(1.0, "weight of this objective's loss")
-    batch_size: int = option(4, "image-caption pairs per data unit (the released code: 4 per GPU)")
-    units_per_iteration: int = option(1, "data units per iteration, split over the processes (a multiple of their "
-                                         "number)")
+class SoarConfig(DataObjectiveConfig):
     guidance_scale: float = option(4.5, "CFG scale of the stop-gradient rollout step (negative prompt ''); "
                                         "1 = the conditional velocity")
     lambda_aux: float = option(1.0, "weight of each auxiliary point against a base point")
@@ -91,16 +80,10 @@ class SoarConfig(ComponentConfig):
         "released", "the model's timestep at an auxiliary point: released = the table entry of the released code's "
                     "fp32 round trip (one entry early on 165 of 1000 indices at shift 3), continuous = 1000 s' (the "
                     "sigma its target uses)")
-    image_size: int | None = option(None, "images are resized (cover, centre crop) to this side; null = "
-                                          "sampling.image_size, else the model's default")
-    sample_posterior: bool = option(False, "draw z0 from the VAE posterior (keyed) instead of taking its mean (the "
-                                           "released code samples it)")
 
     def validate(self) -> None:
-        check(isinstance(self.data, str) and bool(self.data), "data",
-              f"is not set: SOAR trains on real image-caption pairs; set {DATA_HELP}")
-        finite("weight", self.weight, 0.0, strict=True)
-        for key in ("batch_size", "units_per_iteration", "points", "rollout_paths", "sampling_steps"):
+        super().validate()
+        for key in ("points", "rollout_paths", "sampling_steps"):
             value = getattr(self, key)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
                   f"must be an integer >= 1, got {value!r}")
@@ -113,8 +96,6 @@ class SoarConfig(ComponentConfig):
         finite("table_shift", self.table_shift, 0.0, strict=True)
         check(self.aux_timestep in ("released", "continuous"), "aux_timestep",
               f"must be 'released' or 'continuous', got {self.aux_timestep!r}")
-        check(self.image_size is None or (isinstance(self.image_size, int) and self.image_size >= 1), "image_size",
-              f"must be a positive integer or null, got {self.image_size!r}")
 
 
 @register_objective("soar", config=SoarConfig)
