@@ -358,7 +358,7 @@ class DiscriminatorReward:
         """Take the pooled text embeddings of the run's loaded model (``flowalign.rewards.bind_reward_model``): the
         text encoders are frozen, so they are the base model's the head was trained with."""
         if self.meta["conditioning"] == "text":
-            self.text = TextEmbeddings(lambda prompts: model.encode(list(prompts)).pooled.float())
+            self.text = TextEmbeddings(lambda prompts: model.encode(list(prompts)).sentence_embedding().float())
 
     @classmethod
     def check_run(cls, kwargs: Mapping[str, Any], *, key: str, model: str | None, image_size: Any) -> None:

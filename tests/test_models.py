@@ -130,6 +130,22 @@ def test_cond_indexing_and_group_layout():
     assert rep.text_ids is cond.text_ids and not cond.has_negative
 
 
+def test_cond_extras_and_masks_follow_the_rows_and_shared_entries_do_not():
+    """Family-specific per-row tensors (masks, condition-image latents) are indexed with the rows; shared ones are
+    passed along; without a pooled projection the sentence embedding is the mean over the mask."""
+    embeds = torch.tensor([[[1.0], [3.0], [100.0]], [[2.0], [4.0], [6.0]]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    cond = Cond(embeds, mask=mask, extras={"image_latents": torch.tensor([[10.0], [20.0]])},
+                shared={"img_shapes": [(1, 2, 2)]})
+    rep = cond.repeat_interleave(2).index([3, 0])
+    assert rep.extras["image_latents"].flatten().tolist() == [20.0, 10.0]
+    assert rep.mask.tolist() == [[1, 1, 1], [1, 1, 0]] and rep.shared is cond.shared
+    assert cond.sentence_embedding().flatten().tolist() == [2.0, 4.0]
+    assert torch.allclose(Cond(embeds).sentence_embedding().flatten(), torch.tensor([104 / 3, 4.0]))
+    pooled = torch.tensor([[7.0], [8.0]])
+    assert Cond(embeds, pooled).sentence_embedding() is pooled
+
+
 def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
     """The trainer's chains (the rollouts training uses): K samples per prompt in prompt order, with
     sampling.shared_noise the K members start from one noise, and the stored log-probs are those of the model."""

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -46,15 +46,27 @@ def register_model_family(name: str):
 
 @dataclass
 class Cond:
-    """Text conditioning for a batch of prompts. ``text_ids`` (FLUX) are shared by the batch."""
+    """Text (and condition-image) conditioning for a batch of prompts, in whatever form the family's transformer takes.
+
+    ``embeds`` ``[B, L, D]`` are the token embeddings; ``pooled`` ``[B, P]`` the pooled projection of the families that
+    have one (SD3, FLUX), else None; ``mask`` ``[B, L]`` the attention mask of the families that pass one (SANA,
+    Chroma, Qwen-Image, ...), else None; the ``negative_`` fields are the same for the negative prompts of
+    classifier-free guidance. ``extras`` holds further per-row tensors a family needs (condition-image latents of an
+    editing model, for example): every batched operation indexes them with the rows. ``text_ids`` (FLUX) and
+    ``shared`` hold what the whole batch shares: they are passed along unchanged.
+    """
 
     embeds: Tensor
-    pooled: Tensor
+    pooled: Tensor | None = None
     negative_embeds: Tensor | None = None
     negative_pooled: Tensor | None = None
     text_ids: Tensor | None = None
+    mask: Tensor | None = None
+    negative_mask: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
 
-    BATCHED = ("embeds", "pooled", "negative_embeds", "negative_pooled")
+    BATCHED = ("embeds", "pooled", "negative_embeds", "negative_pooled", "mask", "negative_mask")
 
     def __len__(self) -> int:
         return int(self.embeds.shape[0])
@@ -64,7 +76,8 @@ class Cond:
         return self.negative_embeds is not None
 
     def _map(self, fn) -> "Cond":
-        return replace(self, **{name: fn(getattr(self, name)) for name in self.BATCHED if getattr(self, name) is not None})
+        batched = {name: fn(getattr(self, name)) for name in self.BATCHED if getattr(self, name) is not None}
+        return replace(self, **batched, extras={key: fn(value) for key, value in self.extras.items()})
 
     def index(self, index: Tensor | Sequence[int] | slice) -> "Cond":
         """Rows of the batch, e.g. ``cond.index(transitions.prompt_id)``."""
@@ -78,7 +91,18 @@ class Cond:
 
     def to(self, device: torch.device | str) -> "Cond":
         moved = self._map(lambda t: t.to(device))
-        return replace(moved, text_ids=None if self.text_ids is None else self.text_ids.to(device))
+        shared = {key: value.to(device) if isinstance(value, Tensor) else value for key, value in self.shared.items()}
+        return replace(moved, text_ids=None if self.text_ids is None else self.text_ids.to(device), shared=shared)
+
+    def sentence_embedding(self) -> Tensor:
+        """One vector per prompt, ``[B, D]``: the pooled projection where the family has one, else the mean of the
+        token embeddings over the attention mask (over all tokens without a mask)."""
+        if self.pooled is not None:
+            return self.pooled
+        if self.mask is None:
+            return self.embeds.mean(dim=1)
+        weights = self.mask.to(self.embeds.dtype).unsqueeze(-1)
+        return (self.embeds * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1)
 
 
 def as_image_size(image_size: int | Sequence[int] | None, default: tuple[int, int]) -> tuple[int, int]:

@@ -138,7 +138,7 @@ def _train(config: DiscriminatorTrainConfig, model, model_path, dataset, feature
     from flowalign.seeding import generator, numpy_rng
 
     seed, rows = config.seed, len(dataset)
-    text = TextEmbeddings(lambda prompts: model.encode(list(prompts)).pooled.float()) \
+    text = TextEmbeddings(lambda prompts: model.encode(list(prompts)).sentence_embedding().float()) \
         if config.conditioning == "text" else None
     text_dim = int(text([dataset.prompt(0)], "cpu").shape[1]) if text is not None else None
     torch.manual_seed(seed)
