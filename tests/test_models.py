@@ -7,7 +7,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from flowalign.models import Cond, FluxModel, SD3Model, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
+from flowalign.models import Cond, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.samplers import noise_schedule, rollout, sde_step
 
@@ -36,15 +36,6 @@ def adapter_ode_latents(model, *, steps, size, guidance, seed=0):
     return out.final
 
 
-@pytest.mark.parametrize("guidance", [1.0, 3.0])
-@pytest.mark.parametrize("size", [(32, 32), (32, 48)])
-def test_sd3_ode_reproduces_pipeline_bitwise(sd3_pipe, guidance, size):
-    model = wrap_pipeline(sd3_pipe)
-    assert isinstance(model, SD3Model)
-    expected = pipeline_latents(sd3_pipe, model, steps=4, size=size, guidance=guidance)
-    assert torch.equal(adapter_ode_latents(model, steps=4, size=size, guidance=guidance), expected)
-
-
 def test_sd3_dynamic_shift_sigmas_follow_resolution(words):
     pipe = tiny_sd3_pipeline(words)
     pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, use_dynamic_shifting=True)
@@ -52,17 +43,6 @@ def test_sd3_dynamic_shift_sigmas_follow_resolution(words):
     assert not torch.equal(model.sigmas(4, 32), model.sigmas(4, 64))
     expected = pipeline_latents(pipe, model, steps=3, size=(32, 32), guidance=1.0)
     assert torch.equal(adapter_ode_latents(model, steps=3, size=(32, 32), guidance=1.0), expected)
-
-
-@pytest.mark.parametrize("guidance_embeds,guidance", [(True, 3.5), (False, 1.0)])
-@pytest.mark.parametrize("size", [(32, 32), (32, 64)])
-def test_flux_ode_reproduces_pipeline_bitwise(words, guidance_embeds, guidance, size):
-    pipe = tiny_flux_pipeline(words, guidance_embeds=guidance_embeds)
-    model = wrap_pipeline(pipe)
-    assert isinstance(model, FluxModel)
-    expected = pipeline_latents(pipe, model, steps=4, size=size, guidance=guidance)  # packed [B, tokens, 4C]
-    ours = adapter_ode_latents(model, steps=4, size=size, guidance=guidance)  # unpacked [B, C, h, w]
-    assert ours.ndim == 4 and torch.equal(pack_latents(ours), expected)
 
 
 def test_flux_sigmas_depend_on_resolution(flux_pipe):
@@ -77,21 +57,6 @@ def test_flux_packing_round_trip():
     assert tokens.shape == (2, 12, 16)
     assert torch.equal(unpack_latents(tokens, 6, 8), x)
     assert torch.equal(tokens, FluxPipeline._pack_latents(x, 2, 4, 6, 8))
-
-
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_decode_matches_pipeline_images(sd3_pipe, flux_pipe, family):
-    pipe = sd3_pipe if family == "sd3" else flux_pipe
-    model = wrap_pipeline(pipe)
-    guidance = 1.0 if family == "sd3" else 3.5
-    images = pipe(prompt=PROMPTS, num_inference_steps=2, guidance_scale=guidance, output_type="pt",
-                  generator=torch.Generator().manual_seed(1), height=32, width=32,
-                  max_sequence_length=model.max_sequence_length).images
-    latents = adapter_ode_latents(model, steps=2, size=(32, 32), guidance=guidance, seed=1)
-    with torch.no_grad():
-        ours = model.decode(latents)
-    assert ours.shape == (2, 3, 32, 32) and ours.min() >= 0 and ours.max() <= 1
-    torch.testing.assert_close(ours, images, rtol=0, atol=1e-6)
 
 
 def test_zero_noise_sde_rollout_reproduces_pipeline(sd3_pipe):
@@ -189,48 +154,6 @@ def test_cfg_rollouts_count_two_evaluations_per_sample_and_step(sd3_pipe):
 
 
 # --- LoRA ------------------------------------------------------------------------------------------------------
-
-
-def perturb_lora(model, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
-
-
-@pytest.mark.parametrize("family", ["sd3", "flux"])
-def test_lora_save_load_round_trip_and_reference_is_bitwise_base(words, tmp_path, family):
-    build = tiny_sd3_pipeline if family == "sd3" else tiny_flux_pipeline
-    model = wrap_pipeline(build(words, seed=0))
-    cond = model.encode(PROMPTS)
-    x = model.prepare_noise(2, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = model.velocity(x, 0.6, cond)
-        model.add_lora(rank=4, alpha=8)
-        assert torch.equal(model.velocity(x, 0.6, cond), base)  # B = 0 at init
-        perturb_lora(model)
-        adapted = model.velocity(x, 0.6, cond)
-        with model.reference():
-            reference = model.velocity(x, 0.6, cond)
-        after = model.velocity(x, 0.6, cond)
-    assert not torch.allclose(adapted, base)
-    assert torch.equal(reference, base)
-    assert torch.equal(after, adapted)  # the context restores the adapter
-    targeted = {n.split(".lora_")[0].split(".", 2)[-1] for n, _ in model.transformer.named_parameters() if "lora_A" in n}
-    assert targeted <= {t for t in model.lora_targets} | {"attn." + t.split("attn.")[-1] for t in model.lora_targets}
-
-    model.freeze_base()
-    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
-    assert trainable and all("lora_" in n for n in trainable)
-
-    saved = model.save_lora(tmp_path / "lora")
-    assert (saved / "pytorch_lora_weights.safetensors").is_file()
-    fresh = build(words, seed=0)
-    fresh.load_lora_weights(saved)
-    with torch.no_grad():
-        loaded = wrap_pipeline(fresh).velocity(x, 0.6, cond)
-    torch.testing.assert_close(loaded, adapted, rtol=1e-5, atol=1e-6)
 
 
 def test_reference_without_lora_is_an_error(sd3_pipe):

@@ -1,0 +1,77 @@
+"""The model families the adapter contract (tests/test_model_families.py) runs over, each with its tiny pipeline.
+
+A ``Family`` says how to build the family's tiny in-process pipeline, how to call that pipeline so that it samples what
+an ODE rollout through the adapter samples (its guidance arguments), and how to lay the adapter's unpacked latents
+out as the pipeline's ``output_type="latent"`` result. Adding a family to flowalign means adding a row here: the
+contract then checks it bit for bit against its pipeline, its LoRA round trip, and that it trains.
+
+Pipelines are built once per test session (``tiny_pipeline``); tests that change a pipeline (LoRA) build their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from flowalign.models import FluxModel, SD3Model, pack_latents
+from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+
+WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
+         "two three four left right above below").split()
+
+
+def _cfg_kwargs(model, guidance: float) -> dict:
+    """``guidance_scale`` as the pipeline's CFG scale (its negative prompt defaults to the empty prompt)."""
+    return {"guidance_scale": guidance, "max_sequence_length": model.max_sequence_length}
+
+
+def _true_cfg_kwargs(model, guidance: float) -> dict:
+    """``guidance`` as true CFG (``true_cfg_scale``, two passes) against empty negative prompts."""
+    negatives = {"negative_prompt": [""] * 2} if guidance > 1 else {}
+    return {"true_cfg_scale": guidance, "max_sequence_length": model.max_sequence_length, **negatives}
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family under the adapter contract.
+
+    ``build(words, seed=0)`` returns the tiny pipeline; ``guidances`` are the guidance scales the parity test runs
+    (1: none; above 1 the family's CFG or guidance embedding); ``call(model, guidance)`` gives the pipeline's keyword
+    arguments for that guidance; ``pipeline_layout(model, latents)`` turns the adapter's ``[B, C, h, w]`` latents into
+    the pipeline's latent output; ``lora_loader``: the pipeline class has ``load_lora_weights``.
+    """
+
+    adapter: type
+    build: Callable
+    guidances: tuple[float, ...] = (1.0, 3.0)
+    call: Callable = _cfg_kwargs
+    pipeline_layout: Callable = staticmethod(lambda model, latents: latents)
+    sizes: tuple[tuple[int, int], ...] = ((32, 32), (32, 48))
+    lora_loader: bool = True
+    build_kwargs: dict = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    "sd3": Family(SD3Model, tiny_sd3_pipeline),
+    # FLUX.1-dev's guidance is an embedding: one pass per step at any scale.
+    "flux": Family(FluxModel, tiny_flux_pipeline, guidances=(1.0, 3.5),
+                   pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64))),
+    # FLUX without a guidance embedding (as FLUX.1-schnell): a scale above 1 is true CFG with negative prompts.
+    "flux_true_cfg": Family(FluxModel, tiny_flux_pipeline, call=_true_cfg_kwargs,
+                            pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
+                            build_kwargs={"guidance_embeds": False}),
+}
+
+
+@lru_cache(maxsize=None)
+def tiny_pipeline(name: str):
+    """The family's tiny pipeline, built once per test session (do not change it: build your own for that)."""
+    family = FAMILIES[name]
+    return family.build(WORDS, seed=0, **family.build_kwargs)
+
+
+def fresh_pipeline(name: str):
+    """A new tiny pipeline of the family, equal to ``tiny_pipeline(name)``, for tests that change it."""
+    family = FAMILIES[name]
+    return family.build(WORDS, seed=0, **family.build_kwargs)

@@ -1,0 +1,155 @@
+"""The adapter contract, for every model family in tests/model_families.py.
+
+* an ODE rollout through the adapter equals the pipeline's own ``output_type="latent"`` result bit for bit (same
+  seed and steps; with and without the family's guidance; a square and a non-square size);
+* ``decode`` equals the pipeline's decoded images;
+* LoRA on the family's default targets: zero at init, the reference (adapter disabled) bitwise the base, only LoRA
+  parameters trainable, and the save / ``load_lora_weights`` round trip through the pipeline's own loader;
+* every SDE kind runs through it with finite log-probs, and the default method trains 2 iterations on it from a saved
+  directory (``load_flow_model``) with the first ratio exactly 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowalign.models import load_flow_model, wrap_pipeline
+from flowalign.samplers import SDE_KINDS, noise_schedule, rollout
+
+from golden_runs import small_run_values
+from model_families import FAMILIES, fresh_pipeline, tiny_pipeline
+
+PROMPTS = ["a photo of a red circle", "two blue squares left of a triangle"]
+
+
+def parity_cases():
+    for name, family in FAMILIES.items():
+        for size in family.sizes:
+            for guidance in family.guidances:
+                yield pytest.param(name, size, guidance, id=f"{name}-{size[0]}x{size[1]}-g{guidance:g}")
+
+
+def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, seed=0):
+    return pipe(prompt=PROMPTS, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+                output_type=output_type, height=size[0], width=size[1], **family.call(model, guidance)).images
+
+
+def adapter_latents(model, *, steps, size, guidance, seed=0):
+    negatives = [""] * len(PROMPTS) if model.uses_cfg(guidance) else None
+    cond = model.encode(PROMPTS, negative_prompts=negatives)
+    x = model.prepare_noise(len(PROMPTS), size, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return rollout(model.velocity_fn(cond, guidance), x, model.sigmas(steps, size), torch.zeros(steps)).final
+
+
+@pytest.mark.parametrize("name,size,guidance", parity_cases())
+def test_ode_rollout_through_the_adapter_is_the_pipeline_bitwise(name, size, guidance):
+    family, pipe = FAMILIES[name], tiny_pipeline(name)
+    model = wrap_pipeline(pipe)
+    assert isinstance(model, family.adapter)
+    expected = pipeline_output(pipe, model, family, steps=3, size=size, guidance=guidance, output_type="latent")
+    ours = adapter_latents(model, steps=3, size=size, guidance=guidance)
+    assert tuple(ours.shape) == model.latent_shape(len(PROMPTS), size)
+    assert torch.equal(family.pipeline_layout(model, ours), expected)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_decode_is_the_pipeline_images(name):
+    family, pipe = FAMILIES[name], tiny_pipeline(name)
+    model = wrap_pipeline(pipe)
+    guidance = family.guidances[-1]
+    size = family.sizes[-1]
+    images = pipeline_output(pipe, model, family, steps=2, size=size, guidance=guidance, output_type="pt", seed=1)
+    with torch.no_grad():
+        ours = model.decode(adapter_latents(model, steps=2, size=size, guidance=guidance, seed=1))
+    assert ours.shape == (2, 3, *size) and ours.min() >= 0 and ours.max() <= 1
+    torch.testing.assert_close(ours, images, rtol=0, atol=1e-6)
+
+
+def perturb_lora(model, seed=0):
+    """Non-zero LoRA B matrices, so the adapter changes the output."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter_name, parameter in model.transformer.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_lora_reference_is_the_base_and_round_trips_through_the_pipeline_loader(name, tmp_path):
+    family = FAMILIES[name]
+    model = wrap_pipeline(fresh_pipeline(name))
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, family.sizes[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model.velocity(x, 0.6, cond)
+        model.add_lora(rank=4, alpha=8)
+        assert torch.equal(model.velocity(x, 0.6, cond), base)  # B = 0 at init
+        perturb_lora(model)
+        adapted = model.velocity(x, 0.6, cond)
+        with model.reference():
+            reference = model.velocity(x, 0.6, cond)
+        after = model.velocity(x, 0.6, cond)
+    assert not torch.allclose(adapted, base)
+    assert torch.equal(reference, base) and torch.equal(after, adapted)  # the context restores the adapter
+    targeted = {n.split(".lora_")[0] for n, _ in model.transformer.named_parameters() if "lora_A" in n}
+    assert targeted and all(any(t.endswith(target) for target in model.lora_targets) for t in targeted)
+
+    model.freeze_base()
+    trainable = [n for n, p in model.transformer.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    if not family.lora_loader:
+        return
+    saved = model.save_lora(tmp_path / "lora")
+    fresh = fresh_pipeline(name)
+    fresh.load_lora_weights(saved)
+    with torch.no_grad():
+        loaded = wrap_pipeline(fresh).velocity(x, 0.6, cond)
+    torch.testing.assert_close(loaded, adapted, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_sde_kind_runs_through_the_adapter_with_finite_log_probs(name):
+    model = wrap_pipeline(tiny_pipeline(name))
+    size = FAMILIES[name].sizes[0]
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, size, generator=torch.Generator().manual_seed(0))
+    for kind in SDE_KINDS:
+        with torch.no_grad():
+            out = rollout(model.velocity_fn(cond), x, model.sigmas(3, size), noise_schedule(0.7).levels(3), kind=kind,
+                          generator=torch.Generator().manual_seed(1))
+        assert out.transitions.stochastic.any(), kind
+        assert torch.isfinite(out.transitions.log_prob).all() and torch.isfinite(out.final).all(), kind
+
+
+@pytest.fixture(scope="module")
+def saved_pipelines(tmp_path_factory):
+    """Each family's tiny pipeline saved once, loaded back by ``load_flow_model`` as a user's directory is."""
+    root = tmp_path_factory.mktemp("families")
+    saved = {}
+
+    def path(name):
+        if name not in saved:
+            tiny_pipeline(name).save_pretrained(root / name)
+            saved[name] = root / name
+        return saved[name]
+
+    return path
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_default_method_trains_on_the_family_from_its_directory(name, saved_pipelines, tmp_path):
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
+
+    directory = saved_pipelines(name)
+    assert isinstance(load_flow_model(directory), FAMILIES[name].adapter)
+    size = FAMILIES[name].sizes[0][0]
+    values = {**small_run_values(directory, tmp_path / "run"), "sampling.image_size": size,
+              "train.checkpoint_every": 0}
+    config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    history = GRPOTrainer(config).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
