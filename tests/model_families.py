@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import FluxModel, SD3Model, pack_latents
+from flowalign.models import FluxKontextModel, FluxModel, SD3Model, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -38,8 +39,10 @@ class Family:
 
     ``build(words, seed=0)`` returns the tiny pipeline; ``guidances`` are the guidance scales the parity test runs
     (1: none; above 1 the family's CFG or guidance embedding); ``call(model, guidance)`` gives the pipeline's keyword
-    arguments for that guidance; ``pipeline_layout(model, latents)`` turns the adapter's ``[B, C, h, w]`` latents into
-    the pipeline's latent output; ``lora_loader``: the pipeline class has ``load_lora_weights``.
+    arguments for that guidance; ``size_call(size)`` its keyword arguments for an image size ``(height, width)`` beyond
+    ``height``/``width`` (a pipeline that rescales every request must be told to keep it); ``pipeline_layout(model,
+    latents)`` turns the adapter's ``[B, C, h, w]`` latents into the pipeline's latent output; ``lora_loader``: the
+    pipeline class has ``load_lora_weights``.
     """
 
     adapter: type
@@ -50,6 +53,7 @@ class Family:
     sizes: tuple[tuple[int, int], ...] = ((32, 32), (32, 48))
     lora_loader: bool = True
     build_kwargs: dict = field(default_factory=dict)
+    size_call: Callable = staticmethod(lambda size: {})
 
 
 FAMILIES: dict[str, Family] = {
@@ -61,6 +65,11 @@ FAMILIES: dict[str, Family] = {
     "flux_true_cfg": Family(FluxModel, tiny_flux_pipeline, call=_true_cfg_kwargs,
                             pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
                             build_kwargs={"guidance_embeds": False}),
+    # FLUX.1-Kontext without a condition image is FLUX (guidance embedding); it rescales every request to max_area
+    # (1024^2 by default), so it is told the requested area. The condition-image cases: tests/test_model_flux_kontext.py.
+    "flux_kontext": Family(FluxKontextModel, tiny_flux_kontext_pipeline, guidances=(1.0, 3.5),
+                           pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
+                           size_call=lambda size: {"max_area": size[0] * size[1]}),
 }
 
 

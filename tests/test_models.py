@@ -200,7 +200,8 @@ def test_unsupported_pipeline_class_is_named(sd3_pipe, tmp_path):
     data["_class_name"] = "StableDiffusionXLPipeline"
     index.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"'StableDiffusionXLPipeline' .* is not one flowalign has an adapter for: the "
-                                         r"model families are flux \(FluxPipeline\), sd3 \(StableDiffusion3Pipeline\)"):
+                                         r"model families are flux \(FluxPipeline\), flux_kontext \(FluxKontextPipeline\), "
+                                         r"sd3 \(StableDiffusion3Pipeline\)"):
         load_flow_model(tmp_path / "model")
     with pytest.raises(ValueError, match=r"'dict' .* is not one flowalign has an adapter for"):
         wrap_pipeline({})
@@ -210,7 +211,7 @@ def test_family_mismatch_and_bad_dtype(sd3_pipe, tmp_path):
     sd3_pipe.save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match=r"is a StableDiffusion3Pipeline, not a 'flux' model"):
         load_flow_model(tmp_path / "model", family="flux")
-    with pytest.raises(ValueError, match=r"unknown model family 'flx': known model families are flux, sd3; did you mean"):
+    with pytest.raises(ValueError, match=r"unknown model family 'flx': known model families are flux, flux_kontext, sd3; did you mean"):
         load_flow_model(tmp_path / "model", family="flx")
     with pytest.raises(ValueError, match=r"unknown dtype 'fp8'"):
         load_flow_model(tmp_path / "model", dtype="fp8")

@@ -1,8 +1,9 @@
-"""Model adapters: one FlowModel interface over diffusers' flow pipelines (SD3/3.5 and FLUX built in), registered by
-family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
+"""Model adapters: one FlowModel interface over diffusers' flow pipelines (SD3/3.5, FLUX and FLUX.1-Kontext built
+in), registered by family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .flux import FluxModel, pack_latents, unpack_latents
+from .flux_kontext import FluxKontextModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 
@@ -12,6 +13,7 @@ __all__ = [
     "JOINT_ATTENTION_TARGETS",
     "Cond",
     "FlowModel",
+    "FluxKontextModel",
     "FluxModel",
     "SD3Model",
     "load_flow_model",

@@ -105,6 +105,29 @@ class Cond:
         return (self.embeds * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1)
 
 
+def _check_condition_image(image: Any, prompt: int) -> None:
+    """A clear ValueError unless ``image`` is a PIL image or a float tensor ``[3, H, W]`` in [0, 1]."""
+    if isinstance(image, Tensor):
+        if image.ndim != 3 or image.shape[0] != 3:
+            raise ValueError(f"prompt {prompt}'s condition image is a tensor of shape {tuple(image.shape)}: give one "
+                             "image [3, H, W] (RGB, channels first) per entry")
+        if not image.is_floating_point():
+            raise ValueError(f"prompt {prompt}'s condition image has dtype {image.dtype}: give floats in [0, 1] "
+                             "(for uint8 pixels pass image.float() / 255)")
+        low, high = float(image.min()), float(image.max())
+        if not (low >= 0 and high <= 1):
+            raise ValueError(f"prompt {prompt}'s condition image has values in [{low:g}, {high:g}]: give floats in "
+                             "[0, 1]")
+        return
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - PIL ships with diffusers
+        Image = None
+    if Image is None or not isinstance(image, Image.Image):
+        raise ValueError(f"prompt {prompt}'s condition image is a {type(image).__name__}: give a PIL image or a "
+                         "tensor [3, H, W] in [0, 1]")
+
+
 def as_image_size(image_size: int | Sequence[int] | None, default: tuple[int, int]) -> tuple[int, int]:
     """``(height, width)`` from an int, a pair, or None (the pipeline's default)."""
     if image_size is None:
@@ -121,6 +144,9 @@ class FlowModel:
     family: str = ""
     pipeline_class_name: str = ""
     lora_targets: tuple[str, ...] = ()
+    # Editing families condition on source images (``encode(..., images=)``); ``max_condition_images`` per prompt.
+    takes_condition_images: bool = False
+    max_condition_images: int | None = None
 
     def __init__(self, pipe, *, max_sequence_length: int | None = None):
         self.pipe = pipe
@@ -167,8 +193,42 @@ class FlowModel:
         return 256
 
     # --- family-specific ------------------------------------------------------------------------------------------
-    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,
+               images: Sequence[Any] | None = None) -> Cond:
+        """The conditioning of ``prompts`` (and of ``negative_prompts`` for CFG). ``images``: each prompt's condition
+        images (``condition_images``), for the families that take them (``takes_condition_images``); the others refuse
+        them."""
         raise NotImplementedError
+
+    def condition_images(self, images: Sequence[Any] | None, count: int) -> list[list[Any]] | None:
+        """``images`` as one list of condition images per prompt (``count`` prompts), or None when there are none.
+
+        ``images[i]`` is prompt ``i``'s condition image (a tensor ``[3, H, W]`` in [0, 1] or a PIL image), a list of
+        them, or None / ``[]`` for none. A family that takes no condition images refuses any (ValueError naming the
+        families that do); one that takes at most ``max_condition_images`` per prompt refuses more.
+        """
+        if images is None:
+            return None
+        if isinstance(images, (str, Tensor)) or not isinstance(images, Sequence):
+            raise ValueError(f"images takes one entry per prompt (a list of {count}), got {type(images).__name__}")
+        if len(images) != count:
+            raise ValueError(f"images has {len(images)} entries for {count} prompts: give one per prompt (None or [] "
+                             "for a prompt without condition images)")
+        rows = [[] if entry is None else list(entry) if isinstance(entry, (list, tuple)) else [entry]
+                for entry in images]
+        if not any(rows):
+            return None
+        if not self.takes_condition_images:
+            editing = [name for name in MODEL_FAMILIES if MODEL_FAMILIES.get(name).takes_condition_images]
+            raise ValueError(f"model family {self.family!r} ({type(self).__name__}) takes no condition images; the "
+                             f"families that edit with them: {', '.join(editing) or 'none registered'}")
+        for i, row in enumerate(rows):
+            if self.max_condition_images is not None and len(row) > self.max_condition_images:
+                raise ValueError(f"prompt {i} has {len(row)} condition images, but model family {self.family!r} "
+                                 f"takes at most {self.max_condition_images} per prompt")
+            for image in row:
+                _check_condition_image(image, i)
+        return rows
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
         raise NotImplementedError

@@ -56,8 +56,15 @@ class FluxModel(FlowModel):
         return guidance_scale > 1.0 and not self.guidance_embeds
 
     @torch.no_grad()
-    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,
+               images: Sequence | None = None) -> Cond:
+        """Prompt embeddings through the pipeline's own ``encode_prompt``. FLUX takes no condition images (``images``
+        are refused; FLUX.1-Kontext, ``flowalign.models.flux_kontext``, does)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        self.condition_images(images, len(prompts))
+        return self._encode_text(prompts, negative_prompts)
+
+    def _encode_text(self, prompts: list[str], negative_prompts: Sequence[str] | None) -> Cond:
         embeds, pooled, text_ids = self.pipe.encode_prompt(
             prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.max_sequence_length
         )
@@ -70,9 +77,19 @@ class FluxModel(FlowModel):
         return cond
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        return self._velocity(x, sigma, cond, guidance_scale)
+
+    def _velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float,
+                  context: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The velocity of ``x``; ``context = (tokens, ids)``: packed tokens appended to the image tokens in the
+        sequence with their own position ids (FLUX.1-Kontext's condition image), the velocity read on ``x``'s own."""
         batch, _, h, w = x.shape
         tokens = pack_latents(x.to(self.dtype))
         image_ids = self.pipe._prepare_latent_image_ids(batch, h // 2, w // 2, self.device, self.dtype)
+        length = tokens.shape[1]
+        if context is not None:
+            tokens = torch.cat([tokens, context[0]], dim=1)
+            image_ids = torch.cat([image_ids, context[1]], dim=0)
         # FluxPipeline rounds 1000*sigma to the latents' dtype and divides by 1000: do the same, bit for bit.
         timestep = self.timestep(sigma, batch).to(self.dtype) / 1000
         guidance = None
@@ -80,7 +97,7 @@ class FluxModel(FlowModel):
             guidance = torch.full((batch,), float(guidance_scale), device=self.device, dtype=torch.float32)
 
         def forward(embeds: Tensor, pooled: Tensor) -> Tensor:
-            return self.run_transformer(
+            out = self.run_transformer(
                 hidden_states=tokens,
                 timestep=timestep,
                 guidance=guidance,
@@ -90,6 +107,7 @@ class FluxModel(FlowModel):
                 img_ids=image_ids,
                 return_dict=False,
             )[0]
+            return out if context is None else out[:, :length]
 
         v = forward(cond.embeds, cond.pooled)
         if self.uses_cfg(guidance_scale):

@@ -36,9 +36,12 @@ class SD3Model(FlowModel):
         return min(256, tokenizer.model_max_length) if tokenizer is not None else 256
 
     @torch.no_grad()
-    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        """Prompt embeddings through the pipeline's own ``encode_prompt``; negatives are computed when given."""
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,
+               images: Sequence | None = None) -> Cond:
+        """Prompt embeddings through the pipeline's own ``encode_prompt``; negatives are computed when given. SD3
+        takes no condition images (``images`` are refused)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        self.condition_images(images, len(prompts))
         with_negative = negative_prompts is not None
         embeds, neg_embeds, pooled, neg_pooled = self.pipe.encode_prompt(
             prompt=prompts,
