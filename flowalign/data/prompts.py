@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flowalign.data.condition_images import resolve_entry_images
 from flowalign.evaluation.geneval import GenEvalError, located_lines, validate_metadata
 from flowalign.seeding import Purpose, numpy_rng
 
@@ -30,8 +31,10 @@ def is_geneval_entry(entry: dict) -> bool:
 def load_prompts(path: str | PathLike[str]) -> list[dict]:
     """Training prompts as ``{"prompt": ..., ...}`` entries, from a ``.txt`` file (one prompt a line) or JSONL (one
     object a line with a non-empty string ``prompt``; other keys travel with it as the prompt's metadata). Entries
-    with GenEval's fields are checked as GenEval metadata (``flowalign.evaluation.geneval.validate_metadata``). Blank
-    lines are skipped; a bad line raises ``GenEvalError`` naming the file and line."""
+    with GenEval's fields are checked as GenEval metadata (``flowalign.evaluation.geneval.validate_metadata``); an
+    editing prompt's ``images`` (condition-image paths relative to the file) become absolute paths, each checked to
+    exist (``flowalign.data.condition_images``). Blank lines are skipped; a bad line raises ``GenEvalError`` naming
+    the file and line."""
     path = Path(path)
     entries = []
     for where, line in located_lines(path):
@@ -48,6 +51,10 @@ def load_prompts(path: str | PathLike[str]) -> list[dict]:
                                f"got {line.strip()[:80]}")
         if is_geneval_entry(entry):
             validate_metadata(entry, where)
+        try:
+            resolve_entry_images(entry, path.parent, where)
+        except ValueError as error:
+            raise GenEvalError(str(error)) from None
         entries.append(entry)
     if not entries:
         raise GenEvalError(f"{path}: holds no prompts")

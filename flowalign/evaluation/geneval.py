@@ -98,12 +98,22 @@ def load_metadata(path: str | PathLike[str]) -> list[dict]:
     """Read GenEval's jsonl metadata: one JSON object per line, blank lines skipped.
 
     Every entry is checked with ``validate_metadata``; the first problem raises ``GenEvalError`` with the
-    file, the 1-based line number and the field. The parsed objects are returned unchanged.
+    file, the 1-based line number and the field. The parsed objects are returned unchanged, but for an editing
+    prompt's condition images (``images``: paths relative to the file), which become absolute paths, each checked to
+    exist (``flowalign.data.condition_images``).
     """
+    from pathlib import Path
+
+    from flowalign.data.condition_images import resolve_entry_images
+
     entries = []
     for where, line in located_lines(path):
         entry = _parse_json_line(line, where)
         validate_metadata(entry, where)
+        try:
+            resolve_entry_images(entry, Path(path).parent, where)
+        except ValueError as error:
+            raise GenEvalError(str(error)) from None
         entries.append(entry)
     return entries
 

@@ -180,6 +180,11 @@ def _prompt_text(entry: Any) -> str:
     return entry["prompt"] if isinstance(entry, Mapping) else str(entry)
 
 
+def _condition_paths(entry: Any) -> list[str] | None:
+    """An editing prompt's condition-image paths (its ``images``), or None."""
+    return entry.get("images") if isinstance(entry, Mapping) else None
+
+
 def images_per_tag(metadata_list: Sequence[Mapping[str, Any]], per_tag: int) -> list[int]:
     """Images for each prompt so that every tag gets ``per_tag`` of them (rounded up), evenly over its prompts.
 
@@ -210,14 +215,19 @@ def initial_noise(model, rows: Sequence[tuple[int, int]], seed: int, image_size=
     return model.prepare_noise(len(rows), image_size, generator=generators)
 
 
-def _sample_batch(model, prompts: Sequence[str], noise: Tensor, sigmas: Tensor, guidance_scale: float) -> Tensor:
-    """ODE-sample one batch (one prompt per row) and decode it to images in [0, 1] on the CPU."""
+def _sample_batch(model, prompts: Sequence[str], noise: Tensor, sigmas: Tensor, guidance_scale: float,
+                  images: Sequence[Sequence[str] | None] | None = None) -> Tensor:
+    """ODE-sample one batch (one prompt per row) and decode it to images in [0, 1] on the CPU; ``images``: each row's
+    condition-image paths (an editing prompt's ``images``), or None."""
+    from flowalign.data.condition_images import encode_kwargs
     from flowalign.samplers import rollout
 
-    unique = list(dict.fromkeys(prompts))
+    keys = [(prompt, tuple(paths or ())) for prompt, paths in zip(prompts, images or [None] * len(prompts))]
+    unique = list(dict.fromkeys(keys))
     negatives = [""] * len(unique) if model.uses_cfg(guidance_scale) else None
-    cond = model.encode(unique, negative_prompts=negatives)
-    cond = cond.index([unique.index(prompt) for prompt in prompts])
+    cond = model.encode([prompt for prompt, _ in unique], negative_prompts=negatives,
+                        **encode_kwargs([{"images": list(paths)} for _, paths in unique]))
+    cond = cond.index([unique.index(key) for key in keys])
     steps = sigmas.numel() - 1
     result = rollout(model.velocity_fn(cond, guidance_scale), noise, sigmas, torch.zeros(steps))
     return model.decode(result.final).float().cpu()
@@ -239,6 +249,7 @@ def generate(
     """ODE samples ``[N, 3, H, W]`` in [0, 1] (CPU, fp32), prompt-major: with ``K`` images for every prompt, image
     ``k`` of prompt ``p`` is row ``p * K + k``. ``images_per_prompt`` may instead give one count per prompt.
 
+    An entry's condition images (``images``: paths, as the loaders resolve them) condition its samples (editing).
     CFG-free unless the model uses CFG at ``guidance_scale`` (then the negative prompt is ""). The noise of each
     sample depends only on ``(seed, p, k)``; rows are processed ``batch_size`` at a time under ``torch.no_grad()``.
     ``progress``: a tqdm bar counting images on stderr (True), none (False), or one when stderr is a terminal (None).
@@ -255,7 +266,8 @@ def generate(
     with torch.no_grad(), progress_bar(sum(map(len, batches)), progress) as bar:
         for batch in batches:
             noise = initial_noise(model, batch, seed, image_size)
-            images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale))
+            images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale,
+                                        [_condition_paths(metadata_list[p]) for p, _ in batch]))
             bar.update(len(batch))
     return torch.cat(images) if images else torch.zeros(0)
 

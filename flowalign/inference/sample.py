@@ -71,7 +71,8 @@ class SampleConfig:
     lora_weights: Literal["ema", "last"] | None = option(None, "a checkpoint's EMA or last weights (default: ema when it has them, else "
                                       "last)", flag="weights")
     prompts: str | None = option(None, "prompt file: .txt (one prompt a line) or .jsonl ({prompt, ...} a line; GenEval "
-                                       "metadata for the GenEval rewards) (default: assets/prompts/test.jsonl)")
+                                       "metadata for the GenEval rewards; images: condition image paths, relative to "
+                                       "the file, for an editing model) (default: assets/prompts/test.jsonl)")
     sampler: ComponentConfig = flagged(component("flowalign.inference:SAMPLERS", "bon",
                                                  "the guided sampler and its settings"), "guidance")
     budget: int = option(40, "NFEs per prompt")
@@ -221,11 +222,15 @@ def prompt_velocity(model, cond, guidance_scale: float = 1.0):
     return velocity
 
 
-def encode_prompts(model, prompts: Sequence[str], guidance_scale: float = 1.0):
+def encode_prompts(model, prompts: Sequence[str], guidance_scale: float = 1.0, *,
+                   entries: Sequence[dict] | None = None):
     """``model.encode(prompts)``, with the empty negative prompt of every row when the scale means CFG (as the
-    trainer and ``StableDiffusion3Pipeline`` with no ``negative_prompt``)."""
+    trainer and ``StableDiffusion3Pipeline`` with no ``negative_prompt``); ``entries`` (the prompts' metadata) give
+    an editing prompt's condition images (``images``)."""
+    from flowalign.data.condition_images import encode_kwargs
+
     negatives = [""] * len(prompts) if model.uses_cfg(guidance_scale) else None
-    return model.encode(list(prompts), negative_prompts=negatives)
+    return model.encode(list(prompts), negative_prompts=negatives, **encode_kwargs(entries or []))
 
 
 def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_fn, registers=None,
@@ -236,7 +241,7 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
     from flowalign.inference import GuidedProblem
 
     prompts = [entry["prompt"] for entry in metadata]
-    cond = encode_prompts(model, prompts, config.cfg)
+    cond = encode_prompts(model, prompts, config.cfg, entries=metadata)
     problem = GuidedProblem(
         model=model, metadata=list(metadata), config=config, velocity=prompt_velocity(model, cond, config.cfg),
         reward=latent_reward(model, reward_fn, prompts, metadata), sigmas=model.sigmas(config.steps),
@@ -265,7 +270,9 @@ def run_sample(config: SampleConfig) -> dict:
     """Check, load, sample every prompt and write the outputs; returns the summary written to results.json."""
     from dataclasses import replace
 
+    from flowalign.data.condition_images import check_family_takes, has_condition_images
     from flowalign.data.prompts import load_prompts
+    from flowalign.models.loading import adapter_class
     from flowalign.rewards import require_prompt_metadata
     from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
     from flowalign.errors import setup_phase
@@ -289,6 +296,8 @@ def run_sample(config: SampleConfig) -> dict:
         if config.max_prompts is not None:
             metadata = metadata[: config.max_prompts]
         require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
+        if has_condition_images(metadata):  # an editing prompt file needs a model that takes condition images
+            check_family_takes(adapter_class(model_path), metadata, "--prompts", prompts_path)
         if guide is not None:
             require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None

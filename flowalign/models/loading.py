@@ -63,6 +63,18 @@ def pipeline_class_name(path_or_id: str) -> str:
         ) from error
 
 
+def adapter_class(path_or_id: str | Path, family: str | None = None) -> type[FlowModel]:
+    """The adapter a model loads with, loading no weights: the registered ``family``, else the one of the pipeline
+    class its ``model_index.json`` names."""
+    if family is not None:
+        return MODEL_FAMILIES.get(family)
+    class_name = pipeline_class_name(str(path_or_id))
+    by_pipeline = _by_pipeline()
+    if class_name not in by_pipeline:
+        raise _unsupported(class_name, f"from {path_or_id}/model_index.json")
+    return by_pipeline[class_name]
+
+
 def load_flow_model(
     path_or_id: str | Path,
     *,

@@ -98,7 +98,8 @@ class DataConfig:
     """Where the prompts come from and how many images a rollout makes."""
 
     train_prompts: str = option("assets/prompts/train.jsonl", "training prompts: .txt (one prompt a line) or .jsonl "
-                                "({prompt, ...} a line; GenEval metadata for the GenEval rewards)")
+                                "({prompt, ...} a line; GenEval metadata for the GenEval rewards; images: condition "
+                                "image paths, relative to the file, for an editing model)")
     eval_prompts: str = option("assets/prompts/test.jsonl", "held-out prompts for the evaluation at the end")
     prompts_per_iteration: int = option(4, "distinct prompts per rollout, over all processes")
     group_size: int = option(16, "images per prompt; advantages compare images within a group")

@@ -29,6 +29,18 @@ def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
                          image_size=config.sampling.image_size)
 
 
+def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
+    """Before the model loads: training prompts with condition images (``images``) need a model family that takes
+    them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
+    ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
+    from flowalign.data.condition_images import check_family_takes, has_condition_images
+    from flowalign.models.loading import adapter_class
+
+    if has_condition_images(prompts):
+        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+        check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
+
+
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
     """``(name, weight, fn)`` for each reward: ``config.reward.rewards`` built from the registry, or ``rewards``: reward
     callables ``fn(images, prompts, metadata) -> scores`` (weight 1, named after the function or class), a mapping of

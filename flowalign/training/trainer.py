@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from flowalign.credit import CreditContext
+from flowalign.data.condition_images import encode_kwargs
 from flowalign.errors import setup_phase
 from flowalign.kernels import use_backend
 from flowalign.lr_schedule import learning_rate_scale
@@ -52,7 +53,7 @@ from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.policy import micro_batch, policy_output, unit_output
 from flowalign.training.scoring import score_iteration, state_reward
-from flowalign.training.setup import build_rewards, check_prompts_fit_rewards, load_policy
+from flowalign.training.setup import build_rewards, check_prompts_fit_model, check_prompts_fit_rewards, load_policy
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class GRPOTrainer:
         train_prompts = load_prompts(config.data.train_prompts)
         if rewards is None:
             check_prompts_fit_rewards(config, train_prompts)
+        check_prompts_fit_model(config, train_prompts, model)
         self.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
                                      sampling=config.data.prompt_sampling)
         self.rewards = build_rewards(config, rewards, self.layout)
@@ -214,7 +216,7 @@ class GRPOTrainer:
         sigmas = model.sigmas(cfg.sampling.num_steps, cfg.sampling.image_size)
         texts = [entry["prompt"] for entry in prompts]
         cond = model.encode(texts, negative_prompts=[""] * len(texts) if model.uses_cfg(
-            cfg.sampling.guidance_scale) else None)
+            cfg.sampling.guidance_scale) else None, **encode_kwargs(prompts))  # an editing prompt's images
         hooks = [hook for part in self.parts.all() for hook in part.rollout_hooks()]
         context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks, prompts)
         n = self.layout.samples_per_process
