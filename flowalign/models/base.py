@@ -2,7 +2,8 @@
 
 Everything above this layer (rollouts, rewards, the trainer) sees only:
 
-* ``encode(prompts) -> Cond``
+* ``encode(prompts, negative_prompts=None, images=None) -> Cond``; ``images``: each prompt's condition images, for
+  the editing families (``takes_condition_images``; ``condition_images`` checks them, and refuses them elsewhere)
 * ``velocity(x, sigma, cond, guidance_scale=1.0) -> v`` with ``x`` in the unpacked latent layout ``[B, C, h, w]``
 * ``decode(latents) -> images in [0, 1]``, ``[B, 3, H, W]``, and its inverse ``encode_images(images) -> latents``
 * ``sigmas(num_steps, image_size)`` from the pipeline's own scheduler rules (shift, resolution-dependent ``mu``)
