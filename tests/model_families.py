@@ -66,7 +66,7 @@ FAMILIES: dict[str, Family] = {
                             pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
                             build_kwargs={"guidance_embeds": False}),
     # FLUX.1-Kontext without a condition image is FLUX (guidance embedding); it rescales every request to max_area
-    # (1024^2 by default), so it is told the requested area. The condition-image cases: tests/test_model_flux_kontext.py.
+    # (1024^2 by default), so it is told the requested area. With condition images: tests/test_model_flux_kontext.py.
     "flux_kontext": Family(FluxKontextModel, tiny_flux_kontext_pipeline, guidances=(1.0, 3.5),
                            pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
                            size_call=lambda size: {"max_area": size[0] * size[1]}),

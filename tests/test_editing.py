@@ -64,7 +64,8 @@ def run_values(tmp_path, prompts, model_path="unused", **extra):
 
 def test_a_family_without_condition_images_refuses_an_editing_prompt_file_before_the_model_loads(tmp_path):
     # The model path does not exist: the check runs on the family alone, before anything loads.
-    config = run_values(tmp_path, editing_prompts(tmp_path), model_path=tmp_path / "no-model", **{"model.family": "flux"})
+    config = run_values(tmp_path, editing_prompts(tmp_path), model_path=tmp_path / "no-model",
+                        **{"model.family": "flux"})
     with pytest.raises(SetupError, match=r"data\.train_prompts = .*edits\.jsonl gives prompts condition images .*"
                                          r"model family 'flux' takes none.*flux_kontext"):
         GRPOTrainer(config)
