@@ -5,6 +5,7 @@ from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .chroma import ChromaModel
 from .flux import FluxModel, pack_latents, unpack_latents
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
+from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 
 __all__ = [
@@ -15,7 +16,9 @@ __all__ = [
     "Cond",
     "FlowModel",
     "FluxModel",
+    "SANA_ATTENTION_TARGETS",
     "SD3Model",
+    "SanaModel",
     "load_flow_model",
     "pack_latents",
     "register_model_family",
