@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import ChromaModel, FluxModel, SanaModel, SD3Model, pack_latents
+from flowalign.models import ChromaModel, FluxModel, Lumina2Model, SanaModel, SD3Model, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_sana_pipeline
+from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -74,6 +74,8 @@ FAMILIES: dict[str, Family] = {
     # SANA: unpacked latents, Gemma2 text with its mask, a DC-AE; called without the complex human instruction and
     # without resolution binning (the adapter samples the requested size).
     "sana": Family(SanaModel, tiny_sana_pipeline, call=_sana_kwargs, sizes=((32, 32), (32, 64))),
+    # Lumina2: flipped time and a negated velocity; CFG with the pipeline's default normalisation, at every step.
+    "lumina2": Family(Lumina2Model, tiny_lumina2_pipeline, sizes=((32, 32), (32, 48))),
 }
 
 

@@ -5,6 +5,7 @@ from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .chroma import ChromaModel
 from .flux import FluxModel, pack_latents, unpack_latents
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
+from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 
@@ -12,10 +13,12 @@ __all__ = [
     "ADAPTERS",
     "MODEL_FAMILIES",
     "JOINT_ATTENTION_TARGETS",
+    "LUMINA2_ATTENTION_TARGETS",
     "ChromaModel",
     "Cond",
     "FlowModel",
     "FluxModel",
+    "Lumina2Model",
     "SANA_ATTENTION_TARGETS",
     "SD3Model",
     "SanaModel",
