@@ -30,3 +30,15 @@ def test_chroma_guidance_is_true_cfg_and_needs_negative_prompts():
     x = model.prepare_noise(1, 32, generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match="negative prompt"):
         model.velocity(x, 0.5, model.encode(["a red circle"]), 3.0)
+
+
+def test_chroma_encode_images_is_the_img2img_vae_path_bitwise():
+    pipe = tiny_pipeline("chroma")
+    model = wrap_pipeline(pipe)
+    images = torch.rand(2, 3, 32, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.encode_images(images)
+        # ChromaImg2ImgPipeline's path: preprocess to [-1, 1], the posterior's mode, (z - shift) * scale.
+        posterior = pipe.vae.encode(pipe.image_processor.preprocess(images)).latent_dist
+        expected = (posterior.mode() - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    assert tuple(ours.shape) == model.latent_shape(2, (32, 64)) and torch.equal(ours, expected)

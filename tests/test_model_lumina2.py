@@ -48,3 +48,16 @@ def test_lumina2_system_prompt_prefixes_the_prompts_but_not_the_negatives():
     assert torch.equal(b.embeds, embeds) and torch.equal(b.mask, mask)
     assert not torch.equal(a.embeds, b.embeds) and torch.equal(a.negative_embeds, b.negative_embeds)
     assert b.mask.sum() < a.mask.sum()  # the default system prompt is longer
+
+
+def test_lumina2_encode_images_is_the_vae_path_bitwise():
+    pipe = tiny_pipeline("lumina2")
+    model = wrap_pipeline(pipe)
+    images = torch.rand(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.encode_images(images)
+        # The inverse of the pipeline's decode: preprocess to [-1, 1], the posterior's mode, (z - shift) * scale.
+        posterior = pipe.vae.encode(pipe.image_processor.preprocess(images)).latent_dist
+        expected = (posterior.mode() - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+    assert tuple(ours.shape) == model.latent_shape(2, (32, 48)) and torch.equal(ours, expected)
+    assert model.image_multiple == 16
