@@ -116,6 +116,7 @@ TABLES = {
     "methods_summary": ("methods.md", "methods/*-seed*.json", _methods_summary),
     "tree_rollout": ("methods.md", "tree_rollout.json", _tree),
     "vgpo_signal": ("methods.md", "vgpo_signal.json", _vgpo_signal),
+    "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import FluxKontextModel, FluxModel, SD3Model, pack_latents
+from flowalign.models import ChromaModel, FluxKontextModel, FluxModel, Lumina2Model, SanaModel, SD3Model, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
+from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -31,6 +32,12 @@ def _true_cfg_kwargs(model, guidance: float) -> dict:
     """``guidance`` as true CFG (``true_cfg_scale``, two passes) against empty negative prompts."""
     negatives = {"negative_prompt": [""] * 2} if guidance > 1 else {}
     return {"true_cfg_scale": guidance, "max_sequence_length": model.max_sequence_length, **negatives}
+
+
+def _sana_kwargs(model, guidance: float) -> dict:
+    """SANA's CFG scale, with the adapter's (empty) complex human instruction and no resolution binning."""
+    return {**_cfg_kwargs(model, guidance), "complex_human_instruction": model.complex_human_instruction,
+            "use_resolution_binning": False}
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,14 @@ FAMILIES: dict[str, Family] = {
     "flux_kontext": Family(FluxKontextModel, tiny_flux_kontext_pipeline, guidances=(1.0, 3.5),
                            pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
                            size_call=lambda size: {"max_area": size[0] * size[1]}),
+    # Chroma: FLUX's packing, T5 only, masked text; its guidance_scale is true CFG against negative prompts.
+    "chroma": Family(ChromaModel, tiny_chroma_pipeline,
+                     pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64))),
+    # SANA: unpacked latents, Gemma2 text with its mask, a DC-AE; called without the complex human instruction and
+    # without resolution binning (the adapter samples the requested size).
+    "sana": Family(SanaModel, tiny_sana_pipeline, call=_sana_kwargs, sizes=((32, 32), (32, 64))),
+    # Lumina2: flipped time and a negated velocity; CFG with the pipeline's default normalisation, at every step.
+    "lumina2": Family(Lumina2Model, tiny_lumina2_pipeline, sizes=((32, 32), (32, 48))),
 }
 
 

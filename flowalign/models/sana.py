@@ -1,0 +1,141 @@
+"""SANA adapter: a Gemma2 text encoder with its attention mask, a linear-attention DiT, a DC-AE VAE.
+
+Conventions (``diffusers.SanaPipeline``):
+
+* latents ``[B, C, H/s, W/s]`` (``s`` the DC-AE's downsampling, 32 for the released models), not packed: the
+  transformer patches them itself (``patch_size`` 1 in the released models); the pipeline keeps them in fp32 and casts
+  to the transformer's dtype for each forward pass, so ``prepare_noise`` draws fp32 noise by default;
+* time: the transformer takes ``1000 sigma * timestep_scale`` (``timestep_scale`` from its config: 1 for SANA,
+  other values for distilled variants); the velocity's sign is the scheduler's (no flip), returned in fp32;
+* text: Gemma2's last hidden state; prompts are lower-cased and stripped (the pipeline's ``clean_caption=False``
+  preprocessing), padded on the right to ``max_sequence_length``; of the tokens the pipeline keeps token 0 plus the
+  last ``max_sequence_length - 1`` (which is all of them unless a ``complex_human_instruction`` is prefixed);
+  ``mask`` is the tokenizer's attention mask, passed as ``encoder_attention_mask``;
+* ``complex_human_instruction``: the pipeline's ``__call__`` prefixes a long prompt-enhancing instruction by default;
+  this adapter does not (``None``, as ``encode_prompt``'s default): pass the same list to the adapter to match a
+  pipeline call that uses one;
+* CFG: one batched pass over ``[negative, positive]``, ``uncond + scale * (text - uncond)`` in fp32;
+* VAE: an ``AutoencoderDC``, deterministic (no posterior): ``decode`` divides by its ``scaling_factor`` (it has no
+  shift factor), ``encode_images`` multiplies its encoding by it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .base import Cond, FlowModel, as_image_size, register_model_family
+
+# Every attention projection of a SANA block: the linear self-attention (attn1) and the cross-attention (attn2).
+SANA_ATTENTION_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2")
+                               for proj in ("to_q", "to_k", "to_v", "to_out.0"))
+
+
+@register_model_family("sana")
+class SanaModel(FlowModel):
+    """Adapter over ``diffusers.SanaPipeline``."""
+
+    family = "sana"
+    pipeline_class_name = "SanaPipeline"
+    lora_targets = SANA_ATTENTION_TARGETS
+
+    def __init__(self, pipe, *, max_sequence_length: int | None = None,
+                 complex_human_instruction: Sequence[str] | None = None):
+        super().__init__(pipe, max_sequence_length=max_sequence_length)
+        self.complex_human_instruction = list(complex_human_instruction) if complex_human_instruction else None
+
+    def default_max_sequence_length(self) -> int:
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        return min(300, tokenizer.model_max_length) if tokenizer is not None else 300
+
+    @property
+    def default_image_size(self) -> tuple[int, int]:
+        size = self.transformer.config.sample_size * self.vae_scale_factor
+        return size, size
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        """Gemma2 embeddings and attention masks through the pipeline's ``encode_prompt``."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        with_negative = negative_prompts is not None
+        embeds, mask, neg_embeds, neg_mask = self.pipe.encode_prompt(
+            prompts,
+            do_classifier_free_guidance=with_negative,
+            negative_prompt=list(negative_prompts) if with_negative else "",
+            device=self.device,
+            max_sequence_length=self.max_sequence_length,
+            complex_human_instruction=self.complex_human_instruction,
+        )
+        return Cond(embeds, mask=mask, negative_embeds=neg_embeds, negative_mask=neg_mask)
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        """``v = transformer(x, 1000 sigma * timestep_scale, text, mask)`` in fp32; CFG batched as the pipeline's."""
+        batch = x.shape[0]
+        hidden, embeds, mask = x, cond.embeds, cond.mask
+        timestep = self.timestep(sigma, batch)
+        cfg = self.uses_cfg(guidance_scale)
+        if cfg:
+            if not cond.has_negative:
+                raise ValueError(
+                    f"guidance_scale={guidance_scale} needs negative prompt embeddings: "
+                    "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1"
+                )
+            hidden = torch.cat([hidden, hidden])
+            embeds = torch.cat([cond.negative_embeds, embeds])
+            mask = torch.cat([cond.negative_mask, mask])
+            timestep = torch.cat([timestep, timestep])
+        timestep = timestep * self.transformer.config.timestep_scale
+        v = self.run_transformer(
+            hidden_states=hidden.to(dtype=self.dtype),
+            encoder_hidden_states=embeds.to(dtype=self.dtype),
+            encoder_attention_mask=mask,
+            timestep=timestep,
+            return_dict=False,
+        )[0].float()
+        if cfg:
+            uncond, text = v.chunk(2)
+            v = uncond + guidance_scale * (text - uncond)
+        if self.transformer.config.out_channels // 2 == self.transformer.config.in_channels:
+            v = v.chunk(2, dim=1)[0]  # a learned-sigma head: the velocity is the first half
+        return v
+
+    def prepare_noise(self, batch, image_size=None, *, generator=None, dtype=None) -> Tensor:
+        """fp32 noise by default, as the pipeline's ``prepare_latents`` (whatever the transformer's dtype)."""
+        return super().prepare_noise(batch, image_size, generator=generator, dtype=dtype or torch.float32)
+
+    @property
+    def image_multiple(self) -> int:
+        """The DC-AE's downsampling times the transformer's patch size."""
+        return self.vae_scale_factor * self.transformer.config.patch_size
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor
+        return batch, self.transformer.config.in_channels, height // scale, width // scale
+
+    def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        return {}
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """``vae.decode(latents / scaling_factor)`` mapped to [0, 1], as the pipeline's postprocess (no shift)."""
+        vae = self.pipe.vae
+        images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def encode_images(self, images: Tensor, *, generator=None, sample: bool = False, dtype=None) -> Tensor:
+        """Images in [0, 1] to latents: ``vae.encode(2 x - 1).latent * scaling_factor`` (SANA's ControlNet and
+        Sprint img2img pipelines' encoding). The DC-AE is deterministic: there is no posterior to sample, so
+        ``sample`` and ``generator`` change nothing. In ``dtype`` (default fp32, as ``prepare_noise``)."""
+        self._check_images(images)
+        vae = self.pipe.vae
+        pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
+        latents = vae.encode(pixels).latent * vae.config.scaling_factor
+        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
+        if tuple(latents.shape) != tuple(expected):
+            raise RuntimeError(
+                f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but the transformer "
+                f"takes {tuple(expected)}: the VAE's latent_channels do not match the transformer's in_channels"
+            )
+        return latents.to(dtype or torch.float32)
