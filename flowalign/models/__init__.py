@@ -2,6 +2,7 @@
 family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
+from .cogview4 import CogView4Model
 from .flux import FluxModel, pack_latents, unpack_latents
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
@@ -10,6 +11,7 @@ __all__ = [
     "ADAPTERS",
     "MODEL_FAMILIES",
     "JOINT_ATTENTION_TARGETS",
+    "CogView4Model",
     "Cond",
     "FlowModel",
     "FluxModel",
