@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import CogView4Model, FluxModel, SD3Model, pack_latents
+from flowalign.models import CogView4Model, FluxModel, HiDreamModel, SD3Model, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline
+from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_hidream_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -31,6 +31,12 @@ def _true_cfg_kwargs(model, guidance: float) -> dict:
     """``guidance`` as true CFG (``true_cfg_scale``, two passes) against empty negative prompts."""
     negatives = {"negative_prompt": [""] * 2} if guidance > 1 else {}
     return {"true_cfg_scale": guidance, "max_sequence_length": model.max_sequence_length, **negatives}
+
+
+def _cfg_negatives_kwargs(model, guidance: float) -> dict:
+    """CFG against empty negative prompts given one per prompt: the pipeline's default encodes a single empty prompt
+    and repeats it, and its CLIP encoders round a batch of one differently from a batch of two."""
+    return {**_cfg_kwargs(model, guidance), **({"negative_prompt": [""] * 2} if guidance > 1 else {})}
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ FAMILIES: dict[str, Family] = {
                             build_kwargs={"guidance_embeds": False}),
     # CogView4: GLM text, the transformer on the unshifted integer timestep, CFG in two passes.
     "cogview4": Family(CogView4Model, tiny_cogview4_pipeline),
+    # HiDream rescales every request to its fixed area (32x32 px on the tiny model): both sizes keep that area.
+    "hidream": Family(HiDreamModel, tiny_hidream_pipeline, call=_cfg_negatives_kwargs, sizes=((32, 32), (16, 64))),
 }
 
 
