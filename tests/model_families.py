@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import CogView4Model, FluxModel, HiDreamModel, SD3Model, pack_latents
+from flowalign.models import CogView4Model, Flux2DevModel, FluxModel, HiDreamModel, SD3Model, pack_latents
+from flowalign.models.flux2_dev import pack_flux2_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_hidream_pipeline
+from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_flux2_pipeline, tiny_hidream_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -72,6 +73,9 @@ FAMILIES: dict[str, Family] = {
     "cogview4": Family(CogView4Model, tiny_cogview4_pipeline),
     # HiDream rescales every request to its fixed area (32x32 px on the tiny model): both sizes keep that area.
     "hidream": Family(HiDreamModel, tiny_hidream_pipeline, call=_cfg_negatives_kwargs, sizes=((32, 32), (16, 64))),
+    # FLUX.2-dev: guidance embedding only (one pass at any scale); the pipeline's latents are packed tokens.
+    "flux2": Family(Flux2DevModel, tiny_flux2_pipeline, guidances=(1.0, 4.0),
+                    pipeline_layout=lambda model, latents: pack_flux2_latents(latents), sizes=((32, 32), (32, 48))),
 }
 
 

@@ -4,6 +4,7 @@ family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .cogview4 import CogView4Model
 from .flux import FluxModel, pack_latents, unpack_latents
+from .flux2_dev import Flux2DevModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
@@ -15,6 +16,7 @@ __all__ = [
     "CogView4Model",
     "Cond",
     "FlowModel",
+    "Flux2DevModel",
     "FluxModel",
     "HiDreamModel",
     "SD3Model",
