@@ -69,3 +69,17 @@ def test_a_loaded_pipeline_keeps_the_transformers_area(tmp_path):
     assert isinstance(model, HiDreamModel)
     assert model.pipe.default_sample_size == 16 and model.default_image_size == (32, 32)
     assert model.latent_shape(1, (64, 64)) == (1, 4, 16, 16)
+
+
+def test_encode_images_takes_images_at_the_fixed_area_and_refuses_others():
+    pipe = tiny_pipeline("hidream")
+    model = HiDreamModel(pipe)
+    images = torch.rand(2, 3, 16, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        latents = model.encode_images(images)
+        expected = pipe.vae.encode(pipe.image_processor.preprocess(images)).latent_dist.mode()
+    config = pipe.vae.config
+    assert torch.equal(latents, (expected - config.shift_factor) * config.scaling_factor)
+    assert tuple(latents.shape) == model.latent_shape(2, (16, 64))
+    with pytest.raises(ValueError, match=r"32x48 images are produced as \(24, 36\)"):
+        model.encode_images(torch.rand(1, 3, 32, 48))

@@ -63,7 +63,9 @@ class HiDreamModel(FlowModel):
             pipe.default_sample_size = int(rows)
 
     def default_max_sequence_length(self) -> int:
-        tokenizers = (self.pipe.tokenizer, self.pipe.tokenizer_2, self.pipe.tokenizer_3, self.pipe.tokenizer_4)
+        """The pipeline's 128, within the T5 and Llama tokenizers' lengths (the pipeline pads the CLIP prompts to
+        ``min(max_sequence_length, 218)`` whatever their tokenizers say: their encoders must hold that many)."""
+        tokenizers = (self.pipe.tokenizer_3, self.pipe.tokenizer_4)
         return min(128, *(t.model_max_length for t in tokenizers if t is not None))
 
     def text_encoders(self) -> list[torch.nn.Module]:
@@ -82,6 +84,15 @@ class HiDreamModel(FlowModel):
         division = self.vae_scale_factor * 2
         scale = math.sqrt((self.pipe.default_sample_size * self.vae_scale_factor) ** 2 / (width * height))
         return int(height * scale // division * division), int(width * scale // division * division)
+
+    def encode_images(self, images: Tensor, **kwargs) -> Tensor:
+        """As the base adapter's, for images of a size the pipeline produces (``image_size_for`` keeps it)."""
+        size = tuple(images.shape[-2:]) if isinstance(images, Tensor) and images.ndim == 4 else None
+        if size is not None and self.image_size_for(size) != size:
+            raise ValueError(f"encode_images: HiDream samples every size at the area of {self.default_image_size}; "
+                             f"{size[0]}x{size[1]} images are produced as {self.image_size_for(size)}: resize them "
+                             "to a size image_size_for keeps")
+        return super().encode_images(images, **kwargs)
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
         height, width = self.image_size_for(image_size)
