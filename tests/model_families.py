@@ -14,10 +14,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import ChromaModel, FluxKontextModel, FluxModel, Lumina2Model, SanaModel, SD3Model, pack_latents
+from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, FluxKontextModel, FluxModel, HiDreamModel,
+                              Lumina2Model, SanaModel, SD3Model, pack_latents)
+from flowalign.models.flux2_dev import pack_flux2_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
 from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
+from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
+from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_flux2_pipeline, tiny_hidream_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -38,6 +41,10 @@ def _sana_kwargs(model, guidance: float) -> dict:
     """SANA's CFG scale, with the adapter's (empty) complex human instruction and no resolution binning."""
     return {**_cfg_kwargs(model, guidance), "complex_human_instruction": model.complex_human_instruction,
             "use_resolution_binning": False}
+def _cfg_negatives_kwargs(model, guidance: float) -> dict:
+    """CFG against empty negative prompts given one per prompt: the pipeline's default encodes a single empty prompt
+    and repeats it, and its CLIP encoders round a batch of one differently from a batch of two."""
+    return {**_cfg_kwargs(model, guidance), **({"negative_prompt": [""] * 2} if guidance > 1 else {})}
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,13 @@ FAMILIES: dict[str, Family] = {
     "sana": Family(SanaModel, tiny_sana_pipeline, call=_sana_kwargs, sizes=((32, 32), (32, 64))),
     # Lumina2: flipped time and a negated velocity; CFG with the pipeline's default normalisation, at every step.
     "lumina2": Family(Lumina2Model, tiny_lumina2_pipeline, sizes=((32, 32), (32, 48))),
+    # CogView4: GLM text, the transformer on the unshifted integer timestep, CFG in two passes.
+    "cogview4": Family(CogView4Model, tiny_cogview4_pipeline),
+    # HiDream rescales every request to its fixed area (32x32 px on the tiny model): both sizes keep that area.
+    "hidream": Family(HiDreamModel, tiny_hidream_pipeline, call=_cfg_negatives_kwargs, sizes=((32, 32), (16, 64))),
+    # FLUX.2-dev: guidance embedding only (one pass at any scale); the pipeline's latents are packed tokens.
+    "flux2": Family(Flux2DevModel, tiny_flux2_pipeline, guidances=(1.0, 4.0),
+                    pipeline_layout=lambda model, latents: pack_flux2_latents(latents), sizes=((32, 32), (32, 48))),
 }
 
 

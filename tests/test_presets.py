@@ -43,7 +43,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft"}
-    assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev"}
+    assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))
@@ -309,6 +309,24 @@ def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny
     history = GRPOTrainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
     assert config.loss["grpo"].beta == 0.0
+    assert_kl_follows_the_lora(config, history)
+
+
+def test_flux2_dev_preset_has_flow_factorys_settings_and_runs_on_a_tiny_flux2(tmp_path):
+    from model_families import tiny_pipeline
+
+    preset = load_config(TrainConfig, REPO / "configs/models/flux2_dev.yaml", [])
+    assert (preset.model.family, preset.sampling.num_steps, preset.sampling.noise_level, preset.sampling.window_size,
+            preset.sampling.window_first, preset.sampling.window_last, preset.sampling.guidance_scale,
+            preset.model.lora_rank, preset.model.lora_alpha, preset.optim.lr, preset.data.group_size,
+            preset.loss["grpo"].beta, preset.sampling.image_size) == \
+        ("flux2", 8, 1.0, 1, 1, 3, 4.0, 64, 128, 3e-4, 16, 0.0, 512)
+    assert [(r.name, r.weight) for r in preset.reward.rewards] == [("clipscore", 1.0), ("pickscore", 0.5)]
+    tiny_pipeline("flux2").save_pretrained(tmp_path / "flux2")
+    config = load_config(TrainConfig, REPO / "configs/models/flux2_dev.yaml", small_run(tmp_path / "flux2", tmp_path))
+    history = GRPOTrainer(config).train()
+    assert history[-1]["nfe"] == 2 * 2 * 8  # the guidance embedding needs no second pass
+    assert history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
 
 

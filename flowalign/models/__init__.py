@@ -1,10 +1,13 @@
-"""Model adapters: one FlowModel interface over diffusers' flow pipelines (SD3/3.5, FLUX and FLUX.1-Kontext built
-in), registered by family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
+"""Model adapters: one FlowModel interface over diffusers' flow-matching text-to-image pipelines (the families in
+docs/guides/adding-a-model.md), registered by family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .chroma import ChromaModel
+from .cogview4 import CogView4Model
 from .flux import FluxModel, pack_latents, unpack_latents
 from .flux_kontext import FluxKontextModel
+from .flux2_dev import Flux2DevModel
+from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
@@ -12,22 +15,25 @@ from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 
 __all__ = [
     "ADAPTERS",
-    "MODEL_FAMILIES",
     "JOINT_ATTENTION_TARGETS",
     "LUMINA2_ATTENTION_TARGETS",
+    "MODEL_FAMILIES",
+    "SANA_ATTENTION_TARGETS",
     "ChromaModel",
+    "CogView4Model",
     "Cond",
     "FlowModel",
+    "Flux2DevModel",
     "FluxKontextModel",
     "FluxModel",
-    "Lumina2Model",
-    "SANA_ATTENTION_TARGETS",
-    "SD3Model",
-    "SanaModel",
+    "HiDreamModel",
     "load_flow_model",
+    "Lumina2Model",
     "pack_latents",
     "register_model_family",
     "resolve_dtype",
+    "SanaModel",
+    "SD3Model",
     "unpack_latents",
     "wrap_pipeline",
 ]

@@ -8,7 +8,8 @@ from pathlib import Path
 import torch
 
 from ..devices import resolve_dtype
-from . import chroma, flux, flux_kontext, lumina2, sana, sd3  # noqa: F401 - the built-in families register themselves
+# The built-in families register themselves on import.
+from . import chroma, cogview4, flux, flux2_dev, flux_kontext, hidream, lumina2, sana, sd3  # noqa: F401
 from .base import MODEL_FAMILIES, FlowModel
 
 ADAPTERS = MODEL_FAMILIES  # the registered adapters by family name
