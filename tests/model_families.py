@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import FluxModel, SD3Model, pack_latents
+from flowalign.models import FluxModel, QwenImageModel, SD3Model, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
+from flowalign.models.tiny_fam_b import tiny_qwen_image_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -61,6 +62,9 @@ FAMILIES: dict[str, Family] = {
     "flux_true_cfg": Family(FluxModel, tiny_flux_pipeline, call=_true_cfg_kwargs,
                             pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 64)),
                             build_kwargs={"guidance_embeds": False}),
+    # Qwen-Image: true CFG (with its norm rescaling) against negative prompts; the pipeline's latents are packed.
+    "qwen_image": Family(QwenImageModel, tiny_qwen_image_pipeline, guidances=(1.0, 4.0), call=_true_cfg_kwargs,
+                         pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 48))),
 }
 
 
