@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import FluxModel, QwenImageModel, SD3Model, pack_latents
+from flowalign.models import FluxModel, QwenImageModel, SD3Model, ZImageModel, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_b import tiny_qwen_image_pipeline
+from flowalign.models.tiny_fam_b import tiny_qwen_image_pipeline, tiny_z_image_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -31,6 +31,11 @@ def _true_cfg_kwargs(model, guidance: float) -> dict:
     """``guidance`` as true CFG (``true_cfg_scale``, two passes) against empty negative prompts."""
     negatives = {"negative_prompt": [""] * 2} if guidance > 1 else {}
     return {"true_cfg_scale": guidance, "max_sequence_length": model.max_sequence_length, **negatives}
+
+
+def _z_image_kwargs(model, guidance: float) -> dict:
+    """ZImagePipeline's ``guidance_scale`` g means ``cond + g (cond - uncond)`` (CFG on for g > 0): flowalign's s - 1."""
+    return {"guidance_scale": guidance - 1.0, "max_sequence_length": model.max_sequence_length}
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,8 @@ FAMILIES: dict[str, Family] = {
     # Qwen-Image: true CFG (with its norm rescaling) against negative prompts; the pipeline's latents are packed.
     "qwen_image": Family(QwenImageModel, tiny_qwen_image_pipeline, guidances=(1.0, 4.0), call=_true_cfg_kwargs,
                          pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 48))),
+    # Z-Image: flipped model time, negated velocity, CFG in its own form; its latents come back unpacked.
+    "z_image": Family(ZImageModel, tiny_z_image_pipeline, guidances=(1.0, 4.0), call=_z_image_kwargs),
 }
 
 

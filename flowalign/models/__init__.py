@@ -6,6 +6,7 @@ from .flux import FluxModel, pack_latents, unpack_latents
 from .qwen_image import QwenImageModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
+from .z_image import ZImageModel
 
 __all__ = [
     "ADAPTERS",
@@ -16,6 +17,7 @@ __all__ = [
     "FluxModel",
     "QwenImageModel",
     "SD3Model",
+    "ZImageModel",
     "load_flow_model",
     "pack_latents",
     "register_model_family",

@@ -109,3 +109,60 @@ def tiny_qwen_image_pipeline(
     _check_template_prefix(pipe, tokenizer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _qwen3_encoder(vocab_size: int, hidden: int, layers: int, heads: int = 2):
+    from transformers import Qwen3Config, Qwen3Model
+
+    config = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads, max_position_embeddings=1024,
+        pad_token_id=0, bos_token_id=None, eos_token_id=1, tie_word_embeddings=False,
+    )
+    return Qwen3Model(config)
+
+
+def tiny_z_image_pipeline(
+    words: Iterable[str],
+    *,
+    max_length: int = 64,
+    text_hidden: int = 32,
+    transformer: dict | None = None,
+    seed: int = 0,
+):
+    """A randomly initialised ``ZImagePipeline``: a 2-layer Qwen3 encoder (the pipeline reads the second-to-last
+    hidden states), a 1-layer Z-Image DiT with 1 refiner layer per stream, a 2-level VAE; shift 3 as Z-Image's.
+
+    The transformer's ``x_pad_token`` / ``cap_pad_token`` (the learned padding of image and text tokens to a multiple
+    of 32) are set to seeded finite values: nothing may leave them uninitialised.
+    """
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    words = list(words)
+    torch.manual_seed(seed)
+    tokenizer = chat_word_tokenizer(words, max_length)
+    latent_channels = 4
+    transformer_config = dict(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=latent_channels, dim=32, n_layers=1,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=text_hidden, axes_dims=[4, 6, 6],
+        axes_lens=[640, 32, 32],
+    )
+    transformer_config.update(transformer or {})
+    dit = ZImageTransformer2DModel(**transformer_config)
+    with torch.no_grad():
+        dit.x_pad_token.normal_(std=0.5)
+        dit.cap_pad_token.normal_(std=0.5)
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=AutoencoderKL(
+            in_channels=3, out_channels=3, block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, latent_channels=latent_channels,
+            norm_num_groups=4, sample_size=32, mid_block_add_attention=False, use_quant_conv=False,
+            use_post_quant_conv=False, scaling_factor=1.5, shift_factor=0.06,
+        ),
+        text_encoder=_qwen3_encoder(len(tokenizer), text_hidden, 2),
+        tokenizer=tokenizer,
+        transformer=dit,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
