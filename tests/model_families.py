@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import FluxModel, QwenImageModel, SD3Model, ZImageModel, pack_latents
+from flowalign.models import Flux2KleinModel, FluxModel, QwenImageModel, SD3Model, ZImageModel, pack_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_b import tiny_qwen_image_pipeline, tiny_z_image_pipeline
+from flowalign.models.tiny_fam_b import tiny_flux2_klein_pipeline, tiny_qwen_image_pipeline, tiny_z_image_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -34,8 +34,15 @@ def _true_cfg_kwargs(model, guidance: float) -> dict:
 
 
 def _z_image_kwargs(model, guidance: float) -> dict:
-    """ZImagePipeline's ``guidance_scale`` g means ``cond + g (cond - uncond)`` (CFG on for g > 0): flowalign's s - 1."""
+    """ZImagePipeline's ``guidance_scale`` g means ``cond + g (cond - uncond)`` (CFG on for g > 0): flowalign's
+    s - 1."""
     return {"guidance_scale": guidance - 1.0, "max_sequence_length": model.max_sequence_length}
+
+
+def _klein_kwargs(model, guidance: float) -> dict:
+    """CFG against the empty prompt; the encoder layers the adapter reads (fitted to the tiny encoder's depth)."""
+    return {"guidance_scale": guidance, "max_sequence_length": model.max_sequence_length,
+            "text_encoder_out_layers": model.text_encoder_out_layers}
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,9 @@ FAMILIES: dict[str, Family] = {
                          pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 48))),
     # Z-Image: flipped model time, negated velocity, CFG in its own form; its latents come back unpacked.
     "z_image": Family(ZImageModel, tiny_z_image_pipeline, guidances=(1.0, 4.0), call=_z_image_kwargs),
+    # FLUX.2-Klein: its latent output is the VAE's space (batch-norm statistics undone, 2x2 patches unfolded).
+    "flux2_klein": Family(Flux2KleinModel, tiny_flux2_klein_pipeline, guidances=(1.0, 4.0), call=_klein_kwargs,
+                          pipeline_layout=lambda model, latents: model.to_vae_latents(latents)),
 }
 
 

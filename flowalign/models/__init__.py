@@ -3,6 +3,7 @@ family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .flux import FluxModel, pack_latents, unpack_latents
+from .flux2 import Flux2KleinModel
 from .qwen_image import QwenImageModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
@@ -14,6 +15,7 @@ __all__ = [
     "JOINT_ATTENTION_TARGETS",
     "Cond",
     "FlowModel",
+    "Flux2KleinModel",
     "FluxModel",
     "QwenImageModel",
     "SD3Model",

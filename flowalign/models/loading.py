@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..devices import resolve_dtype
-from . import flux, qwen_image, sd3, z_image  # noqa: F401 - the built-in families register themselves
+from . import flux, flux2, qwen_image, sd3, z_image  # noqa: F401 - the built-in families register themselves
 from .base import MODEL_FAMILIES, FlowModel
 
 ADAPTERS = MODEL_FAMILIES  # the registered adapters by family name

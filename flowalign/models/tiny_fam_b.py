@@ -34,14 +34,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def chat_word_tokenizer(words: Iterable[str], max_length: int):
-    """``word_level_tokenizer`` plus ``<|im_start|>``, ``<|im_end|>`` (special) and ``\\n`` as added tokens, and
-    ``CHAT_TEMPLATE`` as its chat template."""
+def chat_word_tokenizer(words: Iterable[str], max_length: int, extra_special: Iterable[str] = ()):
+    """``word_level_tokenizer`` plus ``<|im_start|>``, ``<|im_end|>`` (and ``extra_special``) as special tokens and
+    ``\\n`` as an added token, and ``CHAT_TEMPLATE`` as its chat template."""
     from tokenizers import AddedToken
 
     tokenizer = word_level_tokenizer(words, max_length)
     tokenizer.add_tokens([AddedToken("\n", normalized=False, special=False)])
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t in (IM_START, IM_END)],
+    tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t in (IM_START, IM_END, *extra_special)],
                          special_tokens=True)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -163,6 +163,60 @@ def tiny_z_image_pipeline(
         text_encoder=_qwen3_encoder(len(tokenizer), text_hidden, 2),
         tokenizer=tokenizer,
         transformer=dit,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_flux2_klein_pipeline(
+    words: Iterable[str],
+    *,
+    max_length: int = 32,
+    text_hidden: int = 16,
+    text_layers: int = 4,
+    transformer: dict | None = None,
+    is_distilled: bool = False,
+    seed: int = 0,
+):
+    """A randomly initialised ``Flux2KleinPipeline``: a 4-layer Qwen3 causal LM (``text_encoder_out_layers`` then
+    fit its depth: layers 1, 2, 3, concatenated to ``3 * text_hidden``), a 1+1-block FLUX.2 transformer, a 2-level
+    ``AutoencoderKLFlux2`` whose batch-norm statistics are set to non-trivial values. The tokenizer's
+    ``model_max_length`` (32) bounds the text the pipeline pads to."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    words = list(words)
+    torch.manual_seed(seed)
+    tokenizer = chat_word_tokenizer(words, max_length, extra_special=("<think>", "</think>"))
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=text_hidden * 2,
+        num_hidden_layers=text_layers, num_attention_heads=2, num_key_value_heads=2, head_dim=text_hidden // 2,
+        max_position_embeddings=128, pad_token_id=0, bos_token_id=None, eos_token_id=1, tie_word_embeddings=False,
+    ))
+    z_dim = 4
+    transformer_config = dict(
+        patch_size=1, in_channels=4 * z_dim, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * text_hidden, timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
+    )
+    transformer_config.update(transformer or {})
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=z_dim, norm_num_groups=4, sample_size=32, use_quant_conv=False, use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, 4 * z_dim))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, 4 * z_dim))
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, shift=3.0, time_shift_type="exponential"),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=Flux2Transformer2DModel(**transformer_config),
+        is_distilled=is_distilled,
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
