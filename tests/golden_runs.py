@@ -46,10 +46,8 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 BASELINES = GOLDEN / "baselines.json"
 METHODS = sorted((REPO / "configs/methods").glob("*.yaml"))
 MODELS = sorted((REPO / "configs/models").glob("*.yaml"))
-# The model presets recorded here run on the tiny SD3 / FLUX pipelines; the presets of the other families run on
-# their own tiny pipelines in tests/test_presets.py.
-GOLDEN_MODEL_PRESETS = ("flux_dev", "sd35_medium")
-RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS if p.stem in GOLDEN_MODEL_PRESETS]
+# Every method preset and every model preset (each on the tiny pipeline of its family: tests/test_golden.py).
+RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS]
 
 # Metrics that are the same on any machine; metrics read for iteration 0 at a tight tolerance.
 EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "nfe/objectives", "skipped", "reward_invalid",

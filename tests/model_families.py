@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, FluxKontextModel, FluxModel, HiDreamModel,
-                              Lumina2Model, SanaModel, SD3Model, pack_latents)
+from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, Flux2KleinModel, FluxKontextModel, FluxModel,
+                              HiDreamModel, Lumina2Model, QwenImageModel, SanaModel, SD3Model, ZImageModel, pack_latents)
 from flowalign.models.flux2_dev import pack_flux2_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
-from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
+from flowalign.models.tiny_fam_b import tiny_flux2_klein_pipeline, tiny_qwen_image_pipeline, tiny_z_image_pipeline
 from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_flux2_pipeline, tiny_hidream_pipeline
+from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -41,10 +42,24 @@ def _sana_kwargs(model, guidance: float) -> dict:
     """SANA's CFG scale, with the adapter's (empty) complex human instruction and no resolution binning."""
     return {**_cfg_kwargs(model, guidance), "complex_human_instruction": model.complex_human_instruction,
             "use_resolution_binning": False}
+
+
 def _cfg_negatives_kwargs(model, guidance: float) -> dict:
     """CFG against empty negative prompts given one per prompt: the pipeline's default encodes a single empty prompt
     and repeats it, and its CLIP encoders round a batch of one differently from a batch of two."""
     return {**_cfg_kwargs(model, guidance), **({"negative_prompt": [""] * 2} if guidance > 1 else {})}
+
+
+def _z_image_kwargs(model, guidance: float) -> dict:
+    """ZImagePipeline's ``guidance_scale`` g means ``cond + g (cond - uncond)`` (CFG on for g > 0): flowalign's
+    s - 1."""
+    return {"guidance_scale": guidance - 1.0, "max_sequence_length": model.max_sequence_length}
+
+
+def _klein_kwargs(model, guidance: float) -> dict:
+    """CFG against the empty prompt; the encoder layers the adapter reads (fitted to the tiny encoder's depth)."""
+    return {"guidance_scale": guidance, "max_sequence_length": model.max_sequence_length,
+            "text_encoder_out_layers": model.text_encoder_out_layers}
 
 
 @dataclass(frozen=True)
@@ -99,6 +114,14 @@ FAMILIES: dict[str, Family] = {
     # FLUX.2-dev: guidance embedding only (one pass at any scale); the pipeline's latents are packed tokens.
     "flux2": Family(Flux2DevModel, tiny_flux2_pipeline, guidances=(1.0, 4.0),
                     pipeline_layout=lambda model, latents: pack_flux2_latents(latents), sizes=((32, 32), (32, 48))),
+    # Qwen-Image: true CFG (with its norm rescaling) against negative prompts; the pipeline's latents are packed.
+    "qwen_image": Family(QwenImageModel, tiny_qwen_image_pipeline, guidances=(1.0, 4.0), call=_true_cfg_kwargs,
+                         pipeline_layout=lambda model, latents: pack_latents(latents), sizes=((32, 32), (32, 48))),
+    # Z-Image: flipped model time, negated velocity, CFG in its own form; its latents come back unpacked.
+    "z_image": Family(ZImageModel, tiny_z_image_pipeline, guidances=(1.0, 4.0), call=_z_image_kwargs),
+    # FLUX.2-Klein: its latent output is the VAE's space (batch-norm statistics undone, 2x2 patches unfolded).
+    "flux2_klein": Family(Flux2KleinModel, tiny_flux2_klein_pipeline, guidances=(1.0, 4.0), call=_klein_kwargs,
+                          pipeline_layout=lambda model, latents: model.to_vae_latents(latents)),
 }
 
 

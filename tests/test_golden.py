@@ -48,7 +48,7 @@ def golden_models(tmp_path_factory):
     discriminator = untrained_discriminator(root / "sd3", root / "discriminator.safetensors", image_size=32, width=16)
     manifold = tiny_manifold(root / "sd3", root / "manifold.safetensors")  # seeded; for the shell_lcc presets
     return {"sd3": root / "sd3", "flux": root / "flux", "registers": registers, "discriminator": discriminator,
-            "manifold": manifold}
+            "manifold": manifold, "root": root, "words": words}
 
 
 def shell_lcc_settings(name, manifold):
@@ -60,8 +60,24 @@ def shell_lcc_settings(name, manifold):
     return {}
 
 
+# The model presets of the families beyond SD3 and FLUX run on their tiny pipelines, built when first asked for.
+FAMILY_PRESETS = {"qwen_image": "qwen_image", "z_image": "z_image", "flux2_klein": "flux2_klein", "flux2_dev": "flux2"}
+
+
+def _model(name, golden_models):
+    if name not in FAMILY_PRESETS:
+        return golden_models["flux" if name == "flux_dev" else "sd3"]
+    family = FAMILY_PRESETS[name]
+    path = golden_models["root"] / family
+    if not path.is_dir():
+        from model_families import FAMILIES
+
+        FAMILIES[family].build(golden_models["words"], seed=0).save_pretrained(path)
+    return path
+
+
 def _run(name, golden_models, out, extra=None):
-    model = golden_models["flux" if name == "flux_dev" else "sd3"]
+    model = _model(name, golden_models)
     registers = golden_models["registers"] if name == "register_grpo" else None
     extra = {**shell_lcc_settings(name, golden_models["manifold"]), **(extra or {})}
     if name == "drl":  # scored by an (untrained, seed 0) discriminator made for the tiny SD3

@@ -31,7 +31,8 @@ def parity_cases():
 
 
 def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, seed=0):
-    return pipe(prompt=PROMPTS, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+    # A copy of the prompts: ZImagePipeline writes its chat-templated text back into the list it is given.
+    return pipe(prompt=list(PROMPTS), num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
                 output_type=output_type, height=size[0], width=size[1], **family.call(model, guidance),
                 **family.size_call(size)).images
 

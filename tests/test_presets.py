@@ -43,7 +43,8 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft"}
-    assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev"}
+    assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
+                                        "flux2_klein"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))

@@ -5,13 +5,16 @@ from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .chroma import ChromaModel
 from .cogview4 import CogView4Model
 from .flux import FluxModel, pack_latents, unpack_latents
-from .flux_kontext import FluxKontextModel
+from .flux2 import Flux2KleinModel
 from .flux2_dev import Flux2DevModel
+from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
+from .qwen_image import QwenImageModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
+from .z_image import ZImageModel
 
 __all__ = [
     "ADAPTERS",
@@ -24,16 +27,19 @@ __all__ = [
     "Cond",
     "FlowModel",
     "Flux2DevModel",
+    "Flux2KleinModel",
     "FluxKontextModel",
     "FluxModel",
     "HiDreamModel",
     "load_flow_model",
     "Lumina2Model",
     "pack_latents",
+    "QwenImageModel",
     "register_model_family",
     "resolve_dtype",
     "SanaModel",
     "SD3Model",
     "unpack_latents",
     "wrap_pipeline",
+    "ZImageModel",
 ]

@@ -1,0 +1,165 @@
+"""Qwen-Image adapter: Qwen2.5-VL text embeddings with their mask, 2x2 packing, true CFG with norm rescaling.
+
+Conventions of ``diffusers.QwenImagePipeline`` reproduced here:
+
+* text: the prompt is put in the pipeline's chat template (``prompt_template_encode``: a system prompt, then the user
+  turn) and the Qwen2.5-VL encoder's last hidden states are taken; the first ``prompt_template_encode_start_idx``
+  tokens (34: the system prompt and the user-turn header) are dropped, the rest right-padded with zeros to the
+  longest prompt of the batch, with an attention mask (1 = token). A batch whose mask is all ones passes no mask, as
+  the pipeline's ``encode_prompt`` does.
+* latents: the VAE is video-shaped (``[B, C, frames, h, w]``); one frame, squeezed here to the ``[B, C, h, w]``
+  layout the other adapters use; ``velocity`` packs 2x2 patches into ``[B, (h/2)(w/2), 4C]`` tokens as FLUX does,
+  and passes ``img_shapes = [(1, h/2, w/2)]`` per row for the image rotary embedding (the text positions follow the
+  image's, from the text length); no position-id tensors.
+* time: the transformer takes ``sigma * 1000`` rounded to the latents' dtype, then divided by 1000; velocity sign as
+  the scheduler's (no flip).
+* CFG: "true" CFG with negative prompts, ``uncond + s * (cond - uncond)``, then rescaled per token to the norm of the
+  conditional prediction (``comb * (|cond| / |comb|)`` over the channel axis of the packed tokens). Without a
+  guidance embedding (Qwen-Image has none), a scale above 1 means two forward passes.
+* VAE: latents are normalised per channel, ``(z - latents_mean) / latents_std``; no scaling or shift factor.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .base import Cond, FlowModel, as_image_size, register_model_family
+from .flux import pack_latents, unpack_latents
+from .sd3 import JOINT_ATTENTION_TARGETS
+
+
+@register_model_family("qwen_image")
+class QwenImageModel(FlowModel):
+    """Adapter over ``diffusers.QwenImagePipeline``. Latents ``[B, z_dim, H/8, W/8]`` (z_dim 16 for Qwen-Image)."""
+
+    family = "qwen_image"
+    pipeline_class_name = "QwenImagePipeline"
+    # The dual-stream blocks' joint attention: image projections and the text stream's add_*/to_add_out.
+    lora_targets = JOINT_ATTENTION_TARGETS
+
+    def __init__(self, pipe, *, max_sequence_length: int | None = None):
+        super().__init__(pipe, max_sequence_length=max_sequence_length)
+        if pipe.transformer is not None and pipe.transformer.config.guidance_embeds:
+            raise NotImplementedError("a guidance-distilled Qwen-Image transformer (guidance_embeds=True) is not "
+                                      "supported: the adapter implements Qwen-Image's true CFG only")
+
+    def default_max_sequence_length(self) -> int:
+        return 512  # QwenImagePipeline.__call__'s default
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        embeds, mask = self._encode(prompts)
+        cond = Cond(embeds, mask=mask)
+        if negative_prompts is not None:
+            cond.negative_embeds, cond.negative_mask = self._encode(list(negative_prompts))
+        return cond
+
+    def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
+        embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
+                                               max_sequence_length=self.max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask; keep one so rows can be regrouped
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return embeds, mask
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        batch, _, h, w = x.shape
+        tokens = pack_latents(x.to(self.dtype))
+        img_shapes = [[(1, h // 2, w // 2)]] * batch
+        # QwenImagePipeline rounds 1000*sigma to the latents' dtype and divides by 1000.
+        timestep = self.timestep(sigma, batch).to(self.dtype) / 1000
+
+        def forward(embeds: Tensor, mask: Tensor | None) -> Tensor:
+            if mask is not None and bool(mask.all()):
+                mask = None  # as the pipeline passes an all-ones mask: not at all
+            return self.run_transformer(
+                hidden_states=tokens,
+                timestep=timestep,
+                guidance=None,
+                encoder_hidden_states_mask=mask,
+                encoder_hidden_states=embeds,
+                img_shapes=img_shapes,
+                return_dict=False,
+            )[0]
+
+        v = forward(cond.embeds, cond.mask)
+        if self.uses_cfg(guidance_scale):
+            if not cond.has_negative:
+                raise ValueError(f"guidance_scale={guidance_scale} on Qwen-Image means true CFG and needs negative "
+                                 "prompt embeddings: encode with negative_prompts, or use guidance_scale=1")
+            uncond = forward(cond.negative_embeds, cond.negative_mask)
+            combined = uncond + guidance_scale * (v - uncond)
+            v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        return unpack_latents(v, h, w)
+
+    # --- latents and the VAE --------------------------------------------------------------------------------------
+    @property
+    def image_multiple(self) -> int:
+        """The VAE's downsampling times 2: the 2x2 packing needs even latent sides."""
+        return self.vae_scale_factor * 2
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor * 2
+        return batch, self.transformer.config.in_channels // 4, 2 * (height // scale), 2 * (width // scale)
+
+    def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        config = self.scheduler.config
+        _, _, h, w = self.latent_shape(1, image_size)
+        mu = calculate_shift(
+            (h // 2) * (w // 2),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": mu}
+
+    def _latent_stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        """``latents_mean`` and ``1 / latents_std`` as the pipeline builds them, ``[1, z, 1, 1, 1]``."""
+        config = self.pipe.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(like.device, like.dtype)
+        return mean, inv_std
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """As the pipeline: add the frame axis, ``z / (1 / std) + mean``, decode, take frame 0."""
+        vae = self.pipe.vae
+        latents = latents.unsqueeze(2).to(vae.dtype)
+        mean, inv_std = self._latent_stats(latents)
+        images = vae.decode(latents / inv_std + mean, return_dict=False)[0][:, :, 0]
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
+    def encode_images(
+        self,
+        images: Tensor,
+        *,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        sample: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """Images in [0, 1] to latents ``[B, C, h, w]`` as ``QwenImageImg2ImgPipeline._encode_vae_image``: ``2x - 1``
+        with a frame axis, the posterior's mean (or a draw with ``generator``), ``(z - mean) * (1 / std)``.
+        Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted."""
+        self._check_images(images)
+        vae = self.pipe.vae
+        pixels = (2.0 * images.float() - 1.0).unsqueeze(2).to(device=vae.device, dtype=vae.dtype)
+        if isinstance(generator, list):
+            posteriors = [vae.encode(pixels[i: i + 1]).latent_dist for i in range(pixels.shape[0])]
+            latents = torch.cat([p.sample(g) if sample else p.mode() for p, g in zip(posteriors, generator)])
+        else:
+            posterior = vae.encode(pixels).latent_dist
+            latents = posterior.sample(generator) if sample else posterior.mode()
+        mean, inv_std = self._latent_stats(latents)
+        latents = ((latents - mean) * inv_std)[:, :, 0]
+        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
+        if tuple(latents.shape) != tuple(expected):
+            raise RuntimeError(f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but "
+                               f"the transformer takes {tuple(expected)}")
+        return latents.to(dtype or self.dtype)
