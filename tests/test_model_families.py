@@ -171,3 +171,19 @@ def test_the_default_method_trains_on_the_family_from_its_directory(name, saved_
     history = GRPOTrainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+def test_every_registered_family_is_under_the_contract_and_in_the_models_guide():
+    """The guide's families table names exactly the registered families, each with its pipeline class, and every
+    registered adapter has a contract row here."""
+    from pathlib import Path
+
+    from flowalign.models import MODEL_FAMILIES
+
+    guide = (Path(__file__).resolve().parents[1] / "docs/guides/adding-a-model.md").read_text()
+    rows = [line.split("|")[1:3] for line in guide.splitlines() if line.startswith("| `")]
+    table = {family.strip().strip("`"): pipeline.split("`")[1] for family, pipeline in rows
+             if "Pipeline" in pipeline}
+    registered = {name: MODEL_FAMILIES.get(name).pipeline_class_name for name in MODEL_FAMILIES}
+    assert table == registered
+    assert {MODEL_FAMILIES.get(name) for name in MODEL_FAMILIES} <= {family.adapter for family in FAMILIES.values()}
