@@ -10,6 +10,7 @@ before and after.
 
     python bench/drl.py --out bench/results/drl [--iterations 40] [--images-per-prompt 4] [--seed 0]
     python bench/drl.py --out /tmp/drl-smoke --tiny      # a few seconds' check that the pipeline runs end to end
+    python bench/drl.py --out bench/results/drl --reuse-discriminator   # step 1 from an earlier run's checkpoint
 
 Writes ``<out>/drl.json`` and prints a markdown table.
 """
@@ -66,12 +67,15 @@ def main() -> None:
     parser.add_argument("--disc", action="append", default=[], help="train-discriminator setting key=value")
     parser.add_argument("--set", action="append", default=[], help="drl preset override key=value")
     parser.add_argument("--tiny", action="store_true", help="tiny settings: checks that it runs, measures nothing")
+    parser.add_argument("--reuse-discriminator", action="store_true",
+                        help="use <out>/discriminator.safetensors from an earlier run instead of training one")
     args = parser.parse_args()
 
     from flowalign.config import load_config
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import default_prompts_path, paired_difference
     from flowalign.reward_models.discriminator import DiscriminatorReward
+    from flowalign.rewards import bind_reward_model
     from flowalign.training.config import TrainConfig
     from flowalign.training.discriminator import DiscriminatorTrainConfig, train_discriminator
     from flowalign.training.trainer import GRPOTrainer
@@ -82,7 +86,12 @@ def main() -> None:
     disc_settings = [f"model={REPO / 'assets/toy-sd3'}", "image_size=32", f"seed={args.seed}", f"out={checkpoint}",
                      *(TINY_DISC if args.tiny else []), *args.disc]
     clock = time.perf_counter()
-    disc = train_discriminator(load_config(DiscriminatorTrainConfig, None, disc_settings))
+    sidecar = checkpoint.with_suffix(".json")
+    if args.reuse_discriminator and checkpoint.is_file() and sidecar.is_file():  # trained by an earlier run
+        disc = json.loads(sidecar.read_text())
+        print(f"reusing {checkpoint} (validation accuracy {disc['val_accuracy']:.3f})", flush=True)
+    else:
+        disc = train_discriminator(load_config(DiscriminatorTrainConfig, None, disc_settings))
     disc_s = time.perf_counter() - clock
     iterations = 2 if args.tiny else args.iterations
     overrides = [f"model.path={REPO / 'assets/toy-sd3'}", "sampling.image_size=32", f"train.iterations={iterations}",
@@ -92,6 +101,7 @@ def main() -> None:
                  *(TINY_RUN if args.tiny else []), *args.set]
     trainer = GRPOTrainer(load_config(TrainConfig, REPO / "configs/methods/drl.yaml", overrides))
     reward = DiscriminatorReward(str(checkpoint), device=trainer.model.device)
+    bind_reward_model(reward, trainer.model)  # a text-conditioned discriminator embeds the prompts with the run's model
     metadata = load_metadata(default_prompts_path())[: (2 if args.tiny else args.eval_prompts)]
     per_prompt = 1 if args.tiny else args.images_per_prompt
     renders = render_held_out(metadata, max(2, per_prompt), 32)
