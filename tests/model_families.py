@@ -16,7 +16,7 @@ from typing import Callable
 
 from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, Flux2KleinModel, FluxKontextModel, FluxModel,
                               HiDreamModel, Lumina2Model, QwenImageModel, SanaModel, SD3Model, ZImageModel, pack_latents)
-from flowalign.models.flux2_dev import pack_flux2_latents
+from flowalign.models.flux2 import pack_flux2_latents
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
 from flowalign.models.tiny_fam_b import tiny_flux2_klein_pipeline, tiny_qwen_image_pipeline, tiny_z_image_pipeline
