@@ -220,6 +220,16 @@ class FlowModel:
         them."""
         raise NotImplementedError
 
+    def masked_cond(self, encode, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> Cond:
+        """``Cond`` of ``encode(prompts) -> (embeds, mask)``, and of ``encode(negative_prompts)`` for its negative
+        fields when they are given: for families whose pipeline encodes the two as separate batches."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        embeds, mask = encode(prompts)
+        cond = Cond(embeds, mask=mask)
+        if negative_prompts is not None:
+            cond.negative_embeds, cond.negative_mask = encode(list(negative_prompts))
+        return cond
+
     def condition_images(self, images: Sequence[Any] | None, count: int) -> list[list[Any]] | None:
         """``images`` as one list of condition images per prompt (``count`` prompts), or None when there are none.
 
@@ -254,7 +264,11 @@ class FlowModel:
         raise NotImplementedError
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        raise NotImplementedError
+        """``(B, in_channels, H / s, W / s)`` for the VAE's downsampling ``s``: the unpacked latents of the families
+        whose transformer patches them itself (SD3, SANA, CogView4); families that pack or patchify override it."""
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor
+        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         raise NotImplementedError

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 # The single-stream attention's projections of every CogView4 block (text and image tokens share them).
 COGVIEW4_ATTENTION_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
@@ -80,11 +80,6 @@ class CogView4Model(FlowModel):
             max_sequence_length=self.max_sequence_length,
         )
         return Cond(embeds, negative_embeds=negative if with_negative else None)
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     # --- time ------------------------------------------------------------------------------------------------------
     def _mu(self, latent_height: int, latent_width: int) -> float:

@@ -52,12 +52,7 @@ class QwenImageModel(PackedFlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        embeds, mask = self._encode(prompts)
-        cond = Cond(embeds, mask=mask)
-        if negative_prompts is not None:
-            cond.negative_embeds, cond.negative_mask = self._encode(list(negative_prompts))
-        return cond
+        return self.masked_cond(self._encode, prompts, negative_prompts)
 
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 # Every attention projection of a SANA block: the linear self-attention (attn1) and the cross-attention (attn2).
 SANA_ATTENTION_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2")
@@ -105,11 +105,6 @@ class SanaModel(FlowModel):
     def image_multiple(self) -> int:
         """The DC-AE's downsampling times the transformer's patch size."""
         return self.vae_scale_factor * self.transformer.config.patch_size
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         return {}

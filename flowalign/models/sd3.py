@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 
 # Flow-GRPO's LoRA targets for SD3.5: the joint attention's image and context projections.
@@ -83,11 +83,6 @@ class SD3Model(FlowModel):
     def image_multiple(self) -> int:
         """The VAE's downsampling times the transformer's patch size (the pipeline's ``check_inputs``)."""
         return self.vae_scale_factor * self.transformer.config.patch_size
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         config = self.scheduler.config

@@ -66,12 +66,7 @@ class ZImageModel(FlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        embeds, mask = self._encode(prompts)
-        cond = Cond(embeds, mask=mask)
-        if negative_prompts is not None:
-            cond.negative_embeds, cond.negative_mask = self._encode(list(negative_prompts))
-        return cond
+        return self.masked_cond(self._encode, prompts, negative_prompts)
 
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         # A copy: the pipeline writes the templated text back into the list it is given.

@@ -10,6 +10,21 @@ import torch
 from .components import clip_config, t5_encoder, tiny_autoencoder_kl
 from .tokenizers import word_level_tokenizer
 
+# The tiny FLUX.1 transformer both FLUX and Chroma build on (1 double- and 1 single-stream block, 2 heads of 16).
+FLUX1_TRANSFORMER = dict(
+    patch_size=1,
+    in_channels=16,
+    num_layers=1,
+    num_single_layers=1,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=32,
+    axes_dims_rope=(4, 4, 8),
+)
+# FLUX's resolution-dependent shift, with sequence lengths fitting 32-64 px images.
+FLUX1_SCHEDULER = dict(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=16,
+                       max_image_seq_len=256)
+
 
 def tiny_flux_pipeline(
     words: Iterable[str],
@@ -26,25 +41,12 @@ def tiny_flux_pipeline(
     words = list(words)
     torch.manual_seed(seed)
     tokenizer = word_level_tokenizer(words, max_length)
-    transformer_config = dict(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=32,
-        axes_dims_rope=(4, 4, 8),
-        guidance_embeds=guidance_embeds,
-    )
+    transformer_config = dict(FLUX1_TRANSFORMER, pooled_projection_dim=32, guidance_embeds=guidance_embeds)
     transformer_config.update(transformer or {})
     pipe = FluxPipeline(
         transformer=FluxTransformer2DModel(**transformer_config),
         vae=tiny_autoencoder_kl(transformer_config["in_channels"] // 4),
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=16, max_image_seq_len=256
-        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX1_SCHEDULER),
         text_encoder=CLIPTextModel(clip_config(len(tokenizer), 32, 32, 2, 4, max_length)),
         text_encoder_2=t5_encoder(len(tokenizer), transformer_config["joint_attention_dim"], 2, 4),
         tokenizer=tokenizer,
@@ -85,26 +87,13 @@ def tiny_chroma_pipeline(words: Iterable[str], *, max_length: int = 12, transfor
     words = list(words)
     torch.manual_seed(seed)
     tokenizer = word_level_tokenizer(words, max_length)
-    transformer_config = dict(
-        patch_size=1,
-        in_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        axes_dims_rope=(4, 4, 8),
-        approximator_num_channels=16,
-        approximator_hidden_dim=16,
-        approximator_layers=1,
-    )
+    transformer_config = dict(FLUX1_TRANSFORMER, approximator_num_channels=16, approximator_hidden_dim=16,
+                              approximator_layers=1)
     transformer_config.update(transformer or {})
     pipe = ChromaPipeline(
         transformer=ChromaTransformer2DModel(**transformer_config),
         vae=tiny_autoencoder_kl(transformer_config["in_channels"] // 4),
-        scheduler=FlowMatchEulerDiscreteScheduler(
-            use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=16, max_image_seq_len=256
-        ),
+        scheduler=FlowMatchEulerDiscreteScheduler(**FLUX1_SCHEDULER),
         text_encoder=t5_encoder(len(tokenizer), transformer_config["joint_attention_dim"], 2, 4),
         tokenizer=tokenizer,
     )
