@@ -10,17 +10,20 @@ Pipelines are built once per test session (``tiny_pipeline``); tests that change
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
 from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, Flux2KleinModel, FluxKontextModel, FluxModel,
-                              HiDreamModel, Lumina2Model, QwenImageModel, SanaModel, SD3Model, ZImageModel, pack_latents)
+                              HiDreamModel, Lumina2Model, QwenImageEditPlusModel, QwenImageModel, SanaModel, SD3Model,
+                              ZImageModel, pack_latents)
 from flowalign.models.flux2 import pack_flux2_latents
 from flowalign.models.tiny import (tiny_chroma_pipeline, tiny_cogview4_pipeline, tiny_flux2_klein_pipeline,
                                    tiny_flux2_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pipeline,
-                                   tiny_hidream_pipeline, tiny_lumina2_pipeline, tiny_qwen_image_pipeline,
-                                   tiny_sana_pipeline, tiny_sd3_pipeline, tiny_z_image_pipeline)
+                                   tiny_hidream_pipeline, tiny_lumina2_pipeline, tiny_qwen_image_edit_plus_pipeline,
+                                   tiny_qwen_image_pipeline, tiny_sana_pipeline, tiny_sd3_pipeline,
+                                   tiny_z_image_pipeline)
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()
@@ -61,6 +64,41 @@ def _klein_kwargs(model, guidance: float) -> dict:
             "text_encoder_out_layers": model.text_encoder_out_layers}
 
 
+def _edit_true_cfg_kwargs(model, guidance: float) -> dict:
+    """True CFG against the empty negative prompt, for a pipeline that takes one prompt per call."""
+    return {"true_cfg_scale": guidance, **({"negative_prompt": ""} if guidance > 1 else {})}
+
+
+def edit_condition_images() -> list:
+    """Two fixed condition images, non-square and of other sizes than the generated images: 48x32 and 32x40."""
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(0)
+    return [Image.fromarray(generator.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((48, 32), (32, 40))]
+
+
+# The tiny Qwen-Image-Edit-Plus pipeline's condition-image areas: the pipeline resizes every condition image to these
+# module constants (384^2 for the VL encoder, 1024^2 for the VAE), too large for a tiny model on a CPU.
+EDIT_PLUS_AREAS = {"CONDITION_IMAGE_SIZE": 32 * 32, "VAE_IMAGE_SIZE": 32 * 48}
+
+
+@contextmanager
+def edit_plus_areas(areas: dict = EDIT_PLUS_AREAS):
+    """``pipeline_qwenimage_edit_plus``'s condition-image areas set to ``areas`` (the pipeline and the adapter both
+    read them), restored on exit."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+    saved = {name: getattr(plus, name) for name in areas}
+    for name, value in areas.items():
+        setattr(plus, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(plus, name, value)
+
+
 @dataclass(frozen=True)
 class Family:
     """A model family under the adapter contract.
@@ -71,6 +109,11 @@ class Family:
     ``height``/``width`` (a pipeline that rescales every request must be told to keep it); ``pipeline_layout(model,
     latents)`` turns the adapter's ``[B, C, h, w]`` latents into the pipeline's latent output; ``lora_loader``: the
     pipeline class has ``load_lora_weights``.
+
+    For a pipeline that cannot run without condition images: ``condition_images()`` gives the images every prompt of
+    the contract is given (the pipeline's ``image=``, the adapter's ``encode(images=)``); ``prompts_per_call``: the
+    pipeline takes at most that many prompts per call, so the pipeline comparisons run on the first ones;
+    ``context()`` is entered around each of the family's contract tests (module constants the tiny model needs).
     """
 
     adapter: type
@@ -82,6 +125,13 @@ class Family:
     lora_loader: bool = True
     build_kwargs: dict = field(default_factory=dict)
     size_call: Callable = staticmethod(lambda size: {})
+    condition_images: Callable | None = None
+    prompts_per_call: int | None = None
+    context: Callable = nullcontext
+
+    def images_kwargs(self, count: int) -> dict:
+        """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without contract images)."""
+        return {} if self.condition_images is None else {"images": [self.condition_images()] * count}
 
 
 FAMILIES: dict[str, Family] = {
@@ -121,6 +171,13 @@ FAMILIES: dict[str, Family] = {
     # FLUX.2-Klein: its latent output is the VAE's space (batch-norm statistics undone, 2x2 patches unfolded).
     "flux2_klein": Family(Flux2KleinModel, tiny_flux2_klein_pipeline, guidances=(1.0, 4.0), call=_klein_kwargs,
                           pipeline_layout=lambda model, latents: model.to_vae_latents(latents)),
+    # Qwen-Image-Edit-Plus: QwenImageEditPlusPipeline needs a condition image and takes one prompt per call; the
+    # contract gives every prompt two (non-square, of other sizes than the output) at the tiny model's areas.
+    "qwen_image_edit_plus": Family(QwenImageEditPlusModel, tiny_qwen_image_edit_plus_pipeline, guidances=(1.0, 4.0),
+                                   call=_edit_true_cfg_kwargs, sizes=((32, 32), (32, 48)),
+                                   pipeline_layout=lambda model, latents: pack_latents(latents),
+                                   condition_images=edit_condition_images, prompts_per_call=1,
+                                   context=edit_plus_areas),
 }
 
 

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -30,17 +32,31 @@ def parity_cases():
                 yield pytest.param(name, size, guidance, id=f"{name}-{size[0]}x{size[1]}-g{guidance:g}")
 
 
+@pytest.fixture(autouse=True)
+def family_context(request):
+    """The family's ``context`` around each of its tests."""
+    name = getattr(request.node, "callspec", None) and request.node.callspec.params.get("name")
+    with FAMILIES[name].context() if name else nullcontext():
+        yield
+
+
+def compared_prompts(family):
+    return PROMPTS[: family.prompts_per_call]
+
+
 def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, seed=0):
     # A copy of the prompts: ZImagePipeline writes its chat-templated text back into the list it is given.
-    return pipe(prompt=list(PROMPTS), num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
-                output_type=output_type, height=size[0], width=size[1], **family.call(model, guidance),
-                **family.size_call(size)).images
+    images = {} if family.condition_images is None else {"image": family.condition_images()}
+    return pipe(prompt=list(compared_prompts(family)), num_inference_steps=steps, output_type=output_type,
+                generator=torch.Generator().manual_seed(seed), height=size[0], width=size[1],
+                **family.call(model, guidance), **family.size_call(size), **images).images
 
 
-def adapter_latents(model, *, steps, size, guidance, seed=0):
-    negatives = [""] * len(PROMPTS) if model.uses_cfg(guidance) else None
-    cond = model.encode(PROMPTS, negative_prompts=negatives)
-    x = model.prepare_noise(len(PROMPTS), size, generator=torch.Generator().manual_seed(seed))
+def adapter_latents(model, family, *, steps, size, guidance, seed=0):
+    prompts = compared_prompts(family)
+    negatives = [""] * len(prompts) if model.uses_cfg(guidance) else None
+    cond = model.encode(prompts, negative_prompts=negatives, **family.images_kwargs(len(prompts)))
+    x = model.prepare_noise(len(prompts), size, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
         return rollout(model.velocity_fn(cond, guidance), x, model.sigmas(steps, size), torch.zeros(steps)).final
 
@@ -51,8 +67,8 @@ def test_ode_rollout_through_the_adapter_is_the_pipeline_bitwise(name, size, gui
     model = wrap_pipeline(pipe)
     assert isinstance(model, family.adapter)
     expected = pipeline_output(pipe, model, family, steps=3, size=size, guidance=guidance, output_type="latent")
-    ours = adapter_latents(model, steps=3, size=size, guidance=guidance)
-    assert tuple(ours.shape) == model.latent_shape(len(PROMPTS), size)
+    ours = adapter_latents(model, family, steps=3, size=size, guidance=guidance)
+    assert tuple(ours.shape) == model.latent_shape(len(compared_prompts(family)), size)
     assert torch.equal(family.pipeline_layout(model, ours), expected)
 
 
@@ -64,8 +80,8 @@ def test_decode_is_the_pipeline_images(name):
     size = family.sizes[-1]
     images = pipeline_output(pipe, model, family, steps=2, size=size, guidance=guidance, output_type="pt", seed=1)
     with torch.no_grad():
-        ours = model.decode(adapter_latents(model, steps=2, size=size, guidance=guidance, seed=1))
-    assert ours.shape == (2, 3, *size) and ours.min() >= 0 and ours.max() <= 1
+        ours = model.decode(adapter_latents(model, family, steps=2, size=size, guidance=guidance, seed=1))
+    assert ours.shape == (len(compared_prompts(family)), 3, *size) and ours.min() >= 0 and ours.max() <= 1
     torch.testing.assert_close(ours, images, rtol=0, atol=1e-6)
 
 
@@ -82,7 +98,7 @@ def perturb_lora(model, seed=0):
 def test_lora_reference_is_the_base_and_round_trips_through_the_pipeline_loader(name, tmp_path):
     family = FAMILIES[name]
     model = wrap_pipeline(fresh_pipeline(name))
-    cond = model.encode(PROMPTS)
+    cond = model.encode(PROMPTS, **family.images_kwargs(len(PROMPTS)))
     x = model.prepare_noise(2, family.sizes[0], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base = model.velocity(x, 0.6, cond)
@@ -115,7 +131,7 @@ def test_lora_reference_is_the_base_and_round_trips_through_the_pipeline_loader(
 def test_every_sde_kind_runs_through_the_adapter_with_finite_log_probs(name):
     model = wrap_pipeline(tiny_pipeline(name))
     size = FAMILIES[name].sizes[0]
-    cond = model.encode(PROMPTS)
+    cond = model.encode(PROMPTS, **FAMILIES[name].images_kwargs(len(PROMPTS)))
     x = model.prepare_noise(2, size, generator=torch.Generator().manual_seed(0))
     for kind in SDE_KINDS:
         with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import FluxPipeline
 
-from flowalign.models import Cond, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
+from flowalign.models import Cond, SD3Model, load_flow_model, pack_latents, unpack_latents, wrap_pipeline
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.samplers import noise_schedule, rollout, sde_step
 
@@ -220,3 +220,37 @@ def test_family_mismatch_and_bad_dtype(sd3_pipe, tmp_path):
         load_flow_model(tmp_path / "model", family="flx")
     with pytest.raises(ValueError, match=r"unknown dtype 'fp8'"):
         load_flow_model(tmp_path / "model", dtype="fp8")
+
+
+def test_a_pipeline_without_a_lora_loader_gets_the_transformers_own_format_and_says_so(words, tmp_path, caplog):
+    """No ``save_lora_weights`` on the pipeline class: the adapter is written in the transformer's format, which
+    ``transformer.load_lora_adapter`` reads back to the same velocity, and a warning names the format."""
+    from diffusers import StableDiffusion3Pipeline
+
+    class NoLoaderPipeline(StableDiffusion3Pipeline):
+        save_lora_weights = None
+
+    def build():
+        pipe = tiny_sd3_pipeline(words, seed=0)
+        pipe.__class__ = NoLoaderPipeline
+        return SD3Model(pipe)
+
+    model = build()
+    model.add_lora(rank=4, alpha=8)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.transformer.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        adapted = model.velocity(x, 0.6, cond)
+    with caplog.at_level("WARNING", logger="flowalign.models.base"):
+        saved = model.save_lora(tmp_path / "lora")
+    assert "NoLoaderPipeline has no LoRA loader" in caplog.text and "load_lora_adapter" in caplog.text
+    fresh = build()
+    fresh.transformer.load_lora_adapter(str(saved), prefix=None, use_safetensors=True)
+    with torch.no_grad():
+        loaded = fresh.velocity(x, 0.6, cond)
+    torch.testing.assert_close(loaded, adapted, rtol=1e-5, atol=1e-6)

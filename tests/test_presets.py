@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
-                                        "flux2_klein"}
+                                        "flux2_klein", "flux_kontext"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))
@@ -327,6 +327,27 @@ def test_flux2_dev_preset_has_flow_factorys_settings_and_runs_on_a_tiny_flux2(tm
     config = load_config(TrainConfig, REPO / "configs/models/flux2_dev.yaml", small_run(tmp_path / "flux2", tmp_path))
     history = GRPOTrainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 8  # the guidance embedding needs no second pass
+    assert history[0]["first_ratio_max"] == 1.0
+    assert_kl_follows_the_lora(config, history)
+
+
+def test_flux_kontext_preset_has_flow_grpos_settings_and_trains_on_editing_prompts_on_a_tiny_kontext(tmp_path):
+    from model_families import tiny_pipeline
+    from test_editing import editing_prompts
+
+    preset = load_config(TrainConfig, REPO / "configs/models/flux_kontext.yaml", [])
+    assert (preset.model.family, preset.sampling.num_steps, preset.sampling.noise_level, preset.sampling.window_size,
+            preset.sampling.guidance_scale, preset.model.lora_rank, preset.model.lora_alpha, preset.optim.lr,
+            preset.optim.weight_decay, preset.data.group_size, preset.sampling.batch_size, preset.loss["grpo"].beta,
+            preset.loss["grpo"].clip_range, preset.advantage.std, preset.advantage.clip, preset.sampling.image_size,
+            preset.model.max_sequence_length, preset.optim.ema_decay) == \
+        ("flux_kontext", 6, 0.9, None, 2.5, 64, 128, 3e-4, 1e-4, 21, 3, 0.0, 1e-4, "global", 5.0, 512, 128, 0.987)
+    assert "proj_mlp" in preset.model.lora_targets and "ff_context.net.2" in preset.model.lora_targets
+    tiny_pipeline("flux_kontext").save_pretrained(tmp_path / "kontext")
+    config = load_config(TrainConfig, REPO / "configs/models/flux_kontext.yaml",
+                         small_run(tmp_path / "kontext", tmp_path, **{"data.train_prompts": editing_prompts(tmp_path)}))
+    history = GRPOTrainer(config).train()
+    assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
     assert history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
 

@@ -11,6 +11,7 @@ from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .qwen_image import QwenImageModel
+from .qwen_image_edit import QwenImageEditPlusModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 from .z_image import ZImageModel
@@ -33,6 +34,7 @@ __all__ = [
     "load_flow_model",
     "Lumina2Model",
     "pack_latents",
+    "QwenImageEditPlusModel",
     "QwenImageModel",
     "register_model_family",
     "resolve_dtype",

@@ -17,6 +17,7 @@ An ODE rollout through an adapter reproduces the pipeline's own ``output_type="l
 from __future__ import annotations
 
 import contextlib
+import logging
 import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,8 @@ import torch
 from torch import Tensor
 
 from flowalign.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 
 # Model families by name: an adapter registers itself (``@register_model_family("sd3")``) with its diffusers
@@ -476,11 +479,23 @@ class FlowModel:
         return get_peft_model_state_dict(self.transformer)
 
     def save_lora(self, directory: str | Path) -> Path:
-        """Write the adapter in diffusers' format: ``pipe.load_lora_weights(directory)`` reads it back."""
+        """Write the adapter in diffusers' format: ``pipe.load_lora_weights(directory)`` reads it back.
+
+        A pipeline class without a LoRA loader (no ``save_lora_weights``) gets the transformer's own adapter format
+        instead, which ``transformer.load_lora_adapter(directory, prefix=None, use_safetensors=True)`` reads back; a
+        warning says so.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        pipeline_class = type(self.pipe)
+        if getattr(pipeline_class, "save_lora_weights", None) is None:
+            logger.warning("%s has no LoRA loader (save_lora_weights): wrote the adapter in the transformer's own "
+                           "format to %s instead; load it with transformer.load_lora_adapter(%r, prefix=None, use_safetensors=True)",
+                           pipeline_class.__name__, directory, str(directory))
+            self.transformer.save_lora_adapter(directory, safe_serialization=True)
+            return directory
         # The adapter metadata carries lora_alpha: without it a loader assumes alpha = rank and rescales the update.
-        type(self.pipe).save_lora_weights(
+        pipeline_class.save_lora_weights(
             directory,
             transformer_lora_layers=self.lora_state_dict(),
             transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),

@@ -10,7 +10,7 @@ import torch
 from ..devices import resolve_dtype
 # The built-in families register themselves on import.
 from . import (chroma, cogview4, flux, flux2, flux_kontext, hidream, lumina2, qwen_image,  # noqa: F401
-               sana, sd3, z_image)
+               qwen_image_edit, sana, sd3, z_image)
 from .base import MODEL_FAMILIES, FlowModel
 
 ADAPTERS = MODEL_FAMILIES  # the registered adapters by family name

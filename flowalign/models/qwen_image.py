@@ -62,9 +62,19 @@ class QwenImageModel(PackedFlowModel):
         return embeds, mask
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        return self._velocity(x, sigma, cond, guidance_scale)
+
+    def _velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0,
+                  context: tuple[Tensor, list[tuple[int, int, int]]] | None = None) -> Tensor:
+        """The velocity on the generated image's tokens; ``context``: further image tokens ``[B, M, 4C]`` put after
+        them in the sequence, with their ``img_shapes`` entries (an editing family's condition images)."""
         batch, _, h, w = x.shape
         tokens = pack_latents(x.to(self.dtype))
+        count = tokens.shape[1]
         img_shapes = [[(1, h // 2, w // 2)]] * batch
+        if context is not None:
+            tokens = torch.cat([tokens, context[0].to(self.dtype)], dim=1)
+            img_shapes = [[(1, h // 2, w // 2), *context[1]]] * batch
         # QwenImagePipeline rounds 1000*sigma to the latents' dtype and divides by 1000.
         timestep = self.timestep(sigma, batch).to(self.dtype) / 1000
 
@@ -79,7 +89,7 @@ class QwenImageModel(PackedFlowModel):
                 encoder_hidden_states=embeds,
                 img_shapes=img_shapes,
                 return_dict=False,
-            )[0]
+            )[0][:, :count]
 
         v = forward(cond.embeds, cond.mask)
         if self.uses_cfg(guidance_scale):
