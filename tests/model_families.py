@@ -18,13 +18,12 @@ from typing import Callable
 from flowalign.models import (ChromaModel, CogView4Model, Flux2DevModel, Flux2KleinModel, FluxKontextModel, FluxModel,
                               HiDreamModel, Lumina2Model, QwenImageEditPlusModel, QwenImageModel, SanaModel, SD3Model,
                               ZImageModel, pack_latents)
-from flowalign.models.flux2_dev import pack_flux2_latents
-from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.models.tiny_fam_a import tiny_chroma_pipeline, tiny_lumina2_pipeline, tiny_sana_pipeline
-from flowalign.models.tiny_fam_b import tiny_flux2_klein_pipeline, tiny_qwen_image_pipeline, tiny_z_image_pipeline
-from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline, tiny_flux2_pipeline, tiny_hidream_pipeline
-from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
-from flowalign.models.tiny_qwen_edit import tiny_qwen_image_edit_plus_pipeline
+from flowalign.models.flux2 import pack_flux2_latents
+from flowalign.models.tiny import (tiny_chroma_pipeline, tiny_cogview4_pipeline, tiny_flux2_klein_pipeline,
+                                   tiny_flux2_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pipeline,
+                                   tiny_hidream_pipeline, tiny_lumina2_pipeline, tiny_qwen_image_edit_plus_pipeline,
+                                   tiny_qwen_image_pipeline, tiny_sana_pipeline, tiny_sd3_pipeline,
+                                   tiny_z_image_pipeline)
 
 WORDS = ("a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and "
          "two three four left right above below").split()

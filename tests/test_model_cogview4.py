@@ -35,7 +35,7 @@ def test_the_shifted_sigmas_map_back_to_the_pipelines_integer_timesteps(steps, s
 
 
 def test_decode_and_encode_images_ignore_a_vae_shift_factor_as_the_pipeline_does():
-    from flowalign.models.tiny_fam_c import tiny_cogview4_pipeline
+    from flowalign.models.tiny import tiny_cogview4_pipeline
     from model_families import WORDS
 
     pipe = tiny_cogview4_pipeline(WORDS)

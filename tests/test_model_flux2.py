@@ -38,7 +38,7 @@ def test_prompts_go_through_the_chat_template_with_the_system_message():
 
 
 def test_a_text_encoder_too_shallow_for_the_hidden_state_layers_is_refused():
-    from flowalign.models.tiny_fam_c import tiny_flux2_pipeline
+    from flowalign.models.tiny import tiny_flux2_pipeline
 
     with pytest.raises(ValueError, match=r"hidden states \(10, 20, 30\).*has 2 layers"):
         Flux2DevModel(tiny_flux2_pipeline(WORDS, text_layers=2))

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from flowalign.models import FluxModel, pack_latents, wrap_pipeline
-from flowalign.models.tiny_fam_d import tiny_flux_kontext_pipeline
+from flowalign.models.tiny import tiny_flux_kontext_pipeline
 from flowalign.samplers import rollout
 
 from model_families import WORDS, tiny_pipeline

@@ -5,8 +5,7 @@ from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
 from .chroma import ChromaModel
 from .cogview4 import CogView4Model
 from .flux import FluxModel, pack_latents, unpack_latents
-from .flux2 import Flux2KleinModel
-from .flux2_dev import Flux2DevModel
+from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline

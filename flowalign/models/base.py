@@ -142,6 +142,25 @@ def as_image_size(image_size: int | Sequence[int] | None, default: tuple[int, in
     return int(height), int(width)
 
 
+def guided(cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
+    """Classifier-free guidance, ``uncond + scale * (cond - uncond)``, in the order the pipelines compute it."""
+    return uncond + scale * (cond - uncond)
+
+
+def norm_rescaled(guided: Tensor, reference: Tensor) -> Tensor:
+    """``guided`` rescaled to the norm of ``reference`` along the last axis (Qwen-Image's and Lumina2's CFG
+    normalisation): ``guided * (|reference| / |guided|)``."""
+    return guided * (torch.norm(reference, dim=-1, keepdim=True) / torch.norm(guided, dim=-1, keepdim=True))
+
+
+def require_negative(cond: Cond, guidance_scale: float, why: str = "") -> None:
+    """A clear ValueError when CFG at ``guidance_scale`` is asked of a ``cond`` without negative prompt embeddings;
+    ``why``: what the scale means for the family (``"on Chroma is true CFG and"``)."""
+    if not cond.has_negative:
+        raise ValueError(f"guidance_scale={guidance_scale} {why + ' ' if why else ''}needs negative prompt embeddings: "
+                         "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1")
+
+
 class FlowModel:
     """Base adapter. Subclasses set ``family``, ``pipeline_class``, ``lora_targets`` and the family-specific parts."""
 
@@ -204,6 +223,16 @@ class FlowModel:
         them."""
         raise NotImplementedError
 
+    def masked_cond(self, encode, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> Cond:
+        """``Cond`` of ``encode(prompts) -> (embeds, mask)``, and of ``encode(negative_prompts)`` for its negative
+        fields when they are given: for families whose pipeline encodes the two as separate batches."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        embeds, mask = encode(prompts)
+        cond = Cond(embeds, mask=mask)
+        if negative_prompts is not None:
+            cond.negative_embeds, cond.negative_mask = encode(list(negative_prompts))
+        return cond
+
     def condition_images(self, images: Sequence[Any] | None, count: int) -> list[list[Any]] | None:
         """``images`` as one list of condition images per prompt (``count`` prompts), or None when there are none.
 
@@ -238,7 +267,11 @@ class FlowModel:
         raise NotImplementedError
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        raise NotImplementedError
+        """``(B, in_channels, H / s, W / s)`` for the VAE's downsampling ``s``: the unpacked latents of the families
+        whose transformer patches them itself (SD3, SANA, CogView4); families that pack or patchify override it."""
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor
+        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         raise NotImplementedError
@@ -285,8 +318,14 @@ class FlowModel:
         Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
         """
         vae = self.pipe.vae
-        latents = latents.to(vae.dtype) / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
-        images = vae.decode(latents, return_dict=False)[0]
+        return self.decode_vae_latents(latents.to(vae.dtype) / vae.config.scaling_factor
+                                       + (vae.config.shift_factor or 0.0))
+
+    def decode_vae_latents(self, latents: Tensor) -> Tensor:
+        """Latents in the VAE's own space (scaling and normalisation undone) to images in [0, 1], fp32: the VAE's
+        decode in its dtype, then the pipelines' postprocess ``(x / 2 + 0.5).clamp(0, 1)``."""
+        vae = self.pipe.vae
+        images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
 
     @property
@@ -311,12 +350,23 @@ class FlowModel:
         ``prepare_noise`` use (FLUX packs its 2x2 patches inside ``velocity``), in ``dtype`` (default: the
         transformer's, as ``prepare_noise``). Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
         """
+        vae = self.pipe.vae
+        latents = self.vae_posterior_latents(images, generator=generator, sample=sample)
+        latents = (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        return self.checked_latents(latents, images, dtype)
+
+    def vae_posterior_latents(self, images: Tensor, *, generator=None, sample: bool = False) -> Tensor:
+        """``images`` checked (``_check_images``), as ``2 x - 1`` in the VAE's dtype through its encoder: the
+        posterior's mean, or with ``sample=True`` a draw with ``generator``; in the VAE's own space (no scaling)."""
         self._check_images(images)
         vae = self.pipe.vae
         pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
         posterior = vae.encode(pixels).latent_dist
-        latents = posterior.sample(generator) if sample else posterior.mode()
-        latents = (latents - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        return posterior.sample(generator) if sample else posterior.mode()
+
+    def checked_latents(self, latents: Tensor, images: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Encoded ``latents`` of ``images`` in ``dtype`` (default: the transformer's); a RuntimeError when their shape
+        is not the ``latent_shape`` the transformer takes for that image size."""
         expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
         if tuple(latents.shape) != tuple(expected):
             raise RuntimeError(
@@ -351,6 +401,22 @@ class FlowModel:
         if not (low >= -tolerance and high <= 1 + tolerance):
             hint = " (images in [-1, 1]? pass (images + 1) / 2)" if low >= -1 - tolerance and low < 0 else ""
             raise ValueError(f"encode_images takes images in [0, 1], got values in [{low:g}, {high:g}]{hint}")
+
+    def shift_mu(self, image_seq_len: int, *, max_shift: float = 1.15) -> float:
+        """The resolution-dependent shift ``mu`` for ``image_seq_len`` image tokens, linear between the scheduler
+        config's ``(base_image_seq_len, base_shift)`` and ``(max_image_seq_len, max_shift)`` (defaults 256, 0.5, 4096,
+        ``max_shift``): diffusers' ``calculate_shift``, which the FLUX, Chroma, Qwen-Image, Z-Image, Lumina2 and SD3
+        pipelines each carry a copy of."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.scheduler.config
+        return calculate_shift(
+            image_seq_len,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", max_shift),
+        )
 
     def timestep(self, sigma: float | Tensor, batch: int) -> Tensor:
         """The pipeline's timestep for ``sigma``: ``sigma * num_train_timesteps`` in fp32, one per row."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, register_model_family
+from .base import Cond, guided, register_model_family, require_negative
 from .flux import FluxModel, pack_latents, unpack_latents
 
 
@@ -75,13 +75,8 @@ class ChromaModel(FluxModel):
 
         v = forward(cond.embeds, cond.mask)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(
-                    f"guidance_scale={guidance_scale} on Chroma is true CFG and needs negative prompt embeddings: "
-                    "encode with negative_prompts, or use guidance_scale=1"
-                )
-            uncond = forward(cond.negative_embeds, cond.negative_mask)
-            v = uncond + guidance_scale * (v - uncond)
+            require_negative(cond, guidance_scale, "on Chroma is true CFG and")
+            v = guided(v, forward(cond.negative_embeds, cond.negative_mask), guidance_scale)
         return unpack_latents(v, h, w)
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 # The single-stream attention's projections of every CogView4 block (text and image tokens share them).
 COGVIEW4_ATTENTION_TARGETS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0")
@@ -80,11 +80,6 @@ class CogView4Model(FlowModel):
             max_sequence_length=self.max_sequence_length,
         )
         return Cond(embeds, negative_embeds=negative if with_negative else None)
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     # --- time ------------------------------------------------------------------------------------------------------
     def _mu(self, latent_height: int, latent_width: int) -> float:
@@ -142,26 +137,18 @@ class CogView4Model(FlowModel):
 
         v = forward(cond.embeds)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(f"guidance_scale={guidance_scale} needs negative prompt embeddings: encode with "
-                                 "negative_prompts=[''] * len(prompts), or use guidance_scale=1")
-            uncond = forward(cond.negative_embeds)
-            v = uncond + guidance_scale * (v - uncond)
+            require_negative(cond, guidance_scale)
+            v = guided(v, forward(cond.negative_embeds), guidance_scale)
         return v
 
     # --- VAE: a scaling factor and no shift factor -----------------------------------------------------------------
     def decode(self, latents: Tensor) -> Tensor:
         vae = self.pipe.vae
-        images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return self.decode_vae_latents(latents.to(vae.dtype) / vae.config.scaling_factor)
 
     def encode_images(self, images: Tensor, *, generator=None, sample: bool = False,
                       dtype: torch.dtype | None = None) -> Tensor:
         """``decode``'s inverse: the VAE posterior's mean (or a draw) times ``scaling_factor``, no shift (as the
         CogView4 control pipeline encodes its control image)."""
-        self._check_images(images)
-        vae = self.pipe.vae
-        pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
-        posterior = vae.encode(pixels).latent_dist
-        latents = (posterior.sample(generator) if sample else posterior.mode()) * vae.config.scaling_factor
-        return latents.to(dtype or self.dtype)
+        latents = self.vae_posterior_latents(images, generator=generator, sample=sample)
+        return self.checked_latents(latents * self.pipe.vae.config.scaling_factor, images, dtype)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
 from .sd3 import JOINT_ATTENTION_TARGETS
 
 
@@ -30,8 +30,28 @@ def unpack_latents(tokens: Tensor, height: int, width: int) -> Tensor:
     return patches.reshape(b, channels // 4, height, width)
 
 
+class PackedFlowModel(FlowModel):
+    """A family whose transformer takes FLUX's 2x2-packed tokens (FLUX, Chroma, Kontext, Qwen-Image): latents
+    ``[B, in_channels / 4, h, w]`` with even sides, ``mu`` from the number of packed tokens."""
+
+    @property
+    def image_multiple(self) -> int:
+        """The VAE's downsampling times 2: the 2x2 packing needs even latent sides."""
+        return self.vae_scale_factor * 2
+
+    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
+        height, width = as_image_size(image_size, self.default_image_size)
+        scale = self.vae_scale_factor * 2  # VAE compression, then 2x2 packing needs even latent sides
+        return batch, self.transformer.config.in_channels // 4, 2 * (height // scale), 2 * (width // scale)
+
+    def packed_mu(self, image_size: tuple[int, int]) -> float:
+        """``shift_mu`` of the image's packed token count ``(h/2)(w/2)``."""
+        _, _, h, w = self.latent_shape(1, image_size)
+        return self.shift_mu((h // 2) * (w // 2))
+
+
 @register_model_family("flux")
-class FluxModel(FlowModel):
+class FluxModel(PackedFlowModel):
     """Adapter over ``diffusers.FluxPipeline``.
 
     ``guidance_scale`` goes to the guidance embedding when the transformer has one (FLUX.1-dev; one forward pass);
@@ -111,38 +131,12 @@ class FluxModel(FlowModel):
 
         v = forward(cond.embeds, cond.pooled)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(
-                    f"guidance_scale={guidance_scale} on a FLUX model without guidance embedding means true CFG and "
-                    "needs negative prompt embeddings: encode with negative_prompts, or use guidance_scale=1"
-                )
-            uncond = forward(cond.negative_embeds, cond.negative_pooled)
-            v = uncond + guidance_scale * (v - uncond)
+            require_negative(cond, guidance_scale, "on a FLUX model without guidance embedding means true CFG and")
+            v = guided(v, forward(cond.negative_embeds, cond.negative_pooled), guidance_scale)
         return unpack_latents(v, h, w)
 
-    @property
-    def image_multiple(self) -> int:
-        """The VAE's downsampling times 2: the 2x2 packing needs even latent sides."""
-        return self.vae_scale_factor * 2
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor * 2  # VAE compression, then 2x2 packing needs even latent sides
-        return batch, self.transformer.config.in_channels // 4, 2 * (height // scale), 2 * (width // scale)
-
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-        config = self.scheduler.config
-        _, _, h, w = self.latent_shape(1, image_size)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        kwargs = {"mu": mu}
-        if not config.get("use_flow_sigmas", False):
+        kwargs = {"mu": self.packed_mu(image_size)}
+        if not self.scheduler.config.get("use_flow_sigmas", False):
             kwargs["sigmas"] = np.linspace(1.0, 1 / num_steps, num_steps)
         return kwargs

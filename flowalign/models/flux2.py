@@ -1,19 +1,30 @@
-"""FLUX.2 adapters: the transformer side shared by the FLUX.2 pipelines, and FLUX.2-Klein's Qwen3 text side.
+"""FLUX.2 adapters: the transformer side both FLUX.2 pipelines share (``Flux2Base``), FLUX.2-dev's Mistral3 text side
+with its guidance embedding (``Flux2DevModel``) and FLUX.2-Klein's Qwen3 text side with CFG (``Flux2KleinModel``).
 
-Conventions of ``diffusers.Flux2KleinPipeline`` (and ``Flux2Pipeline``) reproduced here:
+Conventions of ``diffusers.Flux2Pipeline`` and ``diffusers.Flux2KleinPipeline`` reproduced here:
 
-* latents: the flow lives in the VAE's latent space patchified 2x2 and normalised per channel by the VAE's
-  batch-norm statistics, ``[B, 4 z, H/16, W/16]`` (``in_channels`` of the transformer): noise is drawn in that shape,
-  and that is the adapter's ``[B, C, h, w]`` layout. ``velocity`` packs it as ``[B, h w, C]`` tokens (row-major, no
-  further patching) with 4-axis position ids ``(t, h, w, l) = (0, i, j, 0)``; text tokens get ``(0, 0, 0, k)``.
-  The pipeline's ``output_type="latent"`` result is the VAE's space: ``x * sqrt(running_var + eps) + running_mean``,
-  then unpatchified to ``[B, z, H/8, W/8]`` (``to_vae_latents``); ``decode`` and ``encode_images`` go through it.
-* time: the transformer takes ``sigma * 1000`` rounded to the latents' dtype, divided by 1000; velocity sign as the
-  scheduler's. The shift ``mu`` is FLUX.2's empirical one, which depends on the image length and the step count.
-* Klein text: the prompt is one chat user turn with the generation prompt and ``enable_thinking=False``, padded to
-  ``max_sequence_length`` (no attention mask: every position goes to the transformer); the features are the Qwen3
+* **Latents**: the flow lives in the VAE's latent space patchified 2x2 and normalised per channel by the VAE's
+  batch-norm statistics, ``(z - running_mean) / sqrt(running_var + eps)``, ``[B, 4 z, H/16, W/16]`` (``in_channels``
+  of the transformer, 128 for FLUX.2): noise is drawn in that shape, and that is the adapter's ``[B, C, h, w]``
+  layout. ``velocity`` packs it as ``[B, h w, C]`` tokens (row-major, one token per patchified position, no further
+  patching) and unpacks the result. The Klein pipeline's ``output_type="latent"`` result is the VAE's space:
+  ``x * sqrt(running_var + eps) + running_mean``, unpatchified to ``[B, z, H/8, W/8]`` (``to_vae_latents``);
+  ``decode`` and ``encode_images`` go through it.
+* **Position ids**: 4 axes ``(t, h, w, l)``; image tokens ``(0, i, j, 0)``, text tokens ``(0, 0, 0, k)``.
+* **Time**: the transformer takes ``sigma * 1000`` rounded to the latents' dtype, divided by 1000 (it multiplies by
+  1000 again); velocity sign as the scheduler's (no flip). Sigmas ``linspace(1, 1/N, N)`` shifted with FLUX.2's
+  empirical ``mu(image tokens, N)``, which depends on the image length and the step count.
+* **FLUX.2-dev text**: the prompt inside the pipeline's chat conversation (its system message, then the user turn, as
+  content lists ``[{"type": "text", ...}]``) through the tokenizer's chat template, padded to
+  ``max_sequence_length``; the Mistral3 encoder's hidden states of ``text_encoder_out_layers`` (10, 20, 30: the
+  encoder needs at least 30 layers) stacked along the feature axis (3 x hidden wide). Nothing of the template is
+  dropped.
+* **FLUX.2-dev guidance**: ``guidance_scale`` goes to the guidance embedding (one pass per step at any scale); the
+  pipeline has no classifier-free guidance.
+* **Klein text**: the prompt is one chat user turn with the generation prompt and ``enable_thinking=False``, padded
+  to ``max_sequence_length`` (no attention mask: every position goes to the transformer); the features are the Qwen3
   hidden states of ``text_encoder_out_layers`` (9, 18, 27 of Qwen3's 36) concatenated per token.
-* Klein CFG: ``uncond + s * (cond - uncond)`` against the empty prompt for ``s > 1``, unless the pipeline is a
+* **Klein CFG**: ``uncond + s * (cond - uncond)`` against the empty prompt for ``s > 1``, unless the pipeline is a
   distilled one (``is_distilled``), which takes no guidance. No guidance embedding.
 """
 
@@ -25,11 +36,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
 from .sd3 import JOINT_ATTENTION_TARGETS
 
-# The double-stream blocks' joint attention and the single-stream blocks' fused QKV (+ MLP input) projection.
-FLUX2_ATTENTION_TARGETS = JOINT_ATTENTION_TARGETS + ("attn.to_qkv_mlp_proj",)
+# The double-stream blocks' joint attention (SD3 / FLUX names) and the single-stream blocks' fused QKV(+MLP) input
+# projection. (The single-stream output projection ``attn.to_out`` shares its name with the double-stream
+# ``attn.to_out`` ModuleList, which peft cannot adapt: name it with its block path to add it.)
+FLUX2_ATTENTION_TARGETS = (*JOINT_ATTENTION_TARGETS, "attn.to_qkv_mlp_proj")
 
 # Flux2KleinPipeline's default text_encoder_out_layers: a quarter, a half and three quarters of Qwen3's 36 layers.
 KLEIN_OUT_LAYERS = (9, 18, 27)
@@ -43,34 +56,44 @@ def klein_out_layers(depth: int) -> tuple[int, ...]:
     return tuple(max(1, round(depth * k / 4)) for k in (1, 2, 3))
 
 
+def pack_flux2_latents(latents: Tensor) -> Tensor:
+    """``[B, C, h, w] -> [B, h w, C]``: one token per (patchified) latent position (the pipelines' ``_pack_latents``)."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c, h * w).permute(0, 2, 1)
+
+
+def unpack_flux2_latents(tokens: Tensor, height: int, width: int) -> Tensor:
+    """Inverse of ``pack_flux2_latents`` for a ``height x width`` grid."""
+    b, _, c = tokens.shape
+    return tokens.permute(0, 2, 1).reshape(b, c, height, width)
+
+
 class Flux2Base(FlowModel):
-    """The transformer side of the FLUX.2 pipelines: packing, position ids, timestep, BN latent normalisation,
-    the empirical shift. Subclasses give ``encode`` and ``_guidance``/CFG."""
+    """The transformer side of the FLUX.2 pipelines: packing, position ids, timestep, BN latent normalisation, the
+    empirical shift, the VAE. Subclasses give the text side (``encode``) and the guidance (``velocity``)."""
 
     lora_targets = FLUX2_ATTENTION_TARGETS
 
     def default_max_sequence_length(self) -> int:
-        return min(512, self.pipe.tokenizer.model_max_length)
+        tokenizer = getattr(self.pipe, "tokenizer", None)
+        length = getattr(tokenizer, "model_max_length", 512) if tokenizer is not None else 512
+        return min(512, int(length))
 
     # --- the transformer ---------------------------------------------------------------------------------------------
-    def _forward(self, tokens: Tensor, timestep: Tensor, embeds: Tensor, image_ids: Tensor, guidance) -> Tensor:
-        text_ids = self.pipe._prepare_text_ids(embeds).to(self.device)
-        out = self.run_transformer(hidden_states=tokens, timestep=timestep, guidance=guidance,
-                                   encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
-                                   return_dict=False)[0]
-        return out[:, : tokens.shape[1]]
-
     def _inputs(self, x: Tensor, sigma: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Packed tokens ``[B, h w, C]``, their position ids and the timestep, as the pipeline prepares them."""
-        tokens = self.pipe._pack_latents(x.to(self.dtype))
+        """Packed tokens ``[B, h w, C]``, their position ids and the timestep, as the pipelines prepare them."""
+        tokens = pack_flux2_latents(x.to(self.dtype))
         image_ids = self.pipe._prepare_latent_ids(x).to(self.device)
         timestep = self.timestep(sigma, x.shape[0]).to(self.dtype) / 1000
         return tokens, image_ids, timestep
 
-    @staticmethod
-    def _unpack(tokens: Tensor, height: int, width: int) -> Tensor:
-        """``[B, h w, C] -> [B, C, h, w]``: the inverse of the pipeline's row-major ``_pack_latents``."""
-        return tokens.permute(0, 2, 1).reshape(tokens.shape[0], tokens.shape[2], height, width)
+    def _forward(self, tokens: Tensor, timestep: Tensor, embeds: Tensor, text_ids: Tensor, image_ids: Tensor,
+                 guidance: Tensor | None) -> Tensor:
+        """The transformer's output on the image tokens ``[B, h w, C]``."""
+        out = self.run_transformer(hidden_states=tokens, timestep=timestep, guidance=guidance,
+                                   encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
+                                   return_dict=False)[0]
+        return out[:, : tokens.shape[1]]
 
     # --- latents and the VAE -----------------------------------------------------------------------------------------
     @property
@@ -84,7 +107,7 @@ class Flux2Base(FlowModel):
         return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
-        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu  # the Klein pipeline's is the same
 
         _, _, h, w = self.latent_shape(1, image_size)
         kwargs = {"mu": compute_empirical_mu(image_seq_len=h * w, num_steps=num_steps)}
@@ -99,32 +122,62 @@ class Flux2Base(FlowModel):
         return mean, std
 
     def to_vae_latents(self, latents: Tensor) -> Tensor:
-        """The adapter's latents as the pipeline's ``output_type="latent"``: BN-denormalised, unpatchified."""
+        """The adapter's latents as the Klein pipeline's ``output_type="latent"``: BN-denormalised, unpatchified."""
         mean, std = self._bn_stats(latents)
         return self.pipe._unpatchify_latents(latents * std + mean)
 
     def decode(self, latents: Tensor) -> Tensor:
-        vae = self.pipe.vae
-        images = vae.decode(self.to_vae_latents(latents).to(vae.dtype), return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        """Latents ``[B, 4C, h, w]`` to images in [0, 1]: batch-norm statistics undone, unpatchified, decoded."""
+        return self.decode_vae_latents(self.to_vae_latents(latents))
 
     def encode_images(self, images: Tensor, *, generator=None, sample: bool = False, dtype=None) -> Tensor:
-        """Images in [0, 1] to the adapter's latents as the pipeline's ``_encode_vae_image`` encodes a condition image:
-        ``2x - 1``, the posterior's mean (or, with ``sample=True``, a draw with ``generator``), patchified 2x2,
+        """Images in [0, 1] to the adapter's latents as the pipelines' ``_encode_vae_image`` encodes a condition
+        image: ``2x - 1``, the posterior's mean (or, with ``sample=True``, a draw with ``generator``), patchified 2x2,
         ``(z - running_mean) / sqrt(running_var + eps)``. Differentiable: wrap in ``torch.no_grad()`` when no
         gradient is wanted."""
-        self._check_images(images)
-        vae = self.pipe.vae
-        pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
-        posterior = vae.encode(pixels).latent_dist
-        latents = self.pipe._patchify_latents(posterior.sample(generator) if sample else posterior.mode())
+        latents = self.pipe._patchify_latents(self.vae_posterior_latents(images, generator=generator, sample=sample))
         mean, std = self._bn_stats(latents)
-        latents = (latents - mean) / std
-        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
-        if tuple(latents.shape) != tuple(expected):
-            raise RuntimeError(f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but "
-                               f"the transformer takes {tuple(expected)}")
-        return latents.to(dtype or self.dtype)
+        return self.checked_latents((latents - mean) / std, images, dtype)
+
+
+@register_model_family("flux2")
+class Flux2DevModel(Flux2Base):
+    """Adapter over ``diffusers.Flux2Pipeline`` (FLUX.2-dev: Mistral3 text encoder, guidance embedding, no CFG)."""
+
+    family = "flux2"
+    pipeline_class_name = "Flux2Pipeline"
+    text_encoder_out_layers: tuple[int, ...] = (10, 20, 30)
+
+    def __init__(self, pipe, *, max_sequence_length: int | None = None):
+        super().__init__(pipe, max_sequence_length=max_sequence_length)
+        encoder = getattr(pipe, "text_encoder", None)
+        if encoder is not None:
+            config = getattr(encoder.config, "text_config", encoder.config)
+            depth = int(config.num_hidden_layers)
+            if max(self.text_encoder_out_layers) > depth:
+                raise ValueError(f"FLUX.2 takes the text encoder's hidden states {self.text_encoder_out_layers}, "
+                                 f"but this text encoder has {depth} layers")
+
+    def uses_cfg(self, guidance_scale: float) -> bool:
+        return False  # the guidance embedding: one pass at any scale
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
+        """Prompt embeddings through the pipeline's ``encode_prompt``; FLUX.2-dev has no negative prompts (they are
+        ignored). The text ids are the same for every row: ``Cond.text_ids`` holds one ``[L, 4]`` copy."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        embeds, text_ids = self.pipe.encode_prompt(
+            prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length,
+            text_encoder_out_layers=self.text_encoder_out_layers,
+        )
+        return Cond(embeds, text_ids=text_ids[0])
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        batch, _, h, w = x.shape
+        tokens, image_ids, timestep = self._inputs(x, sigma)
+        guidance = torch.full([1], float(guidance_scale), device=self.device, dtype=torch.float32).expand(batch)
+        v = self._forward(tokens, timestep, cond.embeds, cond.text_ids, image_ids, guidance)
+        return unpack_flux2_latents(v, h, w)
 
 
 @register_model_family("flux2_klein")
@@ -162,11 +215,13 @@ class Flux2KleinModel(Flux2Base):
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
         _, _, h, w = x.shape
         tokens, image_ids, timestep = self._inputs(x, sigma)
-        v = self._forward(tokens, timestep, cond.embeds, image_ids, None)
+
+        def forward(embeds: Tensor) -> Tensor:
+            text_ids = self.pipe._prepare_text_ids(embeds).to(self.device)
+            return self._forward(tokens, timestep, embeds, text_ids, image_ids, None)
+
+        v = forward(cond.embeds)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(f"guidance_scale={guidance_scale} on FLUX.2-Klein means CFG and needs negative prompt "
-                                 "embeddings: encode with negative_prompts, or use guidance_scale=1")
-            uncond = self._forward(tokens, timestep, cond.negative_embeds, image_ids, None)
-            v = uncond + guidance_scale * (v - uncond)
-        return self._unpack(v, h, w)
+            require_negative(cond, guidance_scale, "on FLUX.2-Klein means CFG and")
+            v = guided(v, forward(cond.negative_embeds), guidance_scale)
+        return unpack_flux2_latents(v, h, w)

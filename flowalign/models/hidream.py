@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
 
 # The attention projections of both block kinds: image stream (to_q ... to_out) and, in the double-stream blocks,
 # the text stream (to_q_t ... to_out_t).
@@ -154,9 +154,7 @@ class HiDreamModel(FlowModel):
         t5, llama, pooled = cond.embeds, cond.extras["llama"], cond.pooled
         cfg = self.uses_cfg(guidance_scale)
         if cfg:
-            if not cond.has_negative:
-                raise ValueError(f"guidance_scale={guidance_scale} needs negative prompt embeddings: encode with "
-                                 "negative_prompts=[''] * len(prompts), or use guidance_scale=1")
+            require_negative(cond, guidance_scale)
             hidden, timestep = torch.cat([hidden, hidden]), torch.cat([timestep, timestep])
             t5 = torch.cat([cond.negative_embeds, t5])
             llama = torch.cat([cond.extras["negative_llama"], llama])
@@ -175,5 +173,5 @@ class HiDreamModel(FlowModel):
         v = -out
         if cfg:
             uncond, text = v.chunk(2)
-            v = uncond + guidance_scale * (text - uncond)
+            v = guided(text, uncond, guidance_scale)
         return v

@@ -9,7 +9,7 @@ import torch
 
 from ..devices import resolve_dtype
 # The built-in families register themselves on import.
-from . import (chroma, cogview4, flux, flux2, flux2_dev, flux_kontext, hidream, lumina2, qwen_image,  # noqa: F401
+from . import (chroma, cogview4, flux, flux2, flux_kontext, hidream, lumina2, qwen_image,  # noqa: F401
                qwen_image_edit, sana, sd3, z_image)
 from .base import MODEL_FAMILIES, FlowModel
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, as_image_size, guided, norm_rescaled, register_model_family, require_negative
 
 # The attention projections of every Lumina2 block (the joint layers and both refiners).
 LUMINA2_ATTENTION_TARGETS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
@@ -86,18 +86,9 @@ class Lumina2Model(FlowModel):
 
         prediction = forward(cond.embeds, cond.mask)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(
-                    f"guidance_scale={guidance_scale} needs negative prompt embeddings: "
-                    "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1"
-                )
-            uncond = forward(cond.negative_embeds, cond.negative_mask)
-            guided = uncond + guidance_scale * (prediction - uncond)
-            if self.cfg_normalization:
-                cond_norm = torch.norm(prediction, dim=-1, keepdim=True)
-                guided_norm = torch.norm(guided, dim=-1, keepdim=True)
-                guided = guided * (cond_norm / guided_norm)
-            prediction = guided
+            require_negative(cond, guidance_scale)
+            combined = guided(prediction, forward(cond.negative_embeds, cond.negative_mask), guidance_scale)
+            prediction = norm_rescaled(combined, prediction) if self.cfg_normalization else combined
         return -prediction
 
     @property
@@ -111,15 +102,6 @@ class Lumina2Model(FlowModel):
         return batch, self.transformer.config.in_channels, 2 * (height // scale), 2 * (width // scale)
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
-        from diffusers.pipelines.lumina2.pipeline_lumina2 import calculate_shift
-
-        config = self.scheduler.config
         # The pipeline's "image_seq_len" is latents.shape[1] of its unpacked latents: the channel count.
-        mu = calculate_shift(
-            self.transformer.config.in_channels,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        mu = self.shift_mu(self.transformer.config.in_channels)
         return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": mu}

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
-from .flux import pack_latents, unpack_latents
+from .base import Cond, guided, norm_rescaled, register_model_family, require_negative
+from .flux import PackedFlowModel, pack_latents, unpack_latents
 from .sd3 import JOINT_ATTENTION_TARGETS
 
 
 @register_model_family("qwen_image")
-class QwenImageModel(FlowModel):
+class QwenImageModel(PackedFlowModel):
     """Adapter over ``diffusers.QwenImagePipeline``. Latents ``[B, z_dim, H/8, W/8]`` (z_dim 16 for Qwen-Image)."""
 
     family = "qwen_image"
@@ -52,12 +52,7 @@ class QwenImageModel(FlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        embeds, mask = self._encode(prompts)
-        cond = Cond(embeds, mask=mask)
-        if negative_prompts is not None:
-            cond.negative_embeds, cond.negative_mask = self._encode(list(negative_prompts))
-        return cond
+        return self.masked_cond(self._encode, prompts, negative_prompts)
 
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         embeds, mask = self.pipe.encode_prompt(prompt=prompts, device=self.device,
@@ -98,38 +93,13 @@ class QwenImageModel(FlowModel):
 
         v = forward(cond.embeds, cond.mask)
         if self.uses_cfg(guidance_scale):
-            if not cond.has_negative:
-                raise ValueError(f"guidance_scale={guidance_scale} on Qwen-Image means true CFG and needs negative "
-                                 "prompt embeddings: encode with negative_prompts, or use guidance_scale=1")
-            uncond = forward(cond.negative_embeds, cond.negative_mask)
-            combined = uncond + guidance_scale * (v - uncond)
-            v = combined * (torch.norm(v, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+            require_negative(cond, guidance_scale, "on Qwen-Image means true CFG and")
+            v = norm_rescaled(guided(v, forward(cond.negative_embeds, cond.negative_mask), guidance_scale), v)
         return unpack_latents(v, h, w)
 
-    # --- latents and the VAE --------------------------------------------------------------------------------------
-    @property
-    def image_multiple(self) -> int:
-        """The VAE's downsampling times 2: the 2x2 packing needs even latent sides."""
-        return self.vae_scale_factor * 2
-
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor * 2
-        return batch, self.transformer.config.in_channels // 4, 2 * (height // scale), 2 * (width // scale)
-
+    # --- latents and the VAE (the 2x2-packed layout: PackedFlowModel) -----------------------------------------------
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
-        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-        config = self.scheduler.config
-        _, _, h, w = self.latent_shape(1, image_size)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": mu}
+        return {"sigmas": np.linspace(1.0, 1 / num_steps, num_steps), "mu": self.packed_mu(image_size)}
 
     def _latent_stats(self, like: Tensor) -> tuple[Tensor, Tensor]:
         """``latents_mean`` and ``1 / latents_std`` as the pipeline builds them, ``[1, z, 1, 1, 1]``."""
@@ -167,9 +137,4 @@ class QwenImageModel(FlowModel):
             posterior = vae.encode(pixels).latent_dist
             latents = posterior.sample(generator) if sample else posterior.mode()
         mean, inv_std = self._latent_stats(latents)
-        latents = ((latents - mean) * inv_std)[:, :, 0]
-        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
-        if tuple(latents.shape) != tuple(expected):
-            raise RuntimeError(f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but "
-                               f"the transformer takes {tuple(expected)}")
-        return latents.to(dtype or self.dtype)
+        return self.checked_latents(((latents - mean) * inv_std)[:, :, 0], images, dtype)

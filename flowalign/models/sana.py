@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 # Every attention projection of a SANA block: the linear self-attention (attn1) and the cross-attention (attn2).
 SANA_ATTENTION_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2")
@@ -77,11 +77,7 @@ class SanaModel(FlowModel):
         timestep = self.timestep(sigma, batch)
         cfg = self.uses_cfg(guidance_scale)
         if cfg:
-            if not cond.has_negative:
-                raise ValueError(
-                    f"guidance_scale={guidance_scale} needs negative prompt embeddings: "
-                    "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1"
-                )
+            require_negative(cond, guidance_scale)
             hidden = torch.cat([hidden, hidden])
             embeds = torch.cat([cond.negative_embeds, embeds])
             mask = torch.cat([cond.negative_mask, mask])
@@ -96,7 +92,7 @@ class SanaModel(FlowModel):
         )[0].float()
         if cfg:
             uncond, text = v.chunk(2)
-            v = uncond + guidance_scale * (text - uncond)
+            v = guided(text, uncond, guidance_scale)
         if self.transformer.config.out_channels // 2 == self.transformer.config.in_channels:
             v = v.chunk(2, dim=1)[0]  # a learned-sigma head: the velocity is the first half
         return v
@@ -110,19 +106,13 @@ class SanaModel(FlowModel):
         """The DC-AE's downsampling times the transformer's patch size."""
         return self.vae_scale_factor * self.transformer.config.patch_size
 
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
-
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         return {}
 
     def decode(self, latents: Tensor) -> Tensor:
         """``vae.decode(latents / scaling_factor)`` mapped to [0, 1], as the pipeline's postprocess (no shift)."""
         vae = self.pipe.vae
-        images = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-        return (images.float() / 2 + 0.5).clamp(0, 1)
+        return self.decode_vae_latents(latents.to(vae.dtype) / vae.config.scaling_factor)
 
     def encode_images(self, images: Tensor, *, generator=None, sample: bool = False, dtype=None) -> Tensor:
         """Images in [0, 1] to latents: ``vae.encode(2 x - 1).latent * scaling_factor`` (SANA's ControlNet and
@@ -132,10 +122,4 @@ class SanaModel(FlowModel):
         vae = self.pipe.vae
         pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
         latents = vae.encode(pixels).latent * vae.config.scaling_factor
-        expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
-        if tuple(latents.shape) != tuple(expected):
-            raise RuntimeError(
-                f"the VAE encodes {tuple(images.shape)} images to latents {tuple(latents.shape)}, but the transformer "
-                f"takes {tuple(expected)}: the VAE's latent_channels do not match the transformer's in_channels"
-            )
-        return latents.to(dtype or torch.float32)
+        return self.checked_latents(latents, images, dtype or torch.float32)

@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, guided, register_model_family, require_negative
 
 
 # Flow-GRPO's LoRA targets for SD3.5: the joint attention's image and context projections.
@@ -62,11 +62,7 @@ class SD3Model(FlowModel):
         hidden = x.to(self.dtype)
         cfg = self.uses_cfg(guidance_scale)
         if cfg:
-            if not cond.has_negative:
-                raise ValueError(
-                    f"guidance_scale={guidance_scale} needs negative prompt embeddings: "
-                    "encode with negative_prompts=[''] * len(prompts), or use guidance_scale=1"
-                )
+            require_negative(cond, guidance_scale)
             hidden = torch.cat([hidden, hidden])
             embeds = torch.cat([cond.negative_embeds, embeds])
             pooled = torch.cat([cond.negative_pooled, pooled])
@@ -80,7 +76,7 @@ class SD3Model(FlowModel):
         )[0]
         if cfg:
             uncond, text = v.chunk(2)
-            v = uncond + guidance_scale * (text - uncond)
+            v = guided(text, uncond, guidance_scale)
         return v
 
     @property
@@ -88,24 +84,10 @@ class SD3Model(FlowModel):
         """The VAE's downsampling times the transformer's patch size (the pipeline's ``check_inputs``)."""
         return self.vae_scale_factor * self.transformer.config.patch_size
 
-    def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
-        height, width = as_image_size(image_size, self.default_image_size)
-        scale = self.vae_scale_factor
-        return batch, self.transformer.config.in_channels, height // scale, width // scale
-
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         config = self.scheduler.config
         if not config.get("use_dynamic_shifting", False):
             return {}
-        from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
-
         _, _, h, w = self.latent_shape(1, image_size)
         patch = self.transformer.config.patch_size
-        mu = calculate_shift(
-            (h // patch) * (w // patch),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
-        )
-        return {"mu": mu}
+        return {"mu": self.shift_mu((h // patch) * (w // patch), max_shift=1.16)}

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import Cond, FlowModel, as_image_size, register_model_family
+from .base import Cond, FlowModel, as_image_size, register_model_family, require_negative
 
 # Attention projections of the main layers and both refiners (noise and context).
 Z_IMAGE_ATTENTION_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
@@ -66,12 +66,7 @@ class ZImageModel(FlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        embeds, mask = self._encode(prompts)
-        cond = Cond(embeds, mask=mask)
-        if negative_prompts is not None:
-            cond.negative_embeds, cond.negative_mask = self._encode(list(negative_prompts))
-        return cond
+        return self.masked_cond(self._encode, prompts, negative_prompts)
 
     def _encode(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         # A copy: the pipeline writes the templated text back into the list it is given.
@@ -86,9 +81,7 @@ class ZImageModel(FlowModel):
         embeds = token_lists(cond.embeds, cond.mask)
         cfg = self.uses_cfg(guidance_scale)
         if cfg:
-            if not cond.has_negative:
-                raise ValueError(f"guidance_scale={guidance_scale} on Z-Image means CFG and needs negative prompt "
-                                 "embeddings: encode with negative_prompts, or use guidance_scale=1")
+            require_negative(cond, guidance_scale, "on Z-Image means CFG and")
             latents = latents.repeat(2, 1, 1, 1)
             embeds = embeds + token_lists(cond.negative_embeds, cond.negative_mask)
             timestep = timestep.repeat(2)
@@ -125,16 +118,8 @@ class ZImageModel(FlowModel):
         return super().encode_images(images, generator=generator, sample=sample, dtype=dtype or torch.float32)
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
-        from diffusers.pipelines.z_image.pipeline_z_image import calculate_shift, get_default_z_image_sigmas
+        from diffusers.pipelines.z_image.pipeline_z_image import get_default_z_image_sigmas
 
-        config = self.scheduler.config
         _, _, h, w = self.latent_shape(1, image_size)
-        mu = calculate_shift(
-            (h // 2) * (w // 2),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        # An fp32 torch.linspace, unlike FLUX's fp64 numpy one.
-        return {"sigmas": get_default_z_image_sigmas(num_steps), "mu": mu}
+        # An fp32 torch.linspace, unlike FLUX's fp64 numpy one; mu from the transformer's 2x2 patch count.
+        return {"sigmas": get_default_z_image_sigmas(num_steps), "mu": self.shift_mu((h // 2) * (w // 2))}

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from .tiny_fam_b import chat_word_tokenizer
+from .tokenizers import chat_word_tokenizer
 
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 PATCH, MERGE, TEMPORAL_PATCH = 8, 2, 2
