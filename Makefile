@@ -18,14 +18,15 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# One pytest-xdist worker per core (tests/conftest.py gives each one intra-op thread).
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 train: install
 	$(BIN)/flowalign train
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n auto -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

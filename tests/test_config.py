@@ -198,7 +198,10 @@ def test_bad_literal_lists_allowed_values():
     message = error("sampling.kind=cpss")
     assert message.startswith("sampling.kind: expected one of 'flow_grpo', 'dance', 'cps', got 'cpss' (str)")
     assert "did you mean 'cps'?" in message
-    assert "model.family = 'sdxl' is not a registered model family; known: flux, sd3" in error("model.family=sdxl")
+    from flowalign.models import MODEL_FAMILIES
+
+    known = ", ".join(sorted(MODEL_FAMILIES))
+    assert f"model.family = 'sdxl' is not a registered model family; known: {known}" in error("model.family=sdxl")
     assert "did you mean 'flux'?" in error("model.family=flxu")
 
 

@@ -274,7 +274,7 @@ def _one_vs_two_processes(tiny_model, tmp_path, **extra):
     one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run(
-        [str(BIN / "torchrun"), "--nproc_per_node", "2", "-m", "flowalign.cli", "train",
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", "train",
          *overrides(tiny_model, tmp_path / "two", **settings)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
     )
