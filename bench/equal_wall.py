@@ -8,8 +8,10 @@ the same captions and seeds before and after), so each gain is paired against th
 preset, the mean gain over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE),
 the seed SD, the per-seed gains and the mean training wall time.
 
-Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` and a finished one (with ``eval/before_after.json``) is
-skipped; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json``. The default is the embedded default config
+Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` (ignored by git) and, once its evaluation is done, a small
+record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations
+and training wall time). A run with a record is skipped, so seeds measured in one checkout add up with those of later
+ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json`` from the records. The default is the embedded default config
 (``flowalign train`` with no file), named ``default``.
 
     python bench/equal_wall.py --presets default,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
@@ -70,24 +72,32 @@ def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]
         raise SystemExit(f"{preset} seed {seed} failed (exit {done.returncode}): see {out / f'{preset}-seed{seed}.log'}")
     (run / "bench.json").write_text(json.dumps({"preset": preset, "seed": seed, "iterations": iterations,
                                                 "command": command[1:], "wall_s": time.perf_counter() - start}))
+    record(run, out)
     print(f"{preset} seed {seed}: done", flush=True)
 
 
+def record(run: Path, out: Path) -> dict:
+    """Write the finished run's record ``out/records/<run>.json``: its ``bench.json`` with the paired overall gain,
+    the per-tag gains and the training wall time (the three phases of every iteration, no evaluation)."""
+    info = json.loads((run / "bench.json").read_text())
+    paired = json.loads((run / "eval" / "before_after.json").read_text())["paired"]
+    metrics = run / "metrics.jsonl"
+    history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    train_s = sum(float(m.get(k, 0.0)) for m in history for k in ("time/rollout", "time/reward", "time/train"))
+    entry = {**info, "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
+             "train_s": train_s}
+    (out / "records").mkdir(exist_ok=True)
+    (out / "records" / f"{run.name}.json").write_text(json.dumps(entry, indent=1) + "\n")
+    return entry
+
+
 def finished(out: Path) -> list[dict]:
-    """The finished runs: their ``bench.json`` with the paired overall gain and the training wall time."""
-    runs = []
+    """The finished runs: a record for every run folder with an evaluation (written now if missing), and the records
+    of runs whose folders are gone (an earlier checkout's)."""
     for bench in sorted(out.glob("*-seed*/bench.json")):
-        report = bench.parent / "eval" / "before_after.json"
-        if not report.exists():
-            continue
-        info = json.loads(bench.read_text())
-        paired = json.loads(report.read_text())["paired"]
-        history = [json.loads(line) for line in (bench.parent / "metrics.jsonl").read_text().splitlines()
-                   if line.strip()] if (bench.parent / "metrics.jsonl").exists() else []
-        train_s = sum(float(m.get(k, 0.0)) for m in history for k in ("time/rollout", "time/reward", "time/train"))
-        runs.append({**info, "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
-                     "train_s": train_s})
-    return runs
+        if (bench.parent / "eval" / "before_after.json").exists() and not (out / "records" / f"{bench.parent.name}.json").exists():
+            record(bench.parent, out)
+    return [json.loads(path.read_text()) for path in sorted((out / "records").glob("*-seed*.json"))]
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -147,7 +157,8 @@ def main() -> None:
         jobs = []
         for seed in (int(s) for s in args.seeds.split(",")):
             for preset in args.presets.split(","):
-                if (out / f"{preset}-seed{seed}" / "eval" / "before_after.json").exists():
+                if any(path.exists() for path in (out / f"{preset}-seed{seed}" / "eval" / "before_after.json",
+                                                  out / "records" / f"{preset}-seed{seed}.json")):
                     print(f"{preset} seed {seed}: done, skipped")
                     continue
                 jobs.append((preset, seed, iterations_for(preset, cost, fixed)))
