@@ -13,7 +13,11 @@ values against the recorded reference run with tolerances (``compare_values``), 
 * Counts (NFEs, skipped updates, invalid rewards), the learning rate and the first micro-batch's ratio of exactly 1
   (with its approx-KL and clip fraction of 0) are exact on any machine.
 * Iteration 0's rewards come from the untrained model, through forward passes only: float rounding moves them by
-  about 1e-7 relative, so they must agree to 1e-3.
+  about 1e-7 to 1e-4 relative (ten SDE steps through the transformer), so they must agree to 1e-3. Their standard
+  deviation moves by at most as much as the rewards themselves do, so ``reward_std`` is held to the rewards'
+  tolerance, 1e-3 of the mean reward, not to 1e-3 of itself: a group's spread of a few 1e-4 on a reward near 0.5
+  moves by a few percent of itself between CPUs with AVX2 and AVX512 kernels (measured on the tiny FLUX, SD3.5,
+  Z-Image, Qwen-Image and Kontext presets).
 * The weights are compared by their update over the run, not elementwise. Adam's first step is ``lr * sign(g)``
   for every element, so on a gradient that is zero up to rounding the sign (and an ``lr``-sized step) may flip from
   one CPU to another. Such elements are few, so the updates must point the same way (cosine >= 0.99: about 0.5% of
@@ -262,6 +266,8 @@ def compare_values(got: dict, ref: dict) -> list[str]:
                 ok = x == y
             elif key in FORWARD_ONLY_METRICS or key.startswith("rewards/"):
                 rtol, atol = (FORWARD_RTOL, 1e-6) if iteration == 0 else (LATE_RTOL, LATE_ATOL)
+                if key == "reward_std":  # moves by at most what the rewards move: their tolerance, absolute
+                    atol = max(atol, rtol * abs(b["reward"]))
                 ok = _same_number(x, y, rtol, atol)
             else:
                 continue  # losses, KL, clip fractions, gradient norms: the weights' check covers what they drive

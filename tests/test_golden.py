@@ -149,6 +149,12 @@ def test_the_tolerance_ignores_a_few_sign_flips_and_catches_a_turned_or_scaled_u
     metrics = [dict(m) for m in base["metrics"]]
     metrics[0]["reward"] *= 1.01  # iteration 0's reward is forward-only: 1% is far beyond rounding
     assert any("reward" in p for p in compare_values({**base, "metrics": metrics}, reference))
+    # reward_std is held to the rewards' own tolerance (1e-3 of the mean reward), absolute
+    allowed = 1e-3 * abs(base["metrics"][0]["reward"])
+    for shift, fails in ((0.5 * allowed, False), (2 * allowed, True)):
+        metrics = [dict(m) for m in base["metrics"]]
+        metrics[0]["reward_std"] += shift
+        assert any("reward_std" in p for p in compare_values({**base, "metrics": metrics}, reference)) is fails, shift
     assert 0 < COSINE_MIN < 1
 
 

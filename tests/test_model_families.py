@@ -5,8 +5,10 @@
 * ``decode`` equals the pipeline's decoded images;
 * LoRA on the family's default targets: zero at init, the reference (adapter disabled) bitwise the base, only LoRA
   parameters trainable, and the save / ``load_lora_weights`` round trip through the pipeline's own loader;
-* every SDE kind runs through it with finite log-probs, and the default method trains 2 iterations on it from a saved
-  directory (``load_flow_model``) with the first ratio exactly 1.
+* ``encode_images`` equals the family's own VAE encoding in diffusers (an img2img or editing pipeline's
+  ``_encode_vae_image`` run on the family's VAE, or the inverse of the pipeline's decode where no such pipeline exists);
+* every SDE kind runs through it with finite log-probs, and the default method and a tree preset (BranchGRPO) each
+  train 2 iterations on it from a saved directory (``load_flow_model``) with the first ratio exactly 1.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from flowalign.models import load_flow_model, wrap_pipeline
 from flowalign.samplers import SDE_KINDS, noise_schedule, rollout
 
-from golden_runs import small_run_values
+from golden_runs import preset_path, small_run_values
 from model_families import FAMILIES, fresh_pipeline, tiny_pipeline
 
 PROMPTS = ["a photo of a red circle", "two blue squares left of a triangle"]
@@ -83,6 +85,69 @@ def test_decode_is_the_pipeline_images(name):
         ours = model.decode(adapter_latents(model, family, steps=2, size=size, guidance=guidance, seed=1))
     assert ours.shape == (len(compared_prompts(family)), 3, *size) and ours.min() >= 0 and ours.max() <= 1
     torch.testing.assert_close(ours, images, rtol=0, atol=1e-6)
+
+
+def _own_vae_encoding(pipeline_class, module):
+    """``<pipeline_class>._encode_vae_image`` from diffusers, run on this family's pipeline (it reads only ``vae``)."""
+    def encode(pipe, pixels, generator):
+        cls = getattr(__import__(f"diffusers.pipelines.{module}", fromlist=[pipeline_class]), pipeline_class)
+        return cls._encode_vae_image(pipe, pixels, generator)
+    return encode
+
+
+def _scaled_posterior(pipe, pixels, generator):
+    """The inverse of a decode ``vae.decode(latents / scaling_factor)`` (CogView4): a posterior draw times the
+    scaling factor, with the pipelines' ``retrieve_latents``."""
+    from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+
+    return retrieve_latents(pipe.vae.encode(pixels), generator) * pipe.vae.config.scaling_factor
+
+
+def _dc_ae(pipe, pixels, generator):
+    """``SanaControlNetPipeline``'s encoding of its control image: ``vae.encode(x).latent * scaling_factor``."""
+    return pipe.vae.encode(pixels).latent * pipe.vae.config.scaling_factor
+
+
+def _video_vae(pipe, pixels, generator):
+    """``QwenImageImg2ImgPipeline._encode_vae_image`` on a one-frame video, the frame axis dropped again."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_img2img import QwenImageImg2ImgPipeline
+
+    return QwenImageImg2ImgPipeline._encode_vae_image(pipe, pixels.unsqueeze(2), generator)[:, :, 0]
+
+
+# Per family: diffusers' own encoding of images into the latents the family's transformer reads, and whether it draws
+# from the posterior (``retrieve_latents``' default) or takes its mean (``sample_mode="argmax"``). Z-Image's img2img
+# pipeline inlines FLUX img2img's formula; Lumina2 and HiDream have no img2img pipeline, and the same formula is the
+# inverse of their decode (``latents / scaling_factor + shift_factor``).
+FLUX_IMG2IMG = _own_vae_encoding("FluxImg2ImgPipeline", "flux.pipeline_flux_img2img")
+FLUX2 = _own_vae_encoding("Flux2Pipeline", "flux2.pipeline_flux2")
+VAE_ENCODING = {
+    "sd3": (_own_vae_encoding("StableDiffusion3InpaintPipeline", "stable_diffusion_3.pipeline_stable_diffusion_3_inpaint"),
+            True),
+    "flux": (FLUX_IMG2IMG, True), "flux_true_cfg": (FLUX_IMG2IMG, True),
+    "flux_kontext": (_own_vae_encoding("FluxKontextPipeline", "flux.pipeline_flux_kontext"), False),
+    "chroma": (_own_vae_encoding("ChromaImg2ImgPipeline", "chroma.pipeline_chroma_img2img"), True),
+    "flux2": (FLUX2, False), "flux2_klein": (FLUX2, False),
+    "qwen_image": (_video_vae, True), "qwen_image_edit_plus": (_video_vae, True),
+    "z_image": (FLUX_IMG2IMG, True), "lumina2": (FLUX_IMG2IMG, True), "hidream": (FLUX_IMG2IMG, True),
+    "cogview4": (_scaled_posterior, True), "sana": (_dc_ae, False),
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_encode_images_is_the_familys_own_vae_encoding(name):
+    family, pipe = FAMILIES[name], tiny_pipeline(name)
+    model = wrap_pipeline(pipe)
+    reference, draws = VAE_ENCODING[name]
+    size = model.image_size_for(family.sizes[-1]) if hasattr(model, "image_size_for") else family.sizes[-1]
+    images = torch.rand(2, 3, *size, generator=torch.Generator().manual_seed(2))
+    pixels = (2.0 * images - 1.0).to(pipe.vae.dtype)
+    with torch.no_grad():
+        ours = model.encode_images(images, sample=draws, generator=torch.Generator().manual_seed(3),
+                                   dtype=pipe.vae.dtype)
+        theirs = reference(pipe, pixels, torch.Generator().manual_seed(3))
+    assert tuple(ours.shape) == model.latent_shape(2, size)
+    assert torch.equal(ours, theirs)
 
 
 def perturb_lora(model, seed=0):
@@ -173,6 +238,22 @@ def test_the_default_method_trains_on_the_family_from_its_directory(name, saved_
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_tree_preset_trains_on_the_family(name, saved_pipelines, tmp_path):
+    """BranchGRPO's tree rollout and credit (4 leaves per prompt: splits at steps 0 and 1, branching 2)."""
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import GRPOTrainer
+
+    values = {**small_run_values(saved_pipelines(name), tmp_path / "run"), "sampling.image_size": FAMILIES[name].sizes[0][0],
+              "train.checkpoint_every": 0, "data.group_size": 4, "sampling.batch_size": 4,
+              "rollout.split_steps": "[0, 1]", "sampling.num_steps": 4}
+    config = load_config(TrainConfig, preset_path("branch_grpo"), [f"{k}={v}" for k, v in values.items()])
+    history = GRPOTrainer(config).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
 def test_every_registered_family_is_under_the_contract_and_in_the_models_guide():
     """The guide's families table names exactly the registered families, each with its pipeline class, and every
     registered adapter has a contract row here."""
@@ -187,3 +268,4 @@ def test_every_registered_family_is_under_the_contract_and_in_the_models_guide()
     registered = {name: MODEL_FAMILIES.get(name).pipeline_class_name for name in MODEL_FAMILIES}
     assert table == registered
     assert {MODEL_FAMILIES.get(name) for name in MODEL_FAMILIES} <= {family.adapter for family in FAMILIES.values()}
+    assert set(VAE_ENCODING) == set(FAMILIES)
