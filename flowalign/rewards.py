@@ -174,6 +174,8 @@ REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
                                                negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
+# Editing: how much of its condition image (the prompt line's "images") a sample keeps.
+REWARDS.register("source_similarity", _lazy("source_similarity", "SourceSimilarity"))
 # DRL's discriminator logit (`flowalign reward train-discriminator` writes the checkpoint its path= names).
 REWARDS.register("discriminator", _lazy("discriminator", "DiscriminatorReward",
                                         negative_scores="it is a logit, log q/p_base: negative where a sample looks "

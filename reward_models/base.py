@@ -3,7 +3,8 @@
 ``model.forward(images, prompts, metadata=None) -> [B]`` takes ``images [B, 3, H, W]`` in [0, 1] on the model's device
 and keeps the autograd graph: it is the differentiable entry point of ``flowalign.rewards`` that reward-gradient
 guidance (RGS, FK's RGS proposals) and RG-OPD call, through ``flowalign.rewards.differentiable_score`` (which moves the
-images to ``model.device`` and the scores back). ``metadata`` is accepted for the common signature and ignored.
+images to ``model.device`` and the scores back). ``metadata`` (one dict per image, or None) reaches ``forward`` with
+the images of its chunk; most models ignore it (``source_similarity`` reads the condition images' paths from it).
 ``model(images, prompts, metadata)`` is the reward protocol of ``flowalign.rewards`` for values only: it converts any
 image input (``reward_models.images.as_image_batch``), scores ``batch_size`` images at a time under
 ``torch.no_grad()`` and returns float32 scores on the CPU, so it never carries a gradient. Preprocessing (resize, crop,
@@ -50,7 +51,8 @@ class RewardModel:
         with torch.no_grad():
             for start in range(0, batch.shape[0], self.batch_size):
                 chunk = batch[start : start + self.batch_size].to(self.device)
-                scores.append(self.forward(chunk, prompts[start : start + self.batch_size]).float().cpu())
+                rows = None if metadata is None else list(metadata)[start : start + self.batch_size]
+                scores.append(self.forward(chunk, prompts[start : start + self.batch_size], rows).float().cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
     def __repr__(self) -> str:

@@ -119,3 +119,71 @@ def test_flowalign_sample_passes_the_condition_images_to_the_model_and_the_rewar
     assert received == [entry["images"] for entry in entries]
     plain = run_guided(model, [{"prompt": e["prompt"]} for e in entries], config, reward_fn=edit_reward)
     assert not torch.equal(edited.final, plain.final)
+
+
+# ------------------------------------------------------------------------- source_similarity, the editing reward
+def test_source_similarity_pixel_is_one_minus_the_mean_absolute_difference_to_the_resized_source(tmp_path):
+    from flowalign.rewards import build_reward
+
+    source = write_png(tmp_path / "src.png", seed=3, size=(64, 64))
+    reward = build_reward("source_similarity")
+    metadata = [{"images": [str(source)]}] * 3
+    from flowalign.reward_models.source_similarity import source_tensor
+
+    resized = source_tensor(str(source), (32, 32))
+    assert resized.shape == (3, 32, 32) and 0 <= resized.min() and resized.max() <= 1
+    images = torch.stack([resized, (resized + 0.1).clamp(max=1.0), 1.0 - resized])
+    scores = reward(images, ["keep it"] * 3, metadata)
+    assert scores[0] == pytest.approx(1.0, abs=1e-6)
+    assert scores[1] == pytest.approx(1.0 - float((images[1] - resized).abs().mean()), abs=1e-6)
+    assert scores[2] == pytest.approx(1.0 - float((2 * resized - 1).abs().mean()), abs=1e-6)
+    # differentiable in the sample: a gradient reaches the images
+    x = images.clone().requires_grad_(True)
+    reward.forward(x, ["keep it"] * 3, metadata).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+
+
+def test_source_similarity_clip_is_the_image_embeddings_cosine(tmp_path):
+    from reward_fixtures import register_tiny_open_clip, tiny_open_clip_checkpoint
+
+    from flowalign.reward_models.clipscore import clip_preprocess
+    from flowalign.reward_models.open_clip_backbone import encode_image
+    from flowalign.rewards import build_reward
+
+    (tmp_path / "clip").mkdir()
+    register_tiny_open_clip(tmp_path / "clip")
+    weights = tiny_open_clip_checkpoint(tmp_path / "clip", seed=0)
+    reward = build_reward("source_similarity", metric="clip", weights=str(weights), model_name="flowalign-tiny-clip",
+                          quick_gelu=False, device="cpu")
+    paths = [str(write_png(tmp_path / f"s{i}.png", seed=i)) for i in range(2)]
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    scores = reward(images, ["a", "b"], [{"images": [p]} for p in paths])
+    sources = reward.sources(images, ["a", "b"], [{"images": [p]} for p in paths])
+    with torch.no_grad():
+        a = encode_image(reward.model, clip_preprocess(images, reward.image_size))
+        b = encode_image(reward.model, clip_preprocess(sources, reward.image_size))
+    torch.testing.assert_close(scores, (a * b).sum(dim=-1), rtol=1e-5, atol=1e-6)
+    same = reward(sources, ["a", "b"], [{"images": [p]} for p in paths])
+    torch.testing.assert_close(same, torch.ones(2), rtol=0, atol=1e-5)
+
+
+def test_source_similarity_refuses_a_sample_without_its_source_and_a_bad_setting():
+    from flowalign.rewards import build_reward
+
+    reward = build_reward("source_similarity")
+    with pytest.raises(ValueError, match=r"prompt 'a red circle' has 0 condition image.*\"images\" list"):
+        reward(torch.rand(1, 3, 8, 8), ["a red circle"], [{}])
+    with pytest.raises(ValueError, match="metric must be one of pixel, clip, got 'lpips'"):
+        build_reward("source_similarity", metric="lpips")
+    with pytest.raises(ValueError, match="image must be an index >= 0"):
+        build_reward("source_similarity", image=-1)
+
+
+def test_kontext_trains_with_the_source_similarity_reward_by_name(tmp_path):
+    path = editing_prompts(tmp_path)
+    config = run_values(tmp_path, path, **{"reward.rewards": "[{name: source_similarity}]"})
+    model = wrap_pipeline(fresh_pipeline("flux_kontext"))
+    history = GRPOTrainer(config, model=model).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    rewards = [h["rewards/source_similarity/mean"] for h in history]
+    assert all(0.0 < r < 1.0 for r in rewards), rewards

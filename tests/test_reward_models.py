@@ -364,17 +364,18 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
     from flowalign.reward_models.jpeg import JpegCompressibility
     from flowalign.reward_models.pickscore import PickScore
     from flowalign.reward_models.shell_lcc import ShellLCCReward
+    from flowalign.reward_models.source_similarity import SourceSimilarity
 
     classes = {"pickscore": PickScore, "hps": HPSv2, "imagereward": ImageRewardModel, "clipscore": CLIPScore,
                "aesthetic": LaionAesthetic, "jpeg_compressibility": JpegCompressibility,
                "jpeg_incompressibility": JpegCompressibility, "geneval": GenEvalReward,
-               "discriminator": DiscriminatorReward, "shell_lcc": ShellLCCReward}
+               "discriminator": DiscriminatorReward, "shell_lcc": ShellLCCReward, "source_similarity": SourceSimilarity}
     for name, cls in classes.items():
         assert reward_class(name) is cls
     # exactly the scorers with a differentiable forward (the zoo's five, DRL's discriminator, the Shell-LCC manifold,
-    # the soft toy reward, brightness)
+    # the editing reward, the soft toy reward, brightness)
     assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "discriminator", "hps", "imagereward",
-                                        "pickscore", "shell_lcc", "toy_geneval_soft"]
+                                        "pickscore", "shell_lcc", "source_similarity", "toy_geneval_soft"]
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
                                                            "jpeg_incompressibility", "toy_geneval"}
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
