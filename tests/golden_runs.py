@@ -206,7 +206,7 @@ def record(name: str, digests: dict, values: dict, *, reference: bool) -> None:
     baselines["digests"].setdefault(fingerprint(), {})[name] = digests
     if reference or not (GOLDEN / f"{name}.safetensors").is_file():
         save_reference(name, values)
-        baselines["reference"] = fingerprint()
+        baselines["reference"][name] = fingerprint()  # the platform each run's reference values come from
     GOLDEN.mkdir(parents=True, exist_ok=True)
     BASELINES.write_text(json.dumps(baselines, indent=1, sort_keys=True) + "\n")
 

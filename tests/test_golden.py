@@ -62,7 +62,7 @@ def shell_lcc_settings(name, manifold):
 
 # The model presets of the families beyond SD3 and FLUX run on their tiny pipelines, built when first asked for.
 FAMILY_PRESETS = {"qwen_image": "qwen_image", "z_image": "z_image", "flux2_klein": "flux2_klein", "flux2_dev": "flux2",
-                  "flux_kontext": "flux_kontext"}
+                  "flux_kontext": "flux_kontext", "qwen_image_edit_plus": "qwen_image_edit_plus"}
 
 
 def _model(name, golden_models):

@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
-                                        "flux2_klein", "flux_kontext"}
+                                        "flux2_klein", "flux_kontext", "qwen_image_edit_plus"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))
@@ -350,6 +350,28 @@ def test_flux_kontext_preset_has_flow_grpos_settings_and_trains_on_editing_promp
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
     assert history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
+
+
+def test_qwen_image_edit_plus_preset_has_flow_grpos_edit_settings_and_trains_on_editing_prompts(tmp_path):
+    from model_families import edit_plus_areas, tiny_pipeline
+    from test_editing import editing_prompts
+
+    path = REPO / "configs/models/qwen_image_edit_plus.yaml"
+    preset = load_config(TrainConfig, path, [])
+    assert (preset.model.family, preset.sampling.num_steps, preset.sampling.noise_level, preset.sampling.window_size,
+            preset.sampling.guidance_scale, preset.model.lora_rank, preset.model.lora_alpha, preset.optim.lr,
+            preset.data.group_size, preset.sampling.batch_size, preset.loss["grpo"].beta, preset.advantage.std,
+            preset.sampling.image_size, preset.optim.ema_decay, preset.model.gradient_checkpointing) == \
+        ("qwen_image_edit_plus", 10, 1.0, None, 4.0, 64, 128, 3e-4, 16, 4, 0.0, "global", 512, 0.0, True)
+    assert preset.sampling.stochastic_steps() == 9  # every step but the last: no SDE window
+    tiny_pipeline("qwen_image_edit_plus").save_pretrained(tmp_path / "edit")
+    config = load_config(TrainConfig, path, small_run(tmp_path / "edit", tmp_path,
+                                                      **{"data.train_prompts": editing_prompts(tmp_path),
+                                                         "model.gradient_checkpointing": "false"}))
+    with edit_plus_areas():  # the tiny model's condition-image areas
+        history = GRPOTrainer(config).train()
+    assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # true CFG: two passes a step
+    assert history[0]["first_ratio_max"] == 1.0
 
 
 def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_at_zero_lora(tiny_paths, tmp_path):
