@@ -82,7 +82,7 @@ def tiny_checkpoint(root: Path, build=tiny_sd3_pipeline, *, ema: bool = True) ->
     checkpoint = save_checkpoint(
         root / "run", 1, trainable=trainable, optimizer=torch.optim.SGD(trainable.values(), lr=0.1), state={},
         config_yaml=yaml.safe_dump(to_dict(config)), ema={n: p.detach() * 0.5 for n, p in trainable.items()} if ema
-        else None, write_lora=model.save_lora)
+        else None, write_model=model.save_trained)
     return checkpoint, model_dir
 
 

@@ -295,19 +295,20 @@ class RegisterGuidance(ProcessRewardGuidance):
         model, registers = self.model, self.registers
         guide = registers.guide(context.per_row_velocity(cond))
         evals = guide.evals_per_sample
-        reference = model.reference if model.has_lora else nullcontext
+        reference = model.reference if model.has_reference else nullcontext
 
         def score(x: Tensor, v: Tensor | None, sigma: Tensor, gradient: bool) -> tuple[Tensor, Tensor | None]:
             rows = torch.arange(x.shape[0], device=x.device)
-            registers.attach(model.transformer)  # only around this pass: the rollout's own passes stay unread
-            try:
-                with reference(), torch.enable_grad() if gradient else torch.no_grad():
+            with reference(), torch.enable_grad() if gradient else torch.no_grad():
+                # only around this pass (the rollout's own passes stay unread), on the module that runs it
+                registers.attach(model.active_transformer)
+                try:
                     x_in = x.detach().requires_grad_(gradient)
                     _, scores = guide(x_in, sigma, rows)
                     prm = scores.float().sum(dim=1)
                     grad = torch.autograd.grad(prm.sum(), x_in)[0] if gradient else None
-            finally:
-                registers.detach()
+                finally:
+                    registers.detach()
             record["nfe"] += x.shape[0] * evals
             record["backward_nfe"] += x.shape[0] * evals if gradient else 0  # through both CFG halves
             return prm.detach().double().cpu(), grad

@@ -119,18 +119,18 @@ class RegisterCredit(CreditEstimator):
         velocity, rows = context.per_row_velocity(batch.cond), torch.arange(size)
         rewards = torch.empty(size, num_steps + 1, dtype=torch.float64)
         positions = range(num_steps + 1)
-        reference = model.reference() if model.has_lora else nullcontext()
+        reference = model.reference() if model.has_reference else nullcontext()
         read = batch.extras.get(RegisterReader.name)
         if read is not None:
             rewards[:, :num_steps] = read
             positions, reference = [num_steps], nullcontext()
-        registers.attach(model.transformer)
-        try:
-            with reference, context.autocast():
+        with reference, context.autocast():
+            registers.attach(model.active_transformer)  # the reference's own module under a full fine-tune
+            try:
                 for k in positions:
                     states = t.states[k * size: (k + 1) * size]  # node id = step * batch + row
                     _, scores = registers.read(velocity, states, sigmas[k].expand(size), rows)
                     rewards[:, k] = scores.sum(dim=1).double().cpu()
-        finally:
-            registers.detach()
+            finally:
+                registers.detach()
         return rewards, len(positions) * size * velocity.evals_per_sample

@@ -186,7 +186,14 @@ class FlowModel:
     def transformer(self) -> torch.nn.Module:
         return self.pipe.transformer
 
+    # Full fine-tuning (``make_full_finetune``): a frozen copy of the base transformer is the reference policy.
+    reference_transformer: torch.nn.Module | None = None
+    reference_offload: bool = False
+    _reference_active: bool = False
+
     def run_transformer(self, **inputs):
+        if self._reference_active and self.reference_transformer is not None:
+            return self.reference_transformer(**inputs)
         return (self.forward_module or self.transformer)(**inputs)
 
     @property
@@ -460,9 +467,59 @@ class FlowModel:
     def has_lora(self) -> bool:
         return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
 
+    @property
+    def has_reference(self) -> bool:
+        """Whether ``reference()`` has a reference policy: a LoRA adapter to disable, or a full fine-tune's copy."""
+        return self.has_lora or self.reference_transformer is not None
+
+    @property
+    def active_transformer(self) -> torch.nn.Module:
+        """The module a forward pass runs now: the reference copy inside a full fine-tune's ``reference()``, else
+        the transformer (hooks that read a pass attach here)."""
+        if self._reference_active and self.reference_transformer is not None:
+            return self.reference_transformer
+        return self.transformer
+
+    @property
+    def full_finetune(self) -> bool:
+        return self.reference_transformer is not None
+
+    def make_full_finetune(self, *, offload: bool = False) -> None:
+        """Train every transformer weight: keep a frozen copy of the base transformer as the reference policy (on the
+        CPU between reference passes with ``offload``, moved to the device for each), and make the trained weights
+        fp32 master weights (compute in a lower dtype comes from autocast, ``model.mixed_precision``).
+
+        At the start the policy and the copy hold the same values, so the reference is bitwise the policy while the
+        base weights are fp32 (the toy world), and the policy's autocast compute otherwise."""
+        if self.has_lora:
+            raise RuntimeError("make_full_finetune: this model has a LoRA adapter; full fine-tuning trains the base "
+                               "weights themselves")
+        if self.reference_transformer is None:
+            self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).eval()
+            if offload:
+                self.reference_transformer.to("cpu")
+        self.reference_offload = offload
+        for param in self.transformer.parameters():
+            param.data = param.data.float()
+            param.requires_grad_(True)
+        for module in (self.pipe.vae, *self.text_encoders()):
+            module.requires_grad_(False)
+
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
-        """The reference policy: the same transformer with its LoRA adapter disabled (bitwise the base model)."""
+        """The reference policy: the transformer with its LoRA adapter disabled (bitwise the base model), or for a
+        full fine-tune the frozen copy of the base transformer (``make_full_finetune``)."""
+        if self.reference_transformer is not None:
+            if self.reference_offload:
+                self.reference_transformer.to(self.device)
+            self._reference_active = True
+            try:
+                yield
+            finally:
+                self._reference_active = False
+                if self.reference_offload:
+                    self.reference_transformer.to("cpu")
+            return
         if not self.has_lora:
             raise RuntimeError("the reference model is the LoRA-disabled transformer: call add_lora() first")
         self.transformer.disable_adapters()
@@ -502,6 +559,16 @@ class FlowModel:
             safe_serialization=True,
         )
         return directory
+
+    def save_trained(self, checkpoint: str | Path) -> Path:
+        """What trains, in diffusers' format, under ``checkpoint``: ``lora/`` (``save_lora``) or, for a full
+        fine-tune, ``transformer/`` (``save_pretrained``: the fp32 master weights, read back by the transformer
+        class's ``from_pretrained``). Returns the folder written."""
+        if self.full_finetune:
+            folder = Path(checkpoint) / "transformer"
+            self.transformer.save_pretrained(folder, safe_serialization=True)
+            return folder
+        return self.save_lora(Path(checkpoint) / "lora")
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]

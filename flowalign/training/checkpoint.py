@@ -3,6 +3,8 @@
 A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run needs to continue exactly:
 
 * ``lora/pytorch_lora_weights.safetensors``: the adapter in diffusers' format (``pipe.load_lora_weights`` reads it);
+  or, for a full fine-tune, ``transformer/``: the trained transformer in diffusers' format
+  (``<TransformerClass>.from_pretrained`` reads it);
 * ``trainable.safetensors``: the trainable tensors by parameter name (what resuming loads; exact, any format);
 * ``ema.safetensors``: the EMA of the trainable weights, when EMA is on;
 * ``optimizer.pt``: the optimizer state;
@@ -101,12 +103,13 @@ def save_checkpoint(
     state: dict[str, Any],
     config_yaml: str,
     ema: dict[str, torch.Tensor] | None = None,
-    write_lora=None,
+    write_model=None,
     keep: int | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoint-<iteration>`` atomically and keep only the newest ``keep`` checkpoints.
 
-    ``write_lora(directory)`` writes the diffusers-format adapter (``FlowModel.save_lora``). Call on the main process
+    ``write_model(directory)`` writes the trained weights in diffusers' format into the checkpoint directory
+    (``FlowModel.save_trained``: ``lora/`` or ``transformer/``). Call on the main process
     only; other processes save their RNG state with ``save_process_rng``.
     """
     run_dir = Path(run_dir)
@@ -122,8 +125,8 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / "rng-0.pt")
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
-    if write_lora is not None:
-        write_lora(tmp / "lora")
+    if write_model is not None:
+        write_model(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same iteration (e.g. after a resume): replace it whole
         shutil.rmtree(final)

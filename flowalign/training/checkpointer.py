@@ -52,7 +52,7 @@ class Checkpointer:
             path = save_checkpoint(
                 trainer.out_dir, trainer.iteration, trainable=trainer.trainable_state(),
                 optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
-                ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_lora=trainer.model.save_lora,
+                ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_model=trainer.model.save_trained,
                 keep=trainer.config.train.keep_checkpoints,
             )
         trainer.accelerator.wait_for_everyone()

@@ -60,6 +60,11 @@ class ModelConfig:
                                 "model's files")
     dtype: Literal["fp32", "bf16", "fp16"] = option("fp32", "dtype of the frozen base weights")
     mixed_precision: Literal["no", "bf16", "fp16"] = option("no", "autocast dtype for forward passes; no = off")
+    finetune: Literal["lora", "full"] = option(
+        "lora", "what trains: a LoRA adapter on frozen weights, or every transformer weight (full: fp32 master "
+        "weights, a frozen copy of the base as the reference policy)")
+    reference_offload: bool = option(False, "full fine-tuning: keep the frozen reference copy on the CPU between "
+                                            "reference passes (moved to the device for each)")
     lora_rank: int = option(8, "LoRA rank")
     lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
@@ -85,6 +90,13 @@ class ModelConfig:
             _check(len(self.lora_targets) > 0, "model.lora_targets", "must list at least one module (or be null)")
             _check(all(self.lora_targets), "model.lora_targets", f"has an empty module name: {self.lora_targets}")
         _at_least("model.max_sequence_length", self.max_sequence_length, 1)
+        _check(self.finetune == "full" or not self.reference_offload, "model.reference_offload",
+               "= true offloads a full fine-tune's reference copy; with model.finetune = 'lora' the reference is the "
+               "LoRA-disabled model itself: set model.finetune: full, or drop reference_offload")
+        _check(self.finetune == "lora" or self.dtype == "fp32" or self.mixed_precision != "no",
+               "model.mixed_precision",
+               f"= 'no' with model.finetune = 'full' and model.dtype = {self.dtype!r}: a full fine-tune trains fp32 "
+               f"master weights, so {self.dtype} compute needs autocast: set model.mixed_precision: {self.dtype}")
         _check(
             self.dtype == "fp32" or self.mixed_precision in ("no", self.dtype),
             "model.mixed_precision",

@@ -78,7 +78,9 @@ def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
 
 
 def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
-    """The model of ``model.path`` (or ``model``) with a fresh LoRA adapter on frozen weights; LoRA weights in fp32."""
+    """The model of ``model.path`` (or ``model``) with a fresh LoRA adapter on frozen weights, LoRA weights in fp32;
+    or, with ``model.finetune: full``, every transformer weight trained as an fp32 master weight beside a frozen
+    reference copy of the base (``FlowModel.make_full_finetune``)."""
     cfg = config.model
     if model is None:
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
@@ -87,6 +89,9 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
         enable_xformers(model)
     if cfg.gradient_checkpointing:
         model.transformer.enable_gradient_checkpointing()
+    if cfg.finetune == "full":
+        model.make_full_finetune(offload=cfg.reference_offload)
+        return model
     if not model.has_lora:
         model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
     model.freeze_base()
