@@ -262,13 +262,20 @@ def generate(
     prompts = [_prompt_text(entry) for entry in metadata_list]
     sigmas = model.sigmas(steps, image_size)
     images = []
-    batches = _batches(_rows(len(prompts), images_per_prompt), batch_size, shard)
+    rows = _rows(len(prompts), images_per_prompt)
+    batches = _batches(rows, batch_size, shard)
+    # A sharded model (FSDP2) runs every forward as a collective: a process with fewer batches samples its first
+    # batch again, unused, so that every process runs as many forwards.
+    padding = (math.ceil(len(_batches(rows, batch_size, None)) / shard[1]) - len(batches)
+               if shard is not None and getattr(model, "collective_forwards", False) else 0)
     with torch.no_grad(), progress_bar(sum(map(len, batches)), progress) as bar:
-        for batch in batches:
+        for index, batch in enumerate(batches + [_batches(rows, batch_size, None)[0]] * padding):
             noise = initial_noise(model, batch, seed, image_size)
-            images.append(_sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale,
-                                        [_condition_paths(metadata_list[p]) for p, _ in batch]))
-            bar.update(len(batch))
+            sampled = _sample_batch(model, [prompts[p] for p, _ in batch], noise, sigmas, guidance_scale,
+                                    [_condition_paths(metadata_list[p]) for p, _ in batch])
+            if index < len(batches):
+                images.append(sampled)
+                bar.update(len(batch))
     return torch.cat(images) if images else torch.zeros(0)
 
 

@@ -190,6 +190,8 @@ class FlowModel:
     reference_transformer: torch.nn.Module | None = None
     reference_offload: bool = False
     _reference_active: bool = False
+    # Set by a sharded engine (FSDP2): every forward pass is a collective, so every process must run as many.
+    collective_forwards: bool = False
 
     def run_transformer(self, **inputs):
         if self._reference_active and self.reference_transformer is not None:
@@ -528,14 +530,15 @@ class FlowModel:
         finally:
             self.transformer.enable_adapters()
 
-    def lora_state_dict(self) -> dict[str, Tensor]:
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The adapter's tensors in peft's naming (from ``state_dict`` when given: a sharded run's gathered ones)."""
         from peft.utils import get_peft_model_state_dict
 
         if not self.has_lora:
             raise RuntimeError("this model has no LoRA adapter: call add_lora() first")
-        return get_peft_model_state_dict(self.transformer)
+        return get_peft_model_state_dict(self.transformer, state_dict=state_dict)
 
-    def save_lora(self, directory: str | Path) -> Path:
+    def save_lora(self, directory: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """Write the adapter in diffusers' format: ``pipe.load_lora_weights(directory)`` reads it back.
 
         A pipeline class without a LoRA loader (no ``save_lora_weights``) gets the transformer's own adapter format
@@ -549,26 +552,42 @@ class FlowModel:
             logger.warning("%s has no LoRA loader (save_lora_weights): wrote the adapter in the transformer's own "
                            "format to %s instead; load it with transformer.load_lora_adapter(%r, prefix=None, use_safetensors=True)",
                            pipeline_class.__name__, directory, str(directory))
-            self.transformer.save_lora_adapter(directory, safe_serialization=True)
+            from diffusers.loaders.lora_base import LoraBaseMixin
+
+            # what transformer.save_lora_adapter writes, from the given (gathered) tensors too
+            LoraBaseMixin.write_lora_layers(
+                state_dict=self.lora_state_dict(state_dict), save_directory=str(directory), is_main_process=True,
+                weight_name="pytorch_lora_weights.safetensors", save_function=None, safe_serialization=True,
+                lora_adapter_metadata=self.transformer.peft_config["default"].to_dict())
             return directory
         # The adapter metadata carries lora_alpha: without it a loader assumes alpha = rank and rescales the update.
         pipeline_class.save_lora_weights(
             directory,
-            transformer_lora_layers=self.lora_state_dict(),
+            transformer_lora_layers=self.lora_state_dict(state_dict),
             transformer_lora_adapter_metadata=self.transformer.peft_config["default"].to_dict(),
             safe_serialization=True,
         )
         return directory
 
-    def save_trained(self, checkpoint: str | Path) -> Path:
+    def save_trained(self, checkpoint: str | Path, state_dict: dict[str, Tensor] | None = None) -> Path:
         """What trains, in diffusers' format, under ``checkpoint``: ``lora/`` (``save_lora``) or, for a full
-        fine-tune, ``transformer/`` (``save_pretrained``: the fp32 master weights, read back by the transformer
-        class's ``from_pretrained``). Returns the folder written."""
+        fine-tune, ``transformer/`` (the transformer's ``config.json`` and ``diffusion_pytorch_model.safetensors``
+        with the fp32 master weights, read back by the transformer class's ``from_pretrained``). Returns the folder.
+
+        ``state_dict`` (a sharded run's all-gathered tensors: the trainable ones, or the whole transformer state of a
+        full fine-tune) replaces reading the module's own parameters."""
         if self.full_finetune:
             folder = Path(checkpoint) / "transformer"
-            self.transformer.save_pretrained(folder, safe_serialization=True)
+            if state_dict is None:
+                self.transformer.save_pretrained(folder, safe_serialization=True)
+                return folder
+            from safetensors.torch import save_file
+
+            self.transformer.save_config(folder)
+            save_file({k: v.contiguous() for k, v in state_dict.items()},
+                      str(folder / "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
             return folder
-        return self.save_lora(Path(checkpoint) / "lora")
+        return self.save_lora(Path(checkpoint) / "lora", state_dict=state_dict)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]

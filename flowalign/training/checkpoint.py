@@ -13,6 +13,10 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 * ``state.json``: the iteration, the metrics history, and anything else the trainer keeps;
 * ``config.yaml``: the resolved config it was made with.
 
+A sharded run (``distributed.engine: fsdp2``) writes ``sharded/`` (``torch.distributed.checkpoint``: every process
+its shards of the trainable weights, the EMA and the optimizer state) instead of ``trainable.safetensors``,
+``ema.safetensors`` and ``optimizer.pt``; the rest is the same (``flowalign.training.engine``).
+
 It is written to a temporary sibling directory and renamed into place, so an interrupted save never leaves a partial
 checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
 
@@ -112,27 +116,46 @@ def save_checkpoint(
     (``FlowModel.save_trained``: ``lora/`` or ``transformer/``). Call on the main process
     only; other processes save their RNG state with ``save_process_rng``.
     """
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = run_dir / f"checkpoint-{iteration:06d}"
-    tmp = run_dir / f".tmp-checkpoint-{iteration:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    final, tmp = checkpoint_paths(run_dir, iteration)
+    begin_checkpoint(tmp)
     save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     if ema is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng-0.pt")
-    (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
-    (tmp / "config.yaml").write_text(config_yaml)
+    write_run_files(tmp, iteration, state, config_yaml)
     if write_model is not None:
         write_model(tmp)
+    return finish_checkpoint(tmp, final, keep)
+
+
+def checkpoint_paths(run_dir: str | Path, iteration: int) -> tuple[Path, Path]:
+    """``(final, temporary)`` directories of the checkpoint of ``iteration`` in ``run_dir``."""
+    run_dir = Path(run_dir)
+    return run_dir / f"checkpoint-{iteration:06d}", run_dir / f".tmp-checkpoint-{iteration:06d}"
+
+
+def begin_checkpoint(tmp: Path) -> None:
+    """An empty temporary directory to write a checkpoint into (main process)."""
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+
+
+def write_run_files(tmp: Path, iteration: int, state: dict[str, Any], config_yaml: str) -> None:
+    (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
+    (tmp / "config.yaml").write_text(config_yaml)
+
+
+def finish_checkpoint(tmp: Path, final: Path, keep: int | None) -> Path:
+    """Flush ``tmp``, rename it to ``final`` (replacing an earlier save of the same iteration whole) and keep only
+    the newest ``keep`` checkpoints: the newest complete checkpoint is always whole."""
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same iteration (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     if keep is not None:
-        for old in list_checkpoints(run_dir)[:-keep]:
+        for old in list_checkpoints(final.parent)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 
@@ -142,6 +165,17 @@ def save_process_rng(checkpoint: Path, rank: int) -> None:
     torch.save(rng_state(), Path(checkpoint) / f"rng-{rank}.pt")
 
 
+def load_run_state(checkpoint: str | Path, rank: int = 0) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, with this process's RNG restored (when the checkpoint has its file)."""
+    checkpoint = Path(checkpoint)
+    if not (checkpoint / "state.json").is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no state.json)")
+    rng_file = checkpoint / f"rng-{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(safe_load(rng_file, "a checkpoint's RNG states", allow=_numpy_array_globals()))
+    return json.loads((checkpoint / "state.json").read_text())
+
+
 def load_checkpoint(
     checkpoint: str | Path, *, trainable: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, rank: int = 0
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
@@ -149,6 +183,9 @@ def load_checkpoint(
     checkpoint = Path(checkpoint)
     if not (checkpoint / "state.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no state.json)")
+    if (checkpoint / "sharded").is_dir():
+        raise ValueError(f"{checkpoint} is a sharded checkpoint (distributed.engine: fsdp2): resume it with "
+                         "distributed.engine: fsdp2")
     saved = load_file(str(checkpoint / "trainable.safetensors"))
     missing = sorted(set(trainable) - set(saved))
     unexpected = sorted(set(saved) - set(trainable))
@@ -160,11 +197,8 @@ def load_checkpoint(
         for name, tensor in trainable.items():
             tensor.copy_(saved[name])
     optimizer.load_state_dict(safe_load(checkpoint / "optimizer.pt", "an optimizer state_dict"))
-    rng_file = checkpoint / f"rng-{rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(safe_load(rng_file, "a checkpoint's RNG states", allow=_numpy_array_globals()))
     ema = load_file(str(checkpoint / "ema.safetensors")) if (checkpoint / "ema.safetensors").is_file() else None
-    return json.loads((checkpoint / "state.json").read_text()), ema
+    return load_run_state(checkpoint, rank), ema
 
 
 def _fsync_tree(directory: Path) -> None:

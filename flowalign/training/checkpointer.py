@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 
 from flowalign.config import to_dict
-from flowalign.training.checkpoint import load_checkpoint, save_checkpoint, save_process_rng
+from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, load_checkpoint,
+                                           load_run_state, save_checkpoint, save_process_rng, write_run_files)
 from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume
 
 __all__ = ["Checkpointer"]
@@ -41,14 +42,20 @@ class Checkpointer:
         trainer.accelerator.wait_for_everyone()
         return None
 
+    def run_state(self) -> tuple[dict, str]:
+        trainer = self.trainer
+        last = trainer.last_advantages
+        state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist()}
+        return state, yaml.safe_dump(to_dict(trainer.config), sort_keys=False)
+
     def save(self) -> Path | None:
         """Write ``checkpoint-<iteration>`` (main process; every process its RNG); returns its path on the main."""
         trainer = self.trainer
+        if trainer.engine.sharded:
+            return self.save_sharded()
         path = None
         if trainer.is_main:
-            last = trainer.last_advantages
-            state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist()}
-            config_yaml = yaml.safe_dump(to_dict(trainer.config), sort_keys=False)
+            state, config_yaml = self.run_state()
             path = save_checkpoint(
                 trainer.out_dir, trainer.iteration, trainable=trainer.trainable_state(),
                 optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
@@ -61,9 +68,40 @@ class Checkpointer:
         trainer.accelerator.wait_for_everyone()
         return path
 
+    def save_sharded(self) -> Path | None:
+        """A sharded checkpoint: every process writes its shards (and its RNG) into the temporary directory, the
+        main process the run files and the diffusers-format weights, then renames it into place."""
+        trainer = self.trainer
+        accelerator = trainer.accelerator
+        final, tmp = checkpoint_paths(trainer.out_dir, trainer.iteration)
+        if trainer.is_main:
+            begin_checkpoint(tmp)
+        accelerator.wait_for_everyone()
+        trainer.engine.save(trainer, tmp / "sharded")
+        exported = trainer.engine.export_state(trainer)  # collective: gathered onto the main process
+        save_process_rng(tmp, accelerator.process_index)
+        if trainer.is_main:
+            state, config_yaml = self.run_state()
+            write_run_files(tmp, trainer.iteration, state, config_yaml)
+            trainer.model.save_trained(tmp, state_dict=exported)
+        accelerator.wait_for_everyone()
+        if trainer.is_main:
+            finish_checkpoint(tmp, final, trainer.config.train.keep_checkpoints)
+        accelerator.wait_for_everyone()
+        return final if trainer.is_main else None
+
     def resume(self, checkpoint: str | Path) -> None:
         """Load the trainable weights, EMA, optimizer, RNG and history of ``checkpoint`` (checked at set-up)."""
         trainer = self.trainer
+        if trainer.engine.sharded:
+            checkpoint = Path(checkpoint)
+            if not (checkpoint / "sharded").is_dir():
+                raise ValueError(f"{checkpoint} was written by distributed.engine: ddp (no sharded/ folder): resume "
+                                 "it with distributed.engine: ddp")
+            trainer.engine.load(trainer, checkpoint / "sharded")
+            state = load_run_state(checkpoint, trainer.accelerator.process_index)
+            trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
+            return
         state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
                                      optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
         if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)

@@ -387,6 +387,18 @@ class RunConfig:
             _at_least(f"train.{name}", getattr(self, name), low)
 
 
+@dataclass
+class DistributedConfig:
+    """How the model is laid out over the processes (``flowalign.training.engine``)."""
+
+    engine: Literal["ddp", "fsdp2"] = option(
+        "ddp", "ddp: the whole model on every process, gradients all-reduced; fsdp2: parameters, gradients and "
+        "optimizer state sharded per transformer block (FSDP2), sharded checkpoints that resume at any process count")
+    reshard_after_forward: bool = option(
+        True, "fsdp2: free each block's gathered weights after its forward (less memory, one more all-gather in "
+              "the backward)")
+
+
 # ------------------------------------------------------------------------------------------------ the whole config
 
 
@@ -445,6 +457,7 @@ class TrainConfig:
                                                            "losses on data units, interleaved into the minibatches")
     optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
     train: RunConfig = section(RunConfig, "run length, logging, checkpoints, evaluation")
+    distributed: DistributedConfig = section(DistributedConfig, "the distributed engine: DDP or FSDP2 sharding")
 
     @classmethod
     def migrate(cls, layer: Any) -> tuple[Any, list[str]]:

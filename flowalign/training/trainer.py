@@ -49,6 +49,7 @@ from flowalign.training.callbacks import RunLog, summarize_records
 from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.config import TrainConfig
 from flowalign.training.distributed import agreed, check_distributed_type, summed
+from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.policy import micro_batch, policy_output, unit_output
@@ -94,16 +95,17 @@ class GRPOTrainer:
         for part in self.parts.all():
             part.start_up()
             part.check_model(config.model.path if model is None else None)
+        self.engine = build_engine(config)
+        if model is None:
+            self.engine.check(config)
         torch.manual_seed(cfg.seed)  # the LoRA initialisation, identical on every process and layout
         self.model = load_policy(config, self.accelerator.device, model)
         for _, _, reward in self.rewards:  # a reward conditioned on the model's text embeddings takes them from it
             bind_reward_model(reward, self.model)
-        if self.accelerator.num_processes > 1:  # wrap before building the optimizer, as FSDP needs
-            self.model.forward_module = self.accelerator.prepare(self.model.transformer)
-        self.params = [p for p in (self.model.forward_module or self.model.transformer).parameters() if p.requires_grad]
+        self.params = self.engine.prepare(self)  # wrapped or sharded before the optimizer is built on them
         optim = config.optim
-        self.optimizer = self.accelerator.prepare(torch.optim.AdamW(
-            self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay))
+        self.optimizer = self.engine.optimizer(self, self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                               weight_decay=optim.weight_decay)
         self.ema = EMA(self.trainable_state(), optim.ema_decay) if optim.ema_decay > 0 else None
         self.iteration, self.history, self.stop_requested, self.last_advantages = 0, [], False, None
         for part in self.parts.all():
@@ -277,7 +279,7 @@ class GRPOTrainer:
                                        else self.objective_loss(name, unit))
                         self.accelerator.backward(loss / count)
                     (records if name is None else objective_records[name]).append({**stats, "epoch": epoch})
-                norms.append(float(self.accelerator.clip_grad_norm_(self.params, cfg.optim.max_grad_norm)))
+                norms.append(self.engine.clip_grad_norm(self, self.params, cfg.optim.max_grad_norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.ema is not None:

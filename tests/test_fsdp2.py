@@ -1,0 +1,188 @@
+"""The FSDP2 engine (``distributed.engine: fsdp2``): parameters, gradients and Adam state sharded per transformer block
+over real processes (``torchrun`` on CPU with gloo, and one process over a world of one), sharded checkpoints
+(``torch.distributed.checkpoint``) that resume bitwise at the same process count and reshard 2 -> 1 and 1 -> 2, and a
+two-"node" rendezvous on the loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowalign.config import load_config
+from flowalign.errors import SetupError
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import GRPOTrainer
+
+from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
+
+BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[1]
+LORA_FILE = "lora/pytorch_lora_weights.safetensors"
+
+
+def settings(model, out, **extra) -> list[str]:
+    values = {"model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8,
+              "reward.rewards": "[{name: brightness}]", "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"),
+              "data.prompts_per_iteration": 2, "data.group_size": 4, "sampling.num_steps": 8,
+              "sampling.batch_size": 2, "optim.minibatches": 2, "optim.lr": 3e-3, "train.iterations": 2,
+              "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
+              "train.checkpoint_every": 1, "train.out_dir": str(out), "distributed.engine": "fsdp2", **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_here(model, out, **extra) -> list[dict]:
+    """One process, in this one: FSDP2 over a world of one."""
+    return GRPOTrainer(load_config(TrainConfig, None, settings(model, out, **extra))).train()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(model, out, *, nproc=2, **extra) -> None:
+    """``torchrun --standalone --nproc_per_node nproc`` of ``flowalign train`` on CPU (gloo)."""
+    done = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "flowalign.cli", "train",
+         *settings(model, out, **extra)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(autouse=True)
+def one_world_per_test():
+    """A test that shards in this process leaves its world of one behind; the next test starts clean."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def lora(run: Path, iteration: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / f"checkpoint-{iteration:06d}" / LORA_FILE))
+
+
+def relative_difference(a: dict, b: dict, base: dict | None = None) -> float:
+    """``|a - b| / |b - base|`` over all tensors (``base``: zeros, the LoRA B matrices' start)."""
+    update = sum((b[k] - (0 if base is None else base[k])).double().pow(2).sum() for k in b).sqrt()
+    return float(sum((a[k] - b[k]).double().pow(2).sum() for k in b).sqrt() / update)
+
+
+def test_one_process_under_fsdp2_is_bitwise_the_ddp_run(tiny_model, tmp_path):
+    sharded = train_here(tiny_model, tmp_path / "fsdp2")
+    whole = train_here(tiny_model, tmp_path / "ddp", **{"distributed.engine": "ddp"})
+    assert [m["reward"] for m in sharded] == [m["reward"] for m in whole]
+    assert sharded[0]["first_ratio_max"] == 1.0
+    a, b = lora(tmp_path / "fsdp2", 2), lora(tmp_path / "ddp", 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    checkpoint = tmp_path / "fsdp2" / "checkpoint-000002"
+    assert (checkpoint / "sharded" / ".metadata").is_file() and not (checkpoint / "trainable.safetensors").exists()
+
+
+def test_a_sharded_checkpoint_resumes_bitwise_at_the_same_process_count(tiny_model, tmp_path):
+    extra = {"train.iterations": 3, "optim.ema_decay": 0.5}
+    train_here(tiny_model, tmp_path / "whole", **extra)
+    train_here(tiny_model, tmp_path / "split", **{**extra, "train.iterations": 2})
+    resumed = GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **{
+        **extra, "train.resume": "latest"})))
+    assert resumed.iteration == 2
+    resumed.train()
+    a, b = lora(tmp_path / "whole", 3), lora(tmp_path / "split", 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_two_processes_match_one_process_under_fsdp2(finetune, tiny_model, tmp_path):
+    """2 FSDP2 processes against 1 at the same global batch and seed: the weights agree to the reduce-scatter's
+    rounding (measured: about 1e-4 of the update's norm for LoRA)."""
+    extra = {"model.finetune": finetune}
+    train_here(tiny_model, tmp_path / "one", **extra)
+    launch(tiny_model, tmp_path / "two", **extra)
+    one, two = (json.loads((tmp_path / n / "checkpoint-000002" / "state.json").read_text())["history"]
+                for n in ("one", "two"))
+    assert [m["reward"] for m in one] == pytest.approx([m["reward"] for m in two], abs=1e-6)
+    if finetune == "lora":
+        assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "one", 2)) < 1e-3
+        return
+    from diffusers import SD3Transformer2DModel
+
+    def weights(run):
+        return dict(SD3Transformer2DModel.from_pretrained(run / "checkpoint-000002" / "transformer").state_dict())
+
+    base = dict(SD3Transformer2DModel.from_pretrained(tiny_model / "transformer").state_dict())
+    assert relative_difference(weights(tmp_path / "two"), weights(tmp_path / "one"), base) < 1e-3
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to_two(tiny_model, tmp_path):
+    """Saved on 2 processes, resumed on 1 (and the reverse): the resumed run continues the same run, agreeing
+    with the uninterrupted one to the reduce-scatter's rounding; a checkpoint that did not load would be an update
+    away."""
+    launch(tiny_model, tmp_path / "two")  # 2 iterations, a checkpoint after each
+    train_here(tiny_model, tmp_path / "one")
+    # 2 -> 1: resume the 2-process run's first checkpoint on one process
+    launch(tiny_model, tmp_path / "two-to-one", **{"train.iterations": 1})
+    train_here(tiny_model, tmp_path / "two-to-one", **{"train.resume": "latest"})
+    assert relative_difference(lora(tmp_path / "two-to-one", 2), lora(tmp_path / "two", 2)) < 1e-3
+    # 1 -> 2
+    train_here(tiny_model, tmp_path / "one-to-two", **{"train.iterations": 1})
+    launch(tiny_model, tmp_path / "one-to-two", **{"train.resume": "latest"})
+    assert relative_difference(lora(tmp_path / "one-to-two", 2), lora(tmp_path / "one", 2)) < 1e-3
+    # and the weights a resume loads are the checkpoint's, bitwise
+    trainer = GRPOTrainer(load_config(TrainConfig, None, settings(
+        tiny_model, tmp_path / "one-to-two", **{"train.resume": str(tmp_path / "one-to-two" / "checkpoint-000002"),
+                                                "train.iterations": 3})))
+    saved = lora(tmp_path / "one-to-two", 2)
+    loaded = trainer.model.lora_state_dict(trainer.engine.export_state(trainer))
+    assert {f"transformer.{k}" for k in loaded} == set(saved)
+    assert all(torch.equal(loaded[k], saved[f"transformer.{k}"]) for k in loaded)
+
+
+@pytest.mark.slow
+def test_two_nodes_rendezvous_on_the_loopback_and_train_as_two_processes(tiny_model, tmp_path):
+    """``torchrun --nnodes 2 --nproc-per-node 1`` twice on one machine, over a c10d rendezvous at 127.0.0.1: the
+    multi-node code path (node ranks, a rendezvous, a shared run directory) runs, and trains as 2 processes on one
+    node do."""
+    port = free_port()
+    command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-test", "-m", "flowalign.cli", "train",
+               *settings(tiny_model, tmp_path / "nodes")]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    launch(tiny_model, tmp_path / "one-node")
+    assert (tmp_path / "nodes" / "checkpoint-000002" / "rng-1.pt").is_file()
+    assert relative_difference(lora(tmp_path / "nodes", 2), lora(tmp_path / "one-node", 2)) < 1e-6
+
+
+def test_fsdp2_refuses_a_transformer_without_blocks_before_the_model_loads(tiny_model, tmp_path):
+    """A transformer whose blocks cannot be found (here a VAE's config in the transformer's place, built on the
+    meta device only) is refused naming distributed.engine, before any weight is read."""
+    model = tmp_path / "blockless"
+    (model / "transformer").mkdir(parents=True)
+    (model / "model_index.json").write_text((tiny_model / "model_index.json").read_text())
+    (model / "transformer" / "config.json").write_text((tiny_model / "vae" / "config.json").read_text())
+    with pytest.raises(SetupError, match=r"distributed.engine = fsdp2 shards the transformer per block.*AutoencoderKL"
+                                         r".*distributed.engine: ddp"):
+        GRPOTrainer(load_config(TrainConfig, None, settings(model, tmp_path / "run")))
+
+
+def test_resuming_with_another_engine_is_refused_before_the_model_loads(tiny_model, tmp_path):
+    train_here(tiny_model, tmp_path / "run", **{"train.iterations": 1})
+    with pytest.raises(Exception, match="distributed.engine"):
+        GRPOTrainer(load_config(TrainConfig, None, settings(
+            tmp_path / "no-model", tmp_path / "run", **{"distributed.engine": "ddp", "train.resume": "latest"})))
