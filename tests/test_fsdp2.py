@@ -186,3 +186,35 @@ def test_resuming_with_another_engine_is_refused_before_the_model_loads(tiny_mod
     with pytest.raises(Exception, match="distributed.engine"):
         GRPOTrainer(load_config(TrainConfig, None, settings(
             tmp_path / "no-model", tmp_path / "run", **{"distributed.engine": "ddp", "train.resume": "latest"})))
+
+
+@pytest.mark.slow
+def test_nodes_launched_with_different_configs_are_refused_naming_the_key(tiny_model, tmp_path):
+    """Two "nodes" whose overrides differ stop at set-up, before the model loads, each naming the key."""
+    port = free_port()
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(
+        [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-mismatch", "-m", "flowalign.cli", "train",
+         *settings(tiny_model, tmp_path / "run", **{"optim.lr": lr})],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for lr in (3e-3, 1e-3)]
+    outputs = [node.communicate(timeout=300) for node in nodes]
+    assert all(node.returncode != 0 for node in nodes)
+    errors = outputs[0][1] + outputs[1][1]
+    assert "do not run the same config" in errors and "optim.lr: 0.003 != 0.001" in errors, errors[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+RG_OPD = {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"}
+
+
+@pytest.mark.slow
+def test_rg_opd_second_forward_under_both_engines_and_two_processes(tiny_model, tmp_path):
+    """RG-OPD differentiates the soft reward through a second forward of the reference (the LoRA-disabled model):
+    under FSDP2 that forward all-gathers the blocks again. One process matches DDP bitwise, two match one."""
+    sharded = train_here(tiny_model, tmp_path / "fsdp2", **RG_OPD)
+    whole = train_here(tiny_model, tmp_path / "ddp", **RG_OPD, **{"distributed.engine": "ddp"})
+    assert [m["rg_opd"] for m in sharded] == [m["rg_opd"] for m in whole] and sharded[0]["rg_opd"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(lora(tmp_path / "fsdp2", 2).values(), lora(tmp_path / "ddp", 2).values()))
+    launch(tiny_model, tmp_path / "two", **RG_OPD)
+    assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "fsdp2", 2)) < 1e-3

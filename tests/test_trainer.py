@@ -326,6 +326,8 @@ SHARDED_CREDIT = {
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
     "euphonium": {"credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
                   "credit.normalize": "true", "credit.scale": 1.0},
+    # RG-OPD's second, grad-enabled forward of the reference inside DDP's forward/backward
+    "rg_opd": {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"},
 }
 
 
@@ -526,6 +528,22 @@ def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
     bad = subprocess.run([str(BIN / "flowalign"), "train", str(out), "sampling.num_steps=5"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "sampling.noise_table has 4 entries but sampling.num_steps = 5" in bad.stderr
+
+
+@pytest.mark.slow
+def test_calibration_on_two_processes_gathers_every_trajectory_and_matches_one_process(tiny_model, tmp_path):
+    args = overrides(tiny_model, tmp_path / "cal", **{"train.iterations": 1})
+    outs = {}
+    for n in (1, 2):
+        outs[n] = tmp_path / f"calibrated-{n}.yaml"
+        result = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(n), "-m",
+                                 "flowalign.cli", "calibrate", *args, "--rounds", "2", "--out", str(outs[n])],
+                                env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-2000:]
+    one, two = (outs[n].read_text() for n in (1, 2))
+    assert one == two  # the same counts of dR > 0 and dR < 0 per step in every round: all 8 trajectories each
+    assert "# round 0:" in one and load_config(TrainConfig, outs[2], []).sampling.noise_table
 
 
 def test_rg_opd_reward_kwargs_reach_its_constructor_before_the_model_loads(tmp_path):

@@ -50,6 +50,10 @@ def _run_calibrate(config, args: argparse.Namespace) -> None:
     options = args.options
     path, overrides = config_and_overrides(args.items)
     levels, history = calibrate(config, rounds=options.rounds, eps1=options.eps1, eps2=options.eps2)
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:  # every process holds the same levels; the main one writes them
+        return
     out = write_calibrated_config(options.out, levels, history, base=path, overrides=overrides, eps1=options.eps1,
                                   eps2=options.eps2)
     print(f"wrote {out}: sampling.noise_table = {levels}")

@@ -14,6 +14,10 @@ The output is a YAML config: ``base:`` the input config (when there is one), the
 ``sampling.noise_table`` with the calibrated levels, plus the per-round history as comments. Train with it directly:
 ``flowalign train calibrated.yaml``. Calibration runs SDE on every stochastic step of the base levels (an SDE window
 in the config is kept for training but ignored while calibrating, so every step is measured).
+
+On several processes (``torchrun ... flowalign calibrate``) every round gathers the dense rewards of all processes'
+trajectories before updating the levels, so every process holds the same table (the one a single process computes
+from the same samples), and only the main process writes the file.
 """
 
 from __future__ import annotations
@@ -69,7 +73,8 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
         context = trainer.credit_context(r, stochastic)
         increments = [dense_increments(intermediate_rewards(batch, set(range(num_steps + 1)), share, context)[0])
                       for batch, share in zip(batches, scores.slices(batches))]
-        dr = torch.cat(increments)
+        # every process's trajectories, in sample order: the same dR, so the same levels, on every process
+        dr = trainer.accelerator.gather(torch.cat(increments).to(trainer.accelerator.device)).cpu()
         history.append({
             "round": r,
             "levels": [round(float(x), 4) for x in levels],

@@ -1,7 +1,10 @@
 """The process layouts the trainer runs on, and the collectives of its loop.
 
-accelerate's distributed types the trainer runs on: one process, or data parallelism over processes (CPU, GPU or
-XPU). FSDP and DeepSpeed need the model and optimizer prepared together and sharded checkpoints: not supported yet.
+accelerate's distributed types the trainer launches on: one process, or processes over CPU (gloo), GPU or XPU. How the
+model is laid out over them is the trainer's engine (``distributed.engine``: DDP or FSDP2,
+``flowalign.training.engine``), not accelerate's: an accelerate config with its own FSDP or DeepSpeed plugin is
+refused. Before anything loads, every process checks that all of them run the same config (a node launched with
+other overrides would train another run in lockstep, or hang).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import torch
 
 from flowalign.errors import SetupError
 
-__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "summed"]
+__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "summed"]
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
 
@@ -20,9 +23,27 @@ def check_distributed_type(accelerator) -> None:
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind not in SUPPORTED_DISTRIBUTED_TYPES:
         raise SetupError(
-            f"accelerate distributed_type {kind} is not supported by flowalign train yet: it runs on one process or "
-            "with data parallelism (DDP) over processes, on CPU (gloo) or GPU. Launch with "
-            "configs/accelerate/ddp.yaml or configs/accelerate/multi_node.yaml, or torchrun")
+            f"accelerate distributed_type {kind} is not how flowalign train shards: launch with "
+            "configs/accelerate/ddp.yaml or configs/accelerate/multi_node.yaml (or torchrun) and set "
+            "distributed.engine: fsdp2 to shard the model with FSDP2 (or ddp, the default, for data parallelism)")
+
+
+def check_ranks_agree(accelerator, config_dict: dict) -> None:
+    """Refuse, on every process, a launch whose processes hold different configs, naming the keys and the values
+    each process holds (the config's resolved dict, ``flowalign.config.to_dict``)."""
+    if accelerator.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    from flowalign.config import diff_configs
+
+    configs = gather_object([config_dict])
+    differences = {rank: diff_configs(configs[0], other) for rank, other in enumerate(configs) if rank}
+    differences = {rank: lines for rank, lines in differences.items() if lines}
+    if differences:
+        shown = "; ".join(f"process {rank}: {', '.join(lines[:3])}" for rank, lines in differences.items())
+        raise SetupError(f"the processes of this launch do not run the same config (process 0 != process k): "
+                         f"{shown}. Launch every node with the same config file and overrides")
 
 
 def agreed(accelerator, flag: bool) -> bool:

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flowalign.config import to_dict
 from flowalign.credit import CreditContext
 from flowalign.data.condition_images import encode_kwargs
 from flowalign.errors import setup_phase
@@ -48,7 +49,7 @@ from flowalign.seeding import Purpose, generator
 from flowalign.training.callbacks import RunLog, summarize_records
 from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.config import TrainConfig
-from flowalign.training.distributed import agreed, check_distributed_type, summed
+from flowalign.training.distributed import agreed, check_distributed_type, check_ranks_agree, summed
 from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
@@ -80,6 +81,7 @@ class GRPOTrainer:
             mixed_precision=config.model.mixed_precision, log_with=None if cfg.tracker == "none" else cfg.tracker,
             project_dir=cfg.out_dir)
         check_distributed_type(self.accelerator)
+        check_ranks_agree(self.accelerator, to_dict(config))
         self.layout = config.check_batch(self.accelerator.num_processes)
         self.out_dir, self.checkpointer = Path(cfg.out_dir), Checkpointer(self)
         self.checkpoint = self.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
