@@ -11,6 +11,10 @@
 # 5. bench/train_iteration.py: every method preset for two iterations on CUDA in bf16 (time split, peak memory).
 # 6. A run with EMA on CUDA, stopped after one iteration and resumed for a second (the resumed EMA must sit on its
 #    parameters' device).
+# 7. bench/gpu_scale.py: a Flow-GRPO iteration on an SD3.5-Medium-sized transformer (2.24 B parameters, random
+#    weights, the real VAE architecture) in bf16 at 512 px, LoRA and full fine-tuning: rollout s/image, training
+#    s/transition, peak GPU memory, the rollout's TFLOP/s against the GPU's bf16 peak (at most 8 minutes).
+# ONLY=<part of a stage name> runs just the matching stages (after the install), e.g. ONLY=GPU-scale.
 # Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
 # fails or hangs still leaves the others' results.
 set -u
@@ -24,6 +28,9 @@ LOG="$OUT/all.log"
 stage() {  # stage SECONDS NAME COMMAND...
   local limit=$1 name=$2 start=$SECONDS
   shift 2
+  if [ -n "${ONLY:-}" ] && [[ "$name" != install* ]] && [[ "$name" != *"$ONLY"* ]]; then
+    return 0
+  fi
   echo "=== $name" | tee -a "$LOG"
   timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
   local status=${PIPESTATUS[0]}
@@ -40,6 +47,8 @@ stage 60 "install flowalign" "$PY" -m pip install -q --no-index --no-deps --no-b
 "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__,
 'device', torch.cuda.get_device_name())" 2>&1 | tee -a "$LOG"
 
+stage "${GPU_SCALE_LIMIT:-480}" "GPU-scale Flow-GRPO iteration, SD3.5-Medium-sized, bf16, 512 px" "$PY" \
+  bench/gpu_scale.py --out "$OUT/gpu_scale.json"
 stage 120 "kernel tests on CUDA" "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs
 stage 120 "kernel benchmark, bf16" "$PY" bench/kernels.py --dtype bf16 --out "$OUT/kernels_bf16.json"
 stage 200 "trainer log-probs in fp32 and bf16" "$PY" bench/mixed_precision.py --iterations 2 \

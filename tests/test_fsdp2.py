@@ -218,3 +218,20 @@ def test_rg_opd_second_forward_under_both_engines_and_two_processes(tiny_model, 
     assert all(torch.equal(a, b) for a, b in zip(lora(tmp_path / "fsdp2", 2).values(), lora(tmp_path / "ddp", 2).values()))
     launch(tiny_model, tmp_path / "two", **RG_OPD)
     assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "fsdp2", 2)) < 1e-3
+
+
+@pytest.mark.slow
+def test_fsdp2_holds_half_of_ddps_training_state_per_process(tmp_path):
+    """bench/scale.py's measured run: a full fine-tune on 2 processes; FSDP2's parameters + gradients + Adam state
+    per process is at most 60% of DDP's (half, plus what does not split evenly), and so is its reference copy."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import scale
+
+    rows = scale.measure(tmp_path)
+    ddp, fsdp2 = (max(r["state"] for r in rows[e]) for e in ("ddp", "fsdp2"))
+    assert fsdp2 <= 0.6 * ddp
+    assert max(r["reference"] for r in rows["fsdp2"]) <= 0.6 * max(r["reference"] for r in rows["ddp"])
+    assert all(r["gradients"] == r["parameters"] for e in rows for r in rows[e])  # every weight trains
+    computed = scale.computed_sd35_medium()
+    assert 2.2e9 < computed["transformer_parameters"] < 2.3e9  # SD3.5-Medium's published dimensions
+    assert computed["modes"]["full"]["total"] == 18 * computed["transformer_parameters"]
