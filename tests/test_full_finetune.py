@@ -102,8 +102,6 @@ def test_bad_full_fine_tune_settings_name_the_key():
 
 @pytest.mark.parametrize("preset", [p.stem for p in METHODS])
 def test_every_method_preset_trains_as_a_full_fine_tune(preset, tiny_model, tmp_path):
-    from test_golden import shell_lcc_settings  # noqa: F401 - the shell_lcc presets read a fitted manifold
-
     values = {**small_run_values(tiny_model, tmp_path / "run"), "train.checkpoint_every": 0,
               **SMALL_RUN_SHAPE.get(preset, {}), **FULL}
     extra = preset_extra(preset, tiny_model, tmp_path)

@@ -22,8 +22,10 @@ from the same samples), and only the main process writes the file.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import shutil
 import tempfile
 
 import os
@@ -56,8 +58,9 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
         raise SetupError(f"calibration samples independent trajectories: rollout.name must be 'group', got "
                          f"{config.rollout.name!r}")
     # Calibration samples with the trainer's parts but is no training run: it writes nothing into train.out_dir, so
-    # the trainer gets an empty scratch directory (its run-directory checks then never refuse it).
-    with tempfile.TemporaryDirectory(prefix="flowalign-calibrate-") as scratch:
+    # the trainer gets an empty scratch directory (its run-directory checks then never refuse it), the same one on
+    # every process (they check that they run one config).
+    with _scratch_directory() as scratch:
         run = dataclasses.replace(config.train, out_dir=scratch, resume=None, tracker="none", overwrite=False)
         trainer = GRPOTrainer(dataclasses.replace(config, train=run))
     num_steps = config.sampling.num_steps
@@ -85,6 +88,24 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
         logger.info("round %d: dR>0 %s, dR<0 %s -> levels %s", r, history[-1]["positive"], history[-1]["negative"],
                     [round(float(x), 3) for x in levels])
     return [round(float(x), 6) for x in levels], history
+
+
+@contextlib.contextmanager
+def _scratch_directory():
+    """A temporary directory the main process makes and names to every process; removed on exit."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    name = [tempfile.mkdtemp(prefix="flowalign-calibrate-") if state.is_main_process else None]
+    if state.num_processes > 1:
+        broadcast_object_list(name)
+    try:
+        yield name[0]
+    finally:
+        state.wait_for_everyone()
+        if state.is_main_process:
+            shutil.rmtree(name[0], ignore_errors=True)
 
 
 def write_calibrated_config(out: str | os.PathLike, levels: list[float], history: list[dict], *,
