@@ -18,15 +18,16 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
-# One pytest-xdist worker per core (tests/conftest.py gives each one intra-op thread).
+# One pytest-xdist worker per core (tests/conftest.py gives each one intra-op thread); an idle worker steals queued
+# tests from a busy one, so the minute-long multi-process tests do not leave the other core idle at the end.
 test: install
-	$(BIN)/python -m pytest -q -n auto
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 train: install
 	$(BIN)/flowalign train
 
 test-fast: install
-	$(BIN)/python -m pytest -q -n auto -m "not slow"
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
