@@ -69,10 +69,24 @@ class LoraSource:
 
     @property
     def tensors_file(self) -> Path:
-        """The safetensors file that holds the chosen weights."""
+        """The safetensors file that holds the chosen weights (a sharded checkpoint's are in ``sharded/``)."""
         if self.kind == "checkpoint":
             return self.path / _WEIGHT_FILES[self.weights]
         return self.path / LORA_FILE
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind == "checkpoint" and (self.path / "sharded").is_dir()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The chosen weights by parameter name: the safetensors file, or a sharded checkpoint's part."""
+        from safetensors.torch import load_file
+
+        if self.sharded:
+            from flowalign.training.checkpoint import read_sharded
+
+            return read_sharded(self.path / "sharded", "trainable" if self.weights == "last" else "ema")
+        return load_file(str(self.tensors_file))
 
     @property
     def model_config(self) -> dict:
@@ -111,14 +125,20 @@ def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSou
     if not directory.is_dir():
         raise NotADirectoryError(f"LoRA path {str(path)!r} is a file, not a directory: give the checkpoint directory "
                                  f"or the folder that holds {LORA_FILE}")
-    if (directory / "trainable.safetensors").is_file():
+    sharded = (directory / "sharded").is_dir()
+    if (directory / "transformer").is_dir() and (directory / "state.json").is_file():
+        raise ValueError(f"{str(path)!r} is a checkpoint of a full fine-tune (model.finetune: full): it holds no LoRA; "
+                         f"its trained transformer is {str(directory / 'transformer')!r} (diffusers format): put it in "
+                         "a copy of the base pipeline directory in place of transformer/ and pass that as --model")
+    if (directory / "trainable.safetensors").is_file() or sharded:
         config_file = directory / "config.yaml"
         if not config_file.is_file():
             raise FileNotFoundError(f"checkpoint {str(path)!r} has no config.yaml: it cannot say which LoRA rank, "
                                     "alpha and target modules its weights belong to (its lora/ folder can be given "
                                     "instead)")
         config = yaml.safe_load(config_file.read_text()) or {}
-        has_ema = (directory / _WEIGHT_FILES["ema"]).is_file()
+        has_ema = ((directory / _WEIGHT_FILES["ema"]).is_file() if not sharded else
+                   bool(config.get("optim", {}).get("ema_decay")))
         if weights is None:
             weights = "ema" if has_ema else "last"
         elif weights == "ema" and not has_ema:
@@ -172,8 +192,6 @@ def load_model(model_path: str, lora: LoraSource | None = None, *, dtype: str | 
 
 def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> None:
     """Attach ``lora`` to ``model``'s transformer; ValueError naming both when it does not fit (nothing is sampled)."""
-    from safetensors.torch import load_file
-
     what = model_name or type(model.transformer).__name__
     if model.has_lora:
         raise ValueError(f"model {what} already has a LoRA adapter: load {lora.describe()} into a fresh model")
@@ -192,7 +210,7 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
     except ValueError as error:
         raise ValueError(f"{lora.describe()} does not fit {what}: {error}") from None
     params = {name: p for name, p in model.transformer.named_parameters() if "lora_" in name}
-    saved = load_file(str(lora.tensors_file))
+    saved = lora.tensors()
     missing, unexpected = sorted(set(params) - set(saved)), sorted(set(saved) - set(params))
     wrong = [f"{name} {tuple(saved[name].shape)} vs {tuple(params[name].shape)}"
              for name in sorted(set(params) & set(saved)) if saved[name].shape != params[name].shape]

@@ -164,7 +164,13 @@ def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to
     """Saved on 2 processes, resumed on 1 (and the reverse): the resumed run continues the same run, agreeing
     with the uninterrupted one to the reduce-scatter's rounding; a checkpoint that did not load would be an update
     away."""
+    from flowalign.training.checkpoint import read_sharded
+
     launch(tiny_model, tmp_path / "two")  # 2 iterations, a checkpoint after each
+    # the two processes' shards read back whole in this one, without a process group: the run's last weights
+    whole = read_sharded(tmp_path / "two" / "checkpoint-000002" / "sharded", "trainable")
+    saved = lora(tmp_path / "two", 2)
+    assert all(torch.equal(whole[name], saved["transformer." + name.replace(".default", "")]) for name in whole)
     train_here(tiny_model, tmp_path / "one")
     # 2 -> 1: resume the 2-process run's first checkpoint on one process
     launch(tiny_model, tmp_path / "two-to-one", **{"train.iterations": 1})
@@ -269,3 +275,29 @@ def test_fsdp2_holds_half_of_ddps_training_state_per_process(tmp_path):
     computed = scale.computed_sd35_medium()
     assert 2.2e9 < computed["transformer_parameters"] < 2.3e9  # SD3.5-Medium's published dimensions
     assert computed["modes"]["full"]["total"] == 18 * computed["transformer_parameters"]
+
+
+def test_a_sharded_checkpoint_exports_and_evaluates_like_a_whole_one(tiny_model, tmp_path):
+    """``flowalign export`` (and ``eval --lora``) read a sharded checkpoint's weights without a process group: the
+    last weights equal its lora/ folder, and the EMA is the run's EMA."""
+    from flowalign.export import export_lora, resolve_lora
+    from flowalign.training.checkpoint import read_sharded
+
+    train_here(tiny_model, tmp_path / "run", **{"optim.ema_decay": 0.5})
+    checkpoint = tmp_path / "run" / "checkpoint-000002"
+    assert resolve_lora(checkpoint).weights == "ema"
+    last = export_lora(checkpoint, tmp_path / "last", weights="last")
+    a, b = load_file(str(last / "pytorch_lora_weights.safetensors")), lora(tmp_path / "run", 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ema = export_lora(checkpoint, tmp_path / "ema", weights="ema")
+    e = load_file(str(ema / "pytorch_lora_weights.safetensors"))
+    assert any(not torch.equal(e[k], b[k]) for k in b)
+    assert read_sharded(checkpoint / "sharded", "ema").keys() == read_sharded(checkpoint / "sharded", "trainable").keys()
+
+
+def test_a_full_fine_tunes_checkpoint_is_no_lora_source(tiny_model, tmp_path):
+    from flowalign.export import resolve_lora
+
+    train_here(tiny_model, tmp_path / "run", **{"model.finetune": "full", "train.iterations": 1})
+    with pytest.raises(ValueError, match=r"full fine-tune.*holds no LoRA.*transformer"):
+        resolve_lora(tmp_path / "run" / "checkpoint-000001")
