@@ -83,7 +83,7 @@ class LoraSource:
         from safetensors.torch import load_file
 
         if self.sharded:
-            from flowalign.training.checkpoint import read_sharded
+            from flowalign.serialization import read_sharded
 
             return read_sharded(self.path / "sharded", "trainable" if self.weights == "last" else "ema")
         return load_file(str(self.tensors_file))

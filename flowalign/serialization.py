@@ -3,6 +3,9 @@
 A pickle may call any function while it loads, so a file from elsewhere could run code; ``safe_load`` uses torch's
 restricted unpickler (``weights_only=True``), which builds only tensors, numbers, strings and containers, and refuses
 anything else with an error naming the file.
+
+``read_sharded`` reads a sharded checkpoint's tensors (``torch.distributed.checkpoint``, as the FSDP2 engine writes
+them) whole in one process, without a process group.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["safe_load"]
+__all__ = ["read_sharded", "safe_load"]
 
 
 def safe_load(path: str | Path, what: str, *, allow: list | tuple = ()) -> Any:
@@ -33,3 +36,21 @@ def safe_load(path: str | Path, what: str, *, allow: list | tuple = ()) -> Any:
             "elsewhere, do not use it, and if you wrote it with another tool, save it again with torch.save of plain "
             "tensors and containers"
         ) from None
+
+
+def read_sharded(directory: str | Path, part: str) -> dict[str, torch.Tensor]:
+    """One part (``trainable`` or ``ema``) of a sharded checkpoint's ``sharded/`` folder as whole CPU tensors, read
+    in this one process without a process group (``torch.distributed.checkpoint`` with ``no_dist``): the tensors'
+    full shapes come from the folder's metadata, whatever the process count that wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(directory))
+    prefix = f"{part}."
+    shapes = {key[len(prefix):]: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not shapes:
+        raise ValueError(f"{directory} holds no {part!r} tensors")
+    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()}
+    dcp.load({part: tensors}, storage_reader=reader, no_dist=True)
+    return tensors

@@ -201,24 +201,6 @@ def load_checkpoint(
     return load_run_state(checkpoint, rank), ema
 
 
-def read_sharded(directory: str | Path, part: str) -> dict[str, torch.Tensor]:
-    """One part (``trainable`` or ``ema``) of a sharded checkpoint's ``sharded/`` folder as whole CPU tensors, read
-    in this one process without a process group (``torch.distributed.checkpoint`` with ``no_dist``): the tensors'
-    full shapes come from the folder's metadata, whatever the process count that wrote it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    reader = dcp.FileSystemReader(str(directory))
-    prefix = f"{part}."
-    shapes = {key[len(prefix):]: meta for key, meta in reader.read_metadata().state_dict_metadata.items()
-              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    if not shapes:
-        raise ValueError(f"{directory} holds no {part!r} tensors")
-    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()}
-    dcp.load({part: tensors}, storage_reader=reader, no_dist=True)
-    return tensors
-
-
 def _fsync_tree(directory: Path) -> None:
     """Flush file contents before the rename, so a crash cannot leave a renamed but empty checkpoint."""
     for path in directory.rglob("*"):
