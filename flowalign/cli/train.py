@@ -40,6 +40,18 @@ def _run_train(config, args: argparse.Namespace) -> None:
 
     trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
+    _leave_process_group(trainer.accelerator)
+
+
+def _leave_process_group(accelerator) -> None:
+    """Every process waits for the others, then the process group is torn down: a process that exits while another
+    is still in a collective, or with gloo's threads alive, aborts (SIGABRT, "terminate called without an active
+    exception") instead of exiting 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        accelerator.wait_for_everyone()
+        dist.destroy_process_group()
 
 
 def _run_calibrate(config, args: argparse.Namespace) -> None:
@@ -52,11 +64,14 @@ def _run_calibrate(config, args: argparse.Namespace) -> None:
     levels, history = calibrate(config, rounds=options.rounds, eps1=options.eps1, eps2=options.eps2)
     from accelerate import PartialState
 
-    if not PartialState().is_main_process:  # every process holds the same levels; the main one writes them
+    state = PartialState()
+    if not state.is_main_process:  # every process holds the same levels; the main one writes them
+        _leave_process_group(state)
         return
     out = write_calibrated_config(options.out, levels, history, base=path, overrides=overrides, eps1=options.eps1,
                                   eps2=options.eps2)
     print(f"wrote {out}: sampling.noise_table = {levels}")
+    _leave_process_group(state)
 
 
 def add_train(commands) -> None:
