@@ -74,6 +74,12 @@ class GuidedProblem:
         return self.config.budget
 
     @property
+    def candidates(self) -> int:
+        """``K``, the candidates to return per prompt (``--candidates``): ``K > 1`` asks for a set ``final [B, K, ...]``,
+        ``reward [B, K]``; 1 for one sample per prompt."""
+        return int(getattr(self.config, "candidates", 1))
+
+    @property
     def evals_per_sample(self) -> int:
         return getattr(self.velocity, "evals_per_sample", 1)
 
