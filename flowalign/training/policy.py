@@ -51,8 +51,14 @@ def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, 
                         v_ref_sources=v_ref_sources)
 
 
-def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
-    """The policy (and reference) velocity at an objective's data unit."""
+def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool, copies=None) -> PolicyOutput:
+    """The policy (and reference) velocity at an objective's data unit; ``copies`` maps the names of policy copies
+    to evaluate to a context manager factory swapping each in (``PolicyCopies.swapped_in``). The copies run first,
+    without gradient, so no weight changes between the policy's forward and its backward."""
+    v_copies = {}
+    for name, swapped_in in (copies or {}).items():
+        with torch.no_grad(), swapped_in(name), autocast():
+            v_copies[name] = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
     v, v_ref = velocities(model, unit.x, unit.sigma, unit.cond, guidance_scale=guidance_scale, autocast=autocast,
                           reference=reference)
-    return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref)
+    return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref, v_copies=v_copies)
