@@ -310,3 +310,15 @@ def test_an_ode_rollout_serves_objectives_but_not_loss_terms():
     config = load_config(TrainConfig, None, [OFF, "sampling.noise_level=0", "objectives.awm.batch_size=4"])
     assert config.sampling.stochastic_steps() == 0 and config.check_batch(2).trained_steps == 0
     assert "sampling.noise_level leaves no stochastic step" in _error("sampling.noise_level=0")
+
+
+def test_a_run_without_loss_terms_writes_a_config_that_loads_back_as_itself(tmp_path):
+    """A default loss term switched off is written as null: ``loss: {}`` would load with loss.grpo on again (and a
+    resumed objective-only run would refuse its own checkpoint)."""
+    from flowalign.config import save_config, to_dict
+
+    config = load_config(TrainConfig, None, [OFF, "sampling.noise_level=0", "objectives.awm.batch_size=4"])
+    save_config(config, tmp_path / "config.yaml")
+    assert "grpo: null" in (tmp_path / "config.yaml").read_text()
+    again = load_config(TrainConfig, tmp_path / "config.yaml", [])
+    assert not again.loss and to_dict(again) == to_dict(config)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.config import to_dict
+from flowalign.config import to_saved_dict
 from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, load_checkpoint,
                                            load_copies, load_run_state, save_checkpoint, save_process_rng,
                                            write_run_files)
@@ -48,7 +48,7 @@ class Checkpointer:
         last = trainer.last_advantages
         state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist(),
                  "optimizer_steps": trainer.optimizer_steps}
-        return state, yaml.safe_dump(to_dict(trainer.config), sort_keys=False)
+        return state, yaml.safe_dump(to_saved_dict(trainer.config), sort_keys=False)
 
     def save(self) -> Path | None:
         """Write ``checkpoint-<iteration>`` (main process; every process its RNG); returns its path on the main."""
