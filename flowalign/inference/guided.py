@@ -93,16 +93,17 @@ class NoSettings(ComponentConfig):
 
 @register_sampler("none", config=NoSettings)
 class OneSample(GuidedSampler):
-    """One ODE sample per prompt: the budget is what it costs."""
+    """One ODE sample per prompt (``K`` with ``--candidates K``): the budget is what it costs."""
 
     uses_budget = False
 
     def sample(self, problem: GuidedProblem):
         from flowalign.samplers.guided import best_of_n
 
-        budget = problem.config.steps * problem.evals_per_sample
+        k = problem.candidates  # a set of K plain samples: K trajectories, none chosen over another
+        budget = k * problem.config.steps * problem.evals_per_sample
         return best_of_n(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators, budget,
-                         device=problem.device)
+                         candidates=k, device=problem.device)
 
 
 @register_sampler("bon", config=NoSettings)
@@ -113,7 +114,7 @@ class BestOfN(GuidedSampler):
         from flowalign.samplers.guided import best_of_n
 
         return best_of_n(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators,
-                         problem.budget, device=problem.device)
+                         problem.budget, candidates=problem.candidates, device=problem.device)
 
 
 @dataclass
@@ -178,6 +179,8 @@ class DTSSettings(SDESettings):
 class DiffusionTreeSearch(GuidedSampler):
     """Diffusion tree search: DTS* (greedy) or DTS (soft, Boltzmann selection)."""
 
+    trajectories_per_candidate = None  # leaves share their prefixes: K leaves can cost less than K trajectories
+
     def sample(self, problem: GuidedProblem):
         from flowalign.samplers.dts import diffusion_tree_search
 
@@ -185,7 +188,7 @@ class DiffusionTreeSearch(GuidedSampler):
         return diffusion_tree_search(problem.velocity, problem.reward, problem.sigmas, problem.shape,
                                      problem.generators, problem.budget, greedy=not settings.soft, lam=settings.lam,
                                      max_children=settings.max_children, noise_level=settings.noise_level,
-                                     device=problem.device)
+                                     candidates=problem.candidates, device=problem.device)
 
 
 @dataclass
@@ -226,7 +229,8 @@ class RewardGradient(GuidedSampler):
         from flowalign.samplers.rgs import reward_guided_sampling, x0_guide
 
         settings, evals = self.config, problem.evals_per_sample
-        common = dict(final_reward=problem.reward, bands=settings.band_pairs(), device=problem.device)
+        common = dict(final_reward=problem.reward, bands=settings.band_pairs(), candidates=problem.candidates,
+                      device=problem.device)
         if problem.guide_reward is not None:
             through = settings.gradient == "full"
             guide = x0_guide(problem.velocity, problem.latent_reward(problem.guide_reward, differentiable=True),
