@@ -11,6 +11,7 @@ from .guided import GuidedResult, best_of_n
 from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
+from .euphonium import euphonium_sampling
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
@@ -45,6 +46,7 @@ __all__ = [
     "count_nfe",
     "diffusion_tree_search",
     "euphonium_guidance",
+    "euphonium_sampling",
     "fk_steering",
     "gaussian_log_prob",
     "noise_schedule",

@@ -431,7 +431,7 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
         (["--guidance", "rgs", "--registers", "r.pt", "--rgs-reward-kwargs", '{"device": "cpu"}'],
          "pass --rgs-reward NAME too"),
         # a setting the chosen sampler does not have names the samplers that have it
-        (["--guidance", "bon", "--rgs-reward-kwargs", '{"device": "cpu"}'], "applies to --guidance fk / rgs, not 'bon'"),
+        (["--guidance", "bon", "--rgs-reward-kwargs", '{"device": "cpu"}'], "not 'bon': it has no setting 'reward_kwargs'"),
         (["--guidance", "rgs", "--rgs-reward", "hps", "--rgs-reward-kwargs", "[1]"], "expected a JSON object"),
         (["--guidance", "rgs", "--rgs-reward", "toy_geneval_soft", "--registers", "r.pt"], "not both"),
         (["--guidance", "rgs", "--registers", "r.pt", "--rgs-gradient", "x0"], "applies to --rgs-reward only"),

@@ -16,6 +16,8 @@ over the numerics of ``flowalign.samplers`` with its settings.
 
 from __future__ import annotations
 
+import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,8 +29,8 @@ from flowalign.settings import at_least, check, finite, option, parse_json_objec
 
 from . import GuidedProblem, GuidedSampler, register_sampler
 
-__all__ = ["BestOfN", "DiffusionTreeSearch", "FKSteering", "GradientSettings", "OneSample", "RewardGradient",
-           "SDESettings"]
+__all__ = ["BestOfN", "DiffusionTreeSearch", "EuphoniumGuided", "EuphoniumSettings", "FKSteering", "GradientSettings",
+           "GradientSource", "OneSample", "RewardGradient", "SDESettings", "check_process_reward", "gradient_guide"]
 
 _DEFAULT_BANDS = [list(band) for band in DEFAULT_BANDS]
 # Where RGS's gradient on a differentiable image reward is taken: through the velocity (one backward NFE per guided
@@ -52,8 +54,8 @@ class SDESettings(ComponentConfig):
 
 
 @dataclass
-class GradientSettings(ComponentConfig):
-    """A differentiable image reward of the decoded x0_hat as a gradient source (RGS, FK's proposals)."""
+class GradientSource(ComponentConfig):
+    """A differentiable image reward of the decoded x0_hat as a gradient source (RGS, FK's proposals, Euphonium)."""
 
     reward: str | None = option(None, "differentiable image reward for RGS's gradient on the decoded x0_hat "
                                 "(toy_geneval_soft, pickscore, hps, clipscore, aesthetic, imagereward)",
@@ -64,6 +66,20 @@ class GradientSettings(ComponentConfig):
     gradient: Literal[RGS_GRADIENTS] = option("full", "--rgs-reward's gradient: through the velocity (full, one "
                                              "backward NFE per guided step) or on x0_hat alone (x0, no extra NFE)",
                                              flag="rgs-gradient")
+
+    def validate(self) -> None:
+        if self.reward_kwargs and self.reward is None:
+            raise ConfigError("--rgs-reward-kwargs are the constructor arguments of --rgs-reward: pass --rgs-reward "
+                              "NAME too", key="reward_kwargs")
+
+    def differentiable_reward(self) -> tuple[str, dict] | None:
+        return None if self.reward is None else (self.reward, dict(self.reward_kwargs))
+
+
+@dataclass
+class GradientSettings(GradientSource):
+    """A gradient source applied in sigma bands (RGS, FK's proposals)."""
+
     bands: list[list[float]] = option(_DEFAULT_BANDS, "RGS correction scale above each sigma, highest first (no "
                                       "gradient below the last)", flag="rgs-bands", parse=parse_sigma_band,
                                       metavar="SIGMA:SCALE")
@@ -71,19 +87,31 @@ class GradientSettings(ComponentConfig):
     def validate(self) -> None:
         from flowalign.samplers.rgs import check_bands
 
-        if self.reward_kwargs and self.reward is None:
-            raise ConfigError("--rgs-reward-kwargs are the constructor arguments of --rgs-reward: pass --rgs-reward "
-                              "NAME too", key="reward_kwargs")
+        GradientSource.validate(self)
         try:
             check_bands(self.bands)
         except ValueError as error:
             raise ConfigError(str(error), key="bands") from None
 
-    def differentiable_reward(self) -> tuple[str, dict] | None:
-        return None if self.reward is None else (self.reward, dict(self.reward_kwargs))
-
     def band_pairs(self) -> list[tuple[float, float]]:
         return [(float(sigma), float(scale)) for sigma, scale in self.bands]
+
+
+def check_process_reward(settings, method: str) -> None:
+    """ConfigError unless ``settings`` name exactly one gradient source, register heads (``registers``) or a
+    differentiable image reward (``reward``), and a ``gradient`` mode that applies to it."""
+    if settings.registers is None and settings.reward is None:
+        raise ConfigError(
+            f"guidance {method!r} needs a differentiable reward, and the image reward that scores samples has no "
+            "gradient: pass --registers CKPT (trained with `flowalign registers train`), or --rgs-reward NAME "
+            "with a differentiable image reward (toy_geneval_soft, pickscore, hps, clipscore, aesthetic, "
+            "imagereward), or use --guidance bon|fk|dts", key="registers")
+    if settings.registers is not None and settings.reward is not None:
+        raise ConfigError(f"pass either --registers or --rgs-reward as {method}'s gradient source, not both",
+                          key="reward")
+    check(settings.gradient == "full" or settings.reward is not None, "gradient",
+          f"{settings.gradient!r} (--rgs-gradient) applies to --rgs-reward only (register heads read x_t itself, so "
+          "their gradient always runs through the transformer)")
 
 
 @dataclass
@@ -198,18 +226,7 @@ class RGSSettings(GradientSettings):
 
     def validate(self) -> None:
         GradientSettings.validate(self)
-        if self.registers is None and self.reward is None:
-            raise ConfigError(
-                "guidance 'rgs' needs a differentiable reward, and the image reward that scores samples has no "
-                "gradient: pass --registers CKPT (trained with `flowalign registers train`), or --rgs-reward NAME "
-                "with a differentiable image reward (toy_geneval_soft, pickscore, hps, clipscore, aesthetic, "
-                "imagereward), or use --guidance bon|fk|dts", key="registers")
-        if self.registers is not None and self.reward is not None:
-            raise ConfigError("pass either --registers or --rgs-reward as RGS's gradient source, not both",
-                              key="reward")
-        check(self.gradient == "full" or self.reward is not None, "gradient",
-              f"{self.gradient!r} (--rgs-gradient) applies to --rgs-reward only (register heads read x_t itself, so "
-              "their gradient always runs through the transformer)")
+        check_process_reward(self, "rgs")
 
 
 @register_sampler("rgs", config=RGSSettings)
@@ -226,26 +243,83 @@ class RewardGradient(GuidedSampler):
         return self.config.registers
 
     def sample(self, problem: GuidedProblem):
-        from flowalign.samplers.rgs import reward_guided_sampling, x0_guide
+        from flowalign.samplers.rgs import reward_guided_sampling
 
-        settings, evals = self.config, problem.evals_per_sample
-        common = dict(final_reward=problem.reward, bands=settings.band_pairs(), candidates=problem.candidates,
+        common = dict(final_reward=problem.reward, bands=self.config.band_pairs(), candidates=problem.candidates,
                       device=problem.device)
-        if problem.guide_reward is not None:
-            through = settings.gradient == "full"
-            guide = x0_guide(problem.velocity, problem.latent_reward(problem.guide_reward, differentiable=True),
-                             through_velocity=through)
-            # a backward pass through the velocity costs what its forward did: 2 NFEs per sample with CFG
+        with gradient_guide(problem, self.config.gradient, self.name) as (guide, heads, backward_nfe):
             return reward_guided_sampling(guide, problem.sigmas, problem.shape, problem.generators, problem.budget,
-                                          backward_nfe=evals if through else 0, **common)
-        registers = problem.registers
-        if registers is None:
-            raise ValueError("guidance 'rgs' needs a differentiable reward: pass registers= or guide_reward=")
-        registers.attach(problem.model.transformer)
-        try:
-            return reward_guided_sampling(registers.guide(problem.velocity), problem.sigmas, problem.shape,
-                                          problem.generators, problem.budget,
-                                          head_weights=[1.0] * len(registers.head_names), backward_nfe=evals,
-                                          **common)
-        finally:
-            registers.detach()
+                                          head_weights=heads, backward_nfe=backward_nfe, **common)
+
+
+@contextmanager
+def gradient_guide(problem: GuidedProblem, gradient: str, method: str):
+    """``(guide, head_weights, backward_nfe)`` for a sampler that follows a reward's gradient (RGS, Euphonium):
+    ``guide(x, sigma, rows) -> (v, scores [n, H])`` on the differentiable image reward of x0_hat
+    (``problem.guide_reward``; through the velocity with ``gradient = "full"``, one backward NFE per sample, two with
+    CFG, or on x0_hat alone, none) or on register heads (``problem.registers``, attached to the transformer while
+    the context is open; one backward NFE per head)."""
+    from flowalign.samplers.rgs import x0_guide
+
+    evals = problem.evals_per_sample
+    if problem.guide_reward is not None:
+        through = gradient == "full"
+        guide = x0_guide(problem.velocity, problem.latent_reward(problem.guide_reward, differentiable=True),
+                         through_velocity=through)
+        # a backward pass through the velocity costs what its forward did: 2 NFEs per sample with CFG
+        yield guide, [1.0], evals if through else 0
+        return
+    registers = problem.registers
+    if registers is None:
+        raise ValueError(f"guidance {method!r} needs a differentiable reward: pass registers= or guide_reward=")
+    registers.attach(problem.model.transformer)
+    try:
+        yield registers.guide(problem.velocity), [1.0] * len(registers.head_names), evals
+    finally:
+        registers.detach()
+
+
+@dataclass
+class EuphoniumSettings(GradientSource):
+    """Euphonium-guided sampling (``flowalign.samplers.euphonium``): the released script's SDE (``dance``, eta 0.25)
+    and its guidance on the last quarter of the steps; the shift normalised per sample and scaled by the step's
+    ``s - s'``, with a scale set on the toy world (the released raw-gradient scale 0.01 moves a toy latent by ~1e-4)."""
+
+    registers: str | None = option(None, "register checkpoint (`flowalign registers train`): the process reward from "
+                                   "register heads, instead of --rgs-reward")
+    scale: float = option(30.0, "Euphonium guidance scale c (a shift of norm c (s - s') per guided step; "
+                          "with --euphonium-raw, c (s - s') times the gradient)", flag="euphonium-scale")
+    normalize: bool = option(True, "the process-reward gradient divided by its norm per sample (--euphonium-raw: "
+                             "the raw gradient, the released default)", flag="euphonium-raw", flag_value=False)
+    start: float = option(0.75, "fraction of the steps after which guidance starts (the released 12 of 16 steps)",
+                          flag="euphonium-start")
+    sde_noise: float = option(0.25, "the dance SDE's eta (the released 0.25)", flag="euphonium-noise")
+
+    def validate(self) -> None:
+        GradientSource.validate(self)
+        check_process_reward(self, "euphonium")
+        finite("scale", self.scale, 0)
+        finite("start", self.start, 0.0, high=1.0)
+        finite("sde_noise", self.sde_noise, 0.0, strict=True)
+        check(self.start < 1.0, "start", f"must be < 1 (guidance on the steps after that fraction), got {self.start}")
+
+    def first_step(self, steps: int) -> int:
+        """The first guided step of ``steps``: ``floor(start * steps)``, at most the last step."""
+        return min(int(math.floor(self.start * steps)), steps - 1)
+
+
+@register_sampler("euphonium", config=EuphoniumSettings)
+class EuphoniumGuided(RewardGradient):
+    """Euphonium's process-reward-gradient-guided SDE (K trajectories per budget, the best kept)."""
+
+    def sample(self, problem: GuidedProblem):
+        from flowalign.samplers.euphonium import euphonium_sampling
+
+        settings = self.config
+        with gradient_guide(problem, settings.gradient, self.name) as (guide, heads, backward_nfe):
+            return euphonium_sampling(guide, problem.sigmas, problem.shape, problem.generators, problem.budget,
+                                      final_reward=problem.reward, start=settings.first_step(problem.config.steps),
+                                      scale=settings.scale, normalize=settings.normalize, scale_by_dt=True,
+                                      head_weights=heads, noise_level=settings.sde_noise, kind="dance",
+                                      backward_nfe=backward_nfe, candidates=problem.candidates,
+                                      device=problem.device)
