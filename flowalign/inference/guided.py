@@ -282,8 +282,9 @@ def gradient_guide(problem: GuidedProblem, gradient: str, method: str):
 @dataclass
 class EuphoniumSettings(GradientSource):
     """Euphonium-guided sampling (``flowalign.samplers.euphonium``): the released script's SDE (``dance``, eta 0.25)
-    and its guidance on the last quarter of the steps; the shift normalised per sample and scaled by the step's
-    ``s - s'``, with a scale set on the toy world (the released raw-gradient scale 0.01 moves a toy latent by ~1e-4)."""
+    and step-scaled guidance; the shift normalised per sample (the released raw-gradient scale 0.01 moves a toy
+    latent by ~1e-4), on the second half of the steps at scale 30, both chosen on the toy world by a sweep over 66
+    held-out samples (``docs/methods/euphonium.md``); the released script guides the last quarter."""
 
     registers: str | None = option(None, "register checkpoint (`flowalign registers train`): the process reward from "
                                    "register heads, instead of --rgs-reward")
@@ -291,8 +292,8 @@ class EuphoniumSettings(GradientSource):
                           "with --euphonium-raw, c (s - s') times the gradient)", flag="euphonium-scale")
     normalize: bool = option(True, "the process-reward gradient divided by its norm per sample (--euphonium-raw: "
                              "the raw gradient, the released default)", flag="euphonium-raw", flag_value=False)
-    start: float = option(0.75, "fraction of the steps after which guidance starts (the released 12 of 16 steps)",
-                          flag="euphonium-start")
+    start: float = option(0.5, "fraction of the steps after which guidance starts (the released script: 0.75, its "
+                          "12 of 16 steps)", flag="euphonium-start")
     sde_noise: float = option(0.25, "the dance SDE's eta (the released 0.25)", flag="euphonium-noise")
 
     def validate(self) -> None:
