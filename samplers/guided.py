@@ -159,3 +159,16 @@ def best_of_n(
         nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
         info={"particles": n, "all_rewards": scores.reshape(prompts, n)},
     )
+
+
+def group_topk(values: Tensor, groups: int, size: int, k: int) -> Tensor:
+    """Row indices ``[groups, k]`` of the ``k`` largest values in each of ``groups`` consecutive groups of ``size``
+    rows, largest first; ties keep the first index first, and NaN never wins (NaN rows come after every number, in
+    index order). ``k = 1`` picks the rows of ``group_argmax``."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= size:
+        raise ValueError(f"k must be an integer in 1..{size} (the rows per group), got {k!r}")
+    values = values.double().reshape(groups, size)
+    nan = torch.isnan(values)
+    order = torch.sort(torch.where(nan, torch.inf, -values), dim=1, stable=True).indices  # descending, stable
+    order = order.gather(1, torch.sort(nan.gather(1, order).to(torch.uint8), dim=1, stable=True).indices)
+    return torch.arange(groups, device=values.device)[:, None] * size + order[:, :k]
