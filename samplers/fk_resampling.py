@@ -107,7 +107,7 @@ class FKDecision:
     """One active call's numbers: ``u`` (the potential's value, the next ``pop`` of each particle), ``log_weights``
     ``ℓ`` (with the last index's ``- log Π``; ``-inf`` for NaN), normalised ``weights`` (zeros when ``degenerate``),
     ``ess`` (0 when ``degenerate``), ``threshold`` (``ess_threshold · N``), ``resampled``, ``degenerate`` (every weight
-    zero: particles kept) and ``ancestors`` (the identity when not resampled)."""
+    zero, or an infinite one, so no normalised weights: particles kept) and ``ancestors`` (the identity when not resampled)."""
 
     u: Tensor
     log_weights: Tensor
