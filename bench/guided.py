@@ -18,6 +18,10 @@ the table. The targets of issue 7 are checked and reported, met or not:
         --rgs-bands 0.2:1.0 --budgets 10 20 40 80     # RGS on the differentiable toy reward, FK with RGS proposals
     python bench/guided.py --max-prompts 2 --repeats 1 --steps 3 --budgets 3 6     # smoke size
 
+FK runs with ``--fk-semantics flowalign`` here unless told otherwise (the semantics of the recorded results);
+``--fk-semantics reference`` (``flowalign sample``'s default) with ``--fk-adaptive``, ``--fk-resample-every`` and
+``--fk-resample-end`` runs it as the reference code does.
+
 Each held-out prompt is sampled ``--repeats`` times with its own seeds; every method sees the same seeds, so each
 row's gain over plain sampling is paired image by image, with its standard error.
 """
@@ -25,6 +29,7 @@ row's gain over plain sampling is paired image by image, with its standard error
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -140,6 +145,7 @@ def main() -> None:
     from flowalign.inference.guided import FKSettings
     from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
+    from flowalign.samplers.fk import SEMANTICS
     from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
 
@@ -166,6 +172,15 @@ def main() -> None:
     parser.add_argument("--potential", default=FKSettings().potential, help="FK potential")
     parser.add_argument("--fk-resample-start", type=int, default=FKSettings().resample_start,
                         help="first step at which FK may resample")
+    parser.add_argument("--fk-semantics", choices=SEMANTICS, default="flowalign",
+                        help="FK's resampling (flowalign sample --fk-semantics): flowalign, the default here, is the "
+                             "semantics of the recorded results; reference is flowalign sample's default")
+    parser.add_argument("--fk-adaptive", action="store_true",
+                        help="FK (reference semantics): resample only when ESS < N/2")
+    parser.add_argument("--fk-resample-every", type=int, default=FKSettings().resample_every,
+                        help="FK (reference semantics): steps between resampling steps")
+    parser.add_argument("--fk-resample-end", type=int, default=FKSettings().resample_end,
+                        help="FK (reference semantics): last scheduled resampling step before the final one")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
@@ -209,6 +224,10 @@ def main() -> None:
                               rgs_gradient=args.rgs_gradient if guided else "full",
                               noise_level=args.noise_level, lam=args.lam, potential=args.potential,
                               fk_resample_start=args.fk_resample_start)
+        if method == "fk":
+            config.sampler = dataclasses.replace(config.sampler, semantics=args.fk_semantics,
+                                                 adaptive=args.fk_adaptive, resample_every=args.fk_resample_every,
+                                                 resample_end=args.fk_resample_end)
         config.validate()
         try:
             result = run_method(model, metadata, config, reward_fn, registers, guide_reward if guided else None)

@@ -198,3 +198,4 @@ def best_of_n(
         nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
         info={"particles": n, "all_rewards": scores.reshape(prompts, n)},
     )
+

@@ -3,9 +3,12 @@
 over the numerics of ``flowalign.samplers`` with its settings.
 
 * best-of-N: ``N = budget // T`` ODE trajectories of ``T`` NFEs per prompt, the one of highest reward kept.
-* FK steering (Singhal et al. 2025): SDE particles with potentials ``G_t = exp(lam * r(x0_hat_t))`` (``potential``:
-  max / add / diff / rt), resampled from step ``resample_start`` on; with ``reward`` (a differentiable image reward)
-  its proposals are moved by RGS's x0_hat gradient (no extra NFE).
+* FK steering (Singhal et al. 2025): SDE particles with potentials ``G_t = exp(lam * u_t)`` of the rewards of
+  ``x0_hat`` (``potential``: max / add / diff / rt); ``semantics: reference`` (the default) as the paper's code runs it
+  (post-step particles resampled on the schedule ``resample_start``, ``resample_every``, ``resample_end`` and at the
+  last step, fixed or ``adaptive``, with the final ``Π`` correction), ``semantics: flowalign`` the earlier variant
+  (pre-step particles, adaptive, every step from ``resample_start`` but the last); with ``reward`` (a differentiable
+  image reward) its proposals are moved by RGS's x0_hat gradient (no extra NFE).
 * DTS* / DTS (Jain et al. 2025, "Diffusion Tree Sampling"): a tree of SDE states, ``max_children`` per node, values
   backed up as soft maxima at inverse temperature ``lam``; greedy (DTS*) or Boltzmann (DTS, ``soft``) selection.
 * RGS: the ODE with a correction along the reward's gradient, ``scale(sigma)`` by ``bands`` (``SIGMA:SCALE``, highest
@@ -23,7 +26,7 @@ from typing import Any, Literal
 
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError
-from flowalign.samplers.fk import POTENTIALS
+from flowalign.samplers.fk import POTENTIALS, SEMANTICS
 from flowalign.samplers.rgs import DEFAULT_BANDS
 from flowalign.settings import at_least, check, finite, option, parse_json_object, parse_sigma_band
 
@@ -148,16 +151,46 @@ class BestOfN(GuidedSampler):
 @dataclass
 class FKSettings(SDESettings, GradientSettings):
     potential: Literal[POTENTIALS] = option("add", "FK potential")
-    resample_start: int = option(0, "first step at which FK scores x0_hat and may resample (then every step but the "
-                                 "last)", flag="fk-resample-start")
+    semantics: Literal[SEMANTICS] = option("reference", "FK's resampling: as its reference code (reference: rewards "
+                                           "of x0_hat, then the step, then the post-step particles resampled at the "
+                                           "scheduled steps and the last one, with the final product-of-potentials "
+                                           "correction) or flowalign's earlier variant (flowalign: pre-step "
+                                           "particles, adaptive, every step from --fk-resample-start but the last)",
+                                           flag="fk-semantics")
+    adaptive: bool = option(False, "FK (reference semantics) resamples only when ESS < N/2 (default: at every "
+                            "scheduled step; the last step always tests the ESS)", flag="fk-adaptive")
+    resample_start: int = option(0, "first step at which FK scores x0_hat and may resample (the reference's "
+                                 "resampling_t_start; with --fk-semantics flowalign, then every step but the last)",
+                                 flag="fk-resample-start")
+    resample_every: int = option(1, "FK (reference semantics): steps between scheduled resampling steps (the "
+                                 "reference's resample_frequency)", flag="fk-resample-every")
+    resample_end: int | None = option(None, "FK (reference semantics): the last scheduled resampling step before the "
+                                      "final one, which always is (the reference's resampling_t_end; default: every "
+                                      "step to the end)", flag="fk-resample-end")
+    reward_min_value: float = option(0.0, "FK (reference semantics): the used reward a particle starts with (floors "
+                                     "the max potential; the reference's reward_min_value)",
+                                     flag="fk-reward-min-value")
 
     def validate(self) -> None:
         SDESettings.validate(self)
         GradientSettings.validate(self)
         at_least("resample_start", self.resample_start, 0)
+        at_least("resample_every", self.resample_every, 1)
+        at_least("resample_end", self.resample_end, 0)
+        finite("reward_min_value", self.reward_min_value, -math.inf)
         if self.reward is not None and self.gradient != "x0":
             raise ConfigError("FK's RGS-guided proposals take the gradient on x0_hat only (no extra NFE): pass "
                               "--rgs-gradient x0 with --guidance fk --rgs-reward", key="gradient")
+        if self.semantics == "flowalign":
+            for key, flag, default in (("resample_every", "--fk-resample-every", 1),
+                                       ("resample_end", "--fk-resample-end", None),
+                                       ("reward_min_value", "--fk-reward-min-value", 0.0)):
+                check(getattr(self, key) == default, key,
+                      f"({flag}) applies to --fk-semantics reference only, got {getattr(self, key)!r} with "
+                      "--fk-semantics flowalign (which checks every step from --fk-resample-start but the last)")
+        if self.resample_end is not None:
+            check(self.resample_end >= self.resample_start, "resample_end",
+                  f"(--fk-resample-end) must be >= resample_start ({self.resample_start}), got {self.resample_end}")
 
 
 @register_sampler("fk", config=FKSettings)
@@ -171,14 +204,23 @@ class FKSteering(GuidedSampler):
         return self.config.differentiable_reward()
 
     def check(self, config) -> None:
-        start = self.config.resample_start
-        if not (isinstance(start, int) and 0 <= start < config.steps - 1):
-            raise ConfigError(f"fk_resample_start must be a step in 0..{config.steps - 2} (sampler.resample_start: FK "
-                              f"scores x0_hat from that step on, every step but the last), got {start!r}",
-                              key="sampler.resample_start")
+        start, steps = self.config.resample_start, config.steps
+        if not (isinstance(start, int) and 0 <= start < steps - 1):
+            raise ConfigError(f"fk_resample_start must be a step in 0..{steps - 2} (sampler.resample_start: FK "
+                              f"scores x0_hat from that step on; the last step is always checked with --fk-semantics "
+                              f"reference, never with flowalign), got {start!r}", key="sampler.resample_start")
+        end = self.config.resample_end
+        if end is not None and end > steps - 1:
+            raise ConfigError(f"fk_resample_end must be a step in {start}..{steps - 1} (sampler.resample_end), got "
+                              f"{end!r}", key="sampler.resample_end")
+        candidates, particles = int(getattr(config, "candidates", 1)), config.budget // steps
+        if candidates > particles:  # with CFG each step costs 2 NFEs: the sampler checks the exact count again
+            raise ConfigError(f"--candidates {candidates} asks FK for {candidates} final particles per prompt, but "
+                              f"budget={config.budget} pays for N = budget // steps = {particles}: raise --budget to "
+                              f"at least {candidates * steps} or lower --candidates", key="candidates")
 
     def sample(self, problem: GuidedProblem):
-        from flowalign.samplers.fk import fk_steering
+        from flowalign.samplers.fk import fk_steering, fk_steering_reference
         from flowalign.samplers.rgs import x0_gradient_correction
 
         settings = self.config
@@ -186,11 +228,16 @@ class FKSteering(GuidedSampler):
         if problem.guide_reward is not None:  # RGS-guided proposals
             guide = problem.latent_reward(problem.guide_reward, differentiable=True)
             corrector = x0_gradient_correction(guide, settings.band_pairs())
-        return fk_steering(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators,
-                           problem.budget, potential_kind=settings.potential, lam=settings.lam,
-                           noise_level=settings.noise_level, corrector=corrector,
-                           resample_steps=range(settings.resample_start, problem.config.steps - 1),
-                           device=problem.device)
+        common = dict(potential_kind=settings.potential, lam=settings.lam, noise_level=settings.noise_level,
+                      corrector=corrector, candidates=problem.candidates, device=problem.device)
+        if settings.semantics == "flowalign":
+            return fk_steering(problem.velocity, problem.reward, problem.sigmas, problem.shape, problem.generators,
+                               problem.budget, resample_steps=range(settings.resample_start, problem.config.steps - 1),
+                               **common)
+        return fk_steering_reference(problem.velocity, problem.reward, problem.sigmas, problem.shape,
+                                     problem.generators, problem.budget, resample_start=settings.resample_start,
+                                     resample_every=settings.resample_every, resample_end=settings.resample_end,
+                                     adaptive=settings.adaptive, reward_min_value=settings.reward_min_value, **common)
 
 
 @dataclass

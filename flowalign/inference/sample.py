@@ -8,7 +8,8 @@ NFEs spent. ``run_sample`` adds loading, checks and outputs (``images/*.png``, `
 ``summary.md``).
 
 The sampler is the component section ``sampler`` (``--guidance NAME``, its settings ``sampler.KEY`` or their options:
-``--lam``, ``--potential``, ``--fk-resample-start``, ``--noise-level``, ``--max-children``, ``--dts-soft``,
+``--lam``, ``--potential``, ``--fk-semantics``, ``--fk-adaptive``, ``--fk-resample-start``, ``--fk-resample-every``,
+``--fk-resample-end``, ``--fk-reward-min-value``, ``--noise-level``, ``--max-children``, ``--dts-soft``,
 ``--registers``, ``--rgs-reward``, ``--rgs-reward-kwargs``, ``--rgs-gradient``, ``--rgs-bands``; see
 ``flowalign.inference.guided``). The budget is per prompt. Every check on the settings runs before the model loads,
 and what the sampler needs (a differentiable image reward, registers) is built from its settings.
