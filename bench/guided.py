@@ -36,9 +36,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("bon", "fk", "dts", "rgs")
+METHODS = ("bon", "fk", "dts", "rgs", "euphonium")
 COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44),
-          "rgs": (214, 39, 40)}
+          "rgs": (214, 39, 40), "euphonium": (148, 103, 189)}
 
 
 def run_method(model, metadata, config, reward_fn, registers, guide_reward=None) -> dict:
@@ -142,7 +142,7 @@ def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> N
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.inference.guided import FKSettings
+    from flowalign.inference.guided import EuphoniumSettings, FKSettings
     from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
     from flowalign.samplers.fk import SEMANTICS
@@ -181,6 +181,10 @@ def main() -> None:
                         help="FK (reference semantics): steps between resampling steps")
     parser.add_argument("--fk-resample-end", type=int, default=FKSettings().resample_end,
                         help="FK (reference semantics): last scheduled resampling step before the final one")
+    parser.add_argument("--euphonium-scale", type=float, default=EuphoniumSettings().scale,
+                        help="Euphonium-guided sampling's scale (its gradient source: --rgs-reward / --registers)")
+    parser.add_argument("--euphonium-start", type=float, default=EuphoniumSettings().start,
+                        help="Euphonium-guided sampling's first guided fraction of the steps")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
@@ -217,7 +221,7 @@ def main() -> None:
             rows.append(done[(method, budget)])
             print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
             return
-        guided = method == "rgs" or (method == "fk" and args.fk_guided)
+        guided = method in ("rgs", "euphonium") or (method == "fk" and args.fk_guided)
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
                               batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands,
                               rgs_reward=args.rgs_reward if guided else None,
@@ -228,6 +232,9 @@ def main() -> None:
             config.sampler = dataclasses.replace(config.sampler, semantics=args.fk_semantics,
                                                  adaptive=args.fk_adaptive, resample_every=args.fk_resample_every,
                                                  resample_end=args.fk_resample_end)
+        if method == "euphonium":
+            config.sampler = dataclasses.replace(config.sampler, scale=args.euphonium_scale,
+                                                 start=args.euphonium_start)
         config.validate()
         try:
             result = run_method(model, metadata, config, reward_fn, registers, guide_reward if guided else None)
@@ -242,8 +249,8 @@ def main() -> None:
 
     record("none", args.steps)
     for method in args.methods:
-        if method == "rgs" and registers is None and guide_reward is None:
-            print("rgs: skipped (no --registers or --rgs-reward)")
+        if method in ("rgs", "euphonium") and registers is None and guide_reward is None:
+            print(f"{method}: skipped (no --registers or --rgs-reward)")
             continue
         for budget in args.budgets:
             if budget >= args.steps:

@@ -227,6 +227,7 @@ SAMPLE_RUNS = {
     "none": [],
     "bon": ["--budget", "40"],
     "dts": ["--budget", "24"],
+    "fk": ["--budget", "16"],
     "rgs": ["--budget", "40", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
     "euphonium": ["--budget", "48", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
 }
