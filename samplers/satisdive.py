@@ -406,6 +406,43 @@ def _check_settings(num_steps: int, scoring: Sequence[int], candidates: int, mar
     return steps
 
 
+def _pass_b(velocity_features, guide_reward, x, sigma, rows, v_prev, features, q, distances, cal, floor_grad,
+            through_velocity: bool, chunk: int | None) -> tuple[Tensor, Tensor, int]:
+    """Pass B: ``(g_rew, g_div, rows passed)`` with every candidate's live feature and, ``through_velocity``, the reward
+    gradient through its velocity (else ``g_rew`` is zero here). ``chunk`` rows at a time (default: all): each
+    candidate's penalties depend on its own latents only, so chunks give the same gradients with less memory. The
+    rows passed count one forward, one diversity backward and (``through_velocity``) one reward backward each."""
+    n, s = x.shape[0], float(sigma)
+    prompts, k = q.shape
+    g_rew = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    g_div = torch.zeros_like(g_rew)
+    fixed = features.detach().reshape(n, -1)
+    passes = 0
+    size = n if chunk is None else int(chunk)
+    for start in range(0, n, size):
+        part = slice(start, min(start + size, n))
+        count = part.stop - part.start
+        with torch.enable_grad():
+            x_in = x[part].detach().requires_grad_(True)
+            v_live, phi_live = velocity_features(x_in, sigma, rows[part])
+            passes += count
+            live = fixed.clone()
+            live[part] = phi_live.float()
+            penalty = diversity_penalty(live.reshape(prompts, k, -1), features, q, distances, cal.delta,
+                                        cal.beta_d).reshape(n)[part]
+            if through_velocity:
+                v_use = v_live.float() if v_prev is None else 0.5 * (v_live.float() + v_prev[part])
+                scores = guide_reward((x_in.float() - s * v_use).to(x.dtype), rows[part]).reshape(count)
+                (grad,) = torch.autograd.grad((floor_grad.reshape(n)[part] * scores).sum(), x_in, retain_graph=True)
+                g_rew[part] = grad.float()
+                passes += count
+            (grad,) = torch.autograd.grad(penalty.sum(), x_in, allow_unused=True)
+            passes += count
+        if grad is not None:
+            g_div[part] = grad.float()
+    return g_rew, g_div, passes
+
+
 def satisdive_sampling(
     velocity_features: VelocityFeatures,
     guide_reward: LatentReward,
@@ -427,6 +464,7 @@ def satisdive_sampling(
     step_scale: str = "relative",
     velocity: str = "recompute",
     gradient: str = "full",
+    grad_chunk: int | None = None,
     reference_seeds: Sequence[int] | None = None,
     initial: Tensor | None = None,
     device: str | torch.device = "cpu",
@@ -439,7 +477,9 @@ def satisdive_sampling(
     is the floor ``Delta`` in the guide reward's units. ``step`` defaults to 0.03 (``relative``: of the mean latent
     norm at calibration) or 1 (``absolute``, the reference). ``scoring_steps`` default to
     ``default_scoring_steps(T)``. ``budget`` (per prompt), when given, must cover ``satisdive_nfe`` (else
-    ``BudgetTooSmall``); the run spends exactly that. ``initial`` (``[B K, ...]``) replaces the initial noise.
+    ``BudgetTooSmall``); the run spends exactly that. ``grad_chunk`` rows go through pass B at a time (default: all
+    ``B K``; 1 holds one candidate's graph at a time, as the reference). ``initial`` (``[B K, ...]``) replaces the
+    initial noise.
 
     Returns ``final [B, K, ...]`` in trajectory order (the set is the output: nothing is sorted or dropped),
     ``reward [B, K]`` (``final_reward`` of the final latents), ``nfe [B]`` and ``info`` (the calibration, the
@@ -453,6 +493,8 @@ def satisdive_sampling(
     step = DEFAULT_STEP[step_scale] if step is None else float(step)
     if not (math.isfinite(step) and step > 0):
         raise ValueError(f"SatisDive's step must be a finite number > 0, got {step!r}")
+    if grad_chunk is not None and (isinstance(grad_chunk, bool) or not isinstance(grad_chunk, int) or grad_chunk < 1):
+        raise ValueError(f"grad_chunk must be a number of rows >= 1, got {grad_chunk!r}")
     cloning = set(clone_steps(scoring, num_steps, clone_from))
     evals = count_nfe(velocity_features, 1)
     cost = satisdive_nfe(num_steps, scoring, candidates, clone_from=clone_from, velocity=velocity, gradient=gradient,
@@ -503,21 +545,9 @@ def satisdive_sampling(
             tau = floor_cutoff(r, margin)
             q = acceptance(r, tau, cal.beta_r)
             floor_grad = floor_gradient(r, tau, cal.beta_r, lam_r)
-            # pass B: the live feature and the gradients
-            with torch.enable_grad():
-                x_in = x.detach().requires_grad_(True)
-                v_live, phi_live = velocity_features(x_in, sigma, rows)
-                spent += n * evals
-                penalty = diversity_penalty(grouped(phi_live), grouped(phi), q, d, cal.delta, cal.beta_d)
-                if gradient == "full":
-                    live_use = v_live.float() if v_prev is None else 0.5 * (v_live.float() + v_prev)
-                    scores = guide_reward((x_in.float() - s * live_use).to(dtype), rows).reshape(n)
-                    (g_rew,) = torch.autograd.grad((floor_grad.reshape(n) * scores).sum(), x_in, retain_graph=True)
-                    spent += n * evals
-                (g_div,) = torch.autograd.grad(penalty.sum(), x_in, allow_unused=True)
-                spent += n * evals
-            if g_div is None:
-                g_div = torch.zeros_like(x)
+            g_rew, g_div, passes = _pass_b(velocity_features, guide_reward, x, sigma, rows, v_prev, grouped(phi), q, d,
+                                           cal, floor_grad, gradient == "full", grad_chunk)
+            spent += passes * evals
             if gradient == "x0":
                 g_rew = floor_grad.reshape(n, *([1] * len(shape))) * x0_hat_gradient(guide_reward, x, v_use, s, rows)
             g_rew, g_div = torch.nan_to_num(g_rew.float()), torch.nan_to_num(g_div.float())

@@ -390,6 +390,16 @@ def test_nfes_are_counted_call_by_call_and_match_the_formula(velocity, gradient,
                            velocity=velocity, gradient=gradient, budget=expected - 1)
 
 
+def test_pass_b_in_chunks_gives_the_same_run():
+    base, guide = world.sampler_callables()
+    sigmas = torch.cat([torch.linspace(1, 1 / 8, 8), torch.zeros(1)])
+    generators = lambda: [torch.Generator().manual_seed(p) for p in range(2)]
+    runs = [satisdive_sampling(base, guide, sigmas, world.SHAPE, generators(), 3, margin=0.2, grad_chunk=chunk)
+            for chunk in (None, 1, 4)]
+    for other in runs[1:]:
+        assert torch.allclose(other.final, runs[0].final, atol=1e-5) and torch.equal(other.nfe, runs[0].nfe)
+
+
 def test_recompute_steps_with_the_velocity_at_the_updated_latents():
     """A run with no scoring step equals plain SDE sampling; with scoring steps the two velocity modes differ, and
     the recompute mode's SDE steps use the forward at the latents they move."""
@@ -521,7 +531,8 @@ def test_bad_settings_fail_before_any_model_loads(kwargs, candidates, key, messa
     "setting,value,key",
     [("delta", float("nan"), "delta"), ("delta", float("inf"), "delta"), ("delta", -0.1, "delta"),
      ("scoring_steps", [2, 2], "scoring_steps"), ("scoring_steps", [12], "sampler.scoring_steps"),
-     ("step", 0.0, "step"), ("delta_scale", 0.0, "delta_scale"), ("feature_block", -1, "feature_block")],
+     ("step", 0.0, "step"), ("delta_scale", 0.0, "delta_scale"), ("feature_block", -1, "feature_block"),
+     ("grad_chunk", 0, "grad_chunk")],
 )
 def test_bad_satisdive_settings_name_their_key(setting, value, key):
     from flowalign.config import ConfigError

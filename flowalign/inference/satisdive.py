@@ -143,6 +143,8 @@ class SatisDiveSettings(ComponentConfig):
                                               "the reference)")
     feature_block: int | None = option(None, "the transformer block whose image tokens are SatisDive's diversity "
                                        "feature (default: the middle of transformer_blocks)")
+    grad_chunk: int | None = option(None, "candidates per SatisDive pass-B forward and backward (default: all of the "
+                                    "batch at once; 1 holds one candidate's graph at a time, as the reference)")
     velocity: Literal[VELOCITY_MODES] = option("recompute", "SatisDive's SDE step after an update or a clone: with "
                                                "the velocity at the new latents (recompute, one forward per "
                                                "candidate at scoring steps before --clone-from) or pass A's "
@@ -166,6 +168,9 @@ class SatisDiveSettings(ComponentConfig):
         if self.feature_block is not None:
             check(isinstance(self.feature_block, int) and self.feature_block >= 0, "feature_block",
                   f"must be a block index >= 0, got {self.feature_block!r}")
+        if self.grad_chunk is not None:
+            check(isinstance(self.grad_chunk, int) and not isinstance(self.grad_chunk, bool) and self.grad_chunk >= 1,
+                  "grad_chunk", f"must be a number of candidates >= 1, got {self.grad_chunk!r}")
         if self.scoring_steps is not None:
             steps = list(self.scoring_steps)
             check(bool(steps) and all(isinstance(i, int) and i >= 0 for i in steps) and len(set(steps)) == len(steps),
@@ -229,6 +234,6 @@ class SatisDive(GuidedSampler):
                 scoring_steps=settings.steps_for(problem.config.steps), clone_from=settings.clone_from,
                 sde_a=settings.sde_a, lam_r=settings.lam_r, lam_d=settings.lam_d, delta_scale=settings.delta_scale,
                 step=settings.step, step_scale=settings.step_scale, velocity=settings.velocity,
-                gradient=settings.gradient, device=problem.device)
+                gradient=settings.gradient, grad_chunk=settings.grad_chunk, device=problem.device)
             result.info["feature_block"] = features.block
         return result
