@@ -432,7 +432,7 @@ def _pass_b(velocity_features, guide_reward, x, sigma, rows, v_prev, features, q
                                         cal.beta_d).reshape(n)[part]
             if through_velocity:
                 v_use = v_live.float() if v_prev is None else 0.5 * (v_live.float() + v_prev[part])
-                scores = guide_reward((x_in.float() - s * v_use).to(x.dtype), rows[part]).reshape(count)
+                scores = guide_reward(x_in.float() - s * v_use, rows[part]).reshape(count)
                 (grad,) = torch.autograd.grad((floor_grad.reshape(n)[part] * scores).sum(), x_in, retain_graph=True)
                 g_rew[part] = grad.float()
                 passes += count
@@ -514,7 +514,6 @@ def satisdive_sampling(
         x = initial.to(device).float()
     else:
         x = initial_noise(shape, generators, rows, device)
-    dtype = x.dtype
     spent = 0
     v_prev: Tensor | None = None
     cal: Calibration | None = None
@@ -537,7 +536,7 @@ def satisdive_sampling(
             v_use = v if v_prev is None else 0.5 * (v + v_prev)
             x0 = x.float() - s * v_use
             with torch.no_grad():
-                r = grouped(guide_reward(x0.to(dtype), rows).detach().float().reshape(n))
+                r = grouped(guide_reward(x0, rows).detach().float().reshape(n))
             d = cosine_distances(grouped(phi))
             if cal is None:
                 cal = calibrate(r, d, grouped(x), delta_scale)
@@ -551,7 +550,7 @@ def satisdive_sampling(
             if gradient == "x0":
                 g_rew = floor_grad.reshape(n, *([1] * len(shape))) * x0_hat_gradient(guide_reward, x, v_use, s, rows)
             g_rew, g_div = torch.nan_to_num(g_rew.float()), torch.nan_to_num(g_div.float())
-            x_new = satisdive_update(x, g_rew, g_div, floor_grad, cal.max_step, size, p, lam_r, lam_d).to(dtype)
+            x_new = satisdive_update(x, g_rew, g_div, floor_grad, cal.max_step, size, p, lam_r, lam_d)
             record = {"step": i, "sigma": s, "p": p, "rewards": r.tolist(), "tau": tau.tolist(), "q": q.tolist(),
                       "diversity": gated_diversity(q, d).tolist(), "floor_weights": floor_grad.abs().tolist(),
                       "moved": grouped((x_new.float() - x.float()).flatten(1).norm(dim=1)).tolist(),
@@ -565,8 +564,7 @@ def satisdive_sampling(
                 v_cd = v_cd.detach().float()
                 # the reference's x0 of the re-score averages the fresh velocity with this step's pass-A one
                 with torch.no_grad():
-                    r_cd = grouped(guide_reward((x.float() - s * 0.5 * (v_cd + v)).to(dtype), rows)
-                                   .detach().float().reshape(n))
+                    r_cd = grouped(guide_reward(x - s * 0.5 * (v_cd + v), rows).detach().float().reshape(n))
                 remaining = sum(1 for c in scoring if c > i)
                 accepted, _, hopeless = hopeless_duds(r_cd, previous_rescore, tau, cal.beta_r, remaining)
                 v_step = v_cd if velocity == "recompute" else v
@@ -601,7 +599,7 @@ def satisdive_sampling(
                 else:
                     noise = standard_normal(tuple(x.shape), generators, x.device, owner=rows)
                 mean = mean + std * noise
-            x = mean.to(dtype)
+            x = mean.float()
     x = x.detach()
     if final_reward is None:
         scores = torch.full((prompts, k), float("nan"), dtype=torch.float64)
