@@ -368,5 +368,5 @@ class EuphoniumGuided(RewardGradient):
                                       device=problem.device)
 
 
-# SatisDive lives in its own module (its settings reuse GradientSettings' options); importing it registers it.
+# SatisDive lives in its own module (its settings extend GradientSource); importing it registers it.
 from flowalign.inference import satisdive as _satisdive  # noqa: E402,F401

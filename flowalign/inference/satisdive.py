@@ -18,20 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError
 from flowalign.samplers.satisdive import (
-    REWARD_GRADIENTS,
     STEP_SCALES,
     VELOCITY_MODES,
     clone_steps,
     default_scoring_steps,
     satisdive_nfe,
 )
-from flowalign.settings import check, finite, option, redefault
+from flowalign.settings import check, finite, option
 
 from . import GuidedProblem, GuidedSampler, register_sampler
-from .guided import GradientSettings
+from .guided import GradientSource
 
 __all__ = ["SatisDive", "SatisDiveSettings", "block_features", "feature_blocks", "pooled_block_feature"]
 
@@ -119,12 +117,10 @@ def block_features(velocity, transformer: torch.nn.Module, block: int | None = N
 
 
 @dataclass
-class SatisDiveSettings(ComponentConfig):
-    """SatisDive's settings (docs/methods/satisdive.md); the guide reward's three are RGS's options."""
+class SatisDiveSettings(GradientSource):
+    """SatisDive's settings (docs/methods/satisdive.md); the steering reward's (``reward``, ``reward_kwargs``,
+    ``gradient``) are RGS's options."""
 
-    reward: str | None = redefault(GradientSettings, "reward", None)
-    reward_kwargs: dict[str, Any] = redefault(GradientSettings, "reward_kwargs", {})
-    gradient: Literal[REWARD_GRADIENTS] = redefault(GradientSettings, "gradient", "full")
     delta: float = option(0.25, "SatisDive's floor Delta in --rgs-reward's units: each candidate is pushed above "
                           "max_k r_k - Delta (0.25 for toy_geneval_soft; the reference: 1.5 HPSv3, 0.5 ImageReward)")
     scoring_steps: list[int] | None = option(None, "the steps at which SatisDive scores, updates and may clone its "
@@ -154,6 +150,7 @@ class SatisDiveSettings(ComponentConfig):
         if self.reward is None:
             raise ConfigError("guidance 'satisdive' steers with the gradient of a differentiable reward: pass "
                               f"--rgs-reward NAME ({_DIFFERENTIABLE})", key="reward")
+        GradientSource.validate(self)
         if isinstance(self.delta, bool) or not isinstance(self.delta, (int, float)) or not math.isfinite(self.delta):
             raise ConfigError(f"delta (--delta, SatisDive's floor Delta in --rgs-reward's units) must be a finite "
                               f"number >= 0, got {self.delta!r}", key="delta")
@@ -192,7 +189,7 @@ class SatisDive(GuidedSampler):
         return frozenset({"reward", "differentiable_reward"})
 
     def differentiable_reward(self):
-        return None if self.config.reward is None else (self.config.reward, dict(self.config.reward_kwargs))
+        return self.config.differentiable_reward()
 
     def needed_nfe(self, config, evals_per_sample: int = 1) -> int:
         """NFEs per prompt at ``config``'s steps and candidates (``evals_per_sample`` 2 with CFG)."""
