@@ -210,6 +210,8 @@ SAMPLE_RUNS = {
     "fk": ["--budget", "16"],
     "rgs": ["--budget", "40", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
     "euphonium": ["--budget", "48", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
+    # 4 steps, scoring steps 1, 2, 3: 4 (4 + 3 x 4) NFEs
+    "satisdive": ["--budget", "64", "--rgs-reward", "toy_geneval_soft"],
 }
 
 

@@ -366,3 +366,7 @@ class EuphoniumGuided(RewardGradient):
                                       head_weights=heads, noise_level=settings.sde_noise, kind="dance",
                                       backward_nfe=backward_nfe, candidates=problem.candidates,
                                       device=problem.device)
+
+
+# SatisDive lives in its own module (its settings extend GradientSource); importing it registers it.
+from flowalign.inference import satisdive as _satisdive  # noqa: E402,F401
