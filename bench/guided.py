@@ -18,6 +18,10 @@ the table. The targets of issue 7 are checked and reported, met or not:
         --rgs-bands 0.2:1.0 --budgets 10 20 40 80     # RGS on the differentiable toy reward, FK with RGS proposals
     python bench/guided.py --max-prompts 2 --repeats 1 --steps 3 --budgets 3 6     # smoke size
 
+FK runs with ``--fk-semantics flowalign`` here unless told otherwise (the semantics of the recorded results);
+``--fk-semantics reference`` (``flowalign sample``'s default) with ``--fk-adaptive``, ``--fk-resample-every`` and
+``--fk-resample-end`` runs it as the reference code does.
+
 Each held-out prompt is sampled ``--repeats`` times with its own seeds; every method sees the same seeds, so each
 row's gain over plain sampling is paired image by image, with its standard error.
 """
@@ -25,15 +29,19 @@ row's gain over plain sampling is paired image by image, with its standard error
 from __future__ import annotations
 
 import argparse
+import sys
+import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-METHODS = ("bon", "fk", "dts", "rgs")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot import line_plot  # noqa: E402 - bench/plot.py (imported now: loading a pipeline drops sys.path[0])
+METHODS = ("bon", "fk", "dts", "rgs", "euphonium")
 COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44),
-          "rgs": (214, 39, 40)}
+          "rgs": (214, 39, 40), "euphonium": (148, 103, 189)}
 
 
 def run_method(model, metadata, config, reward_fn, registers, guide_reward=None) -> dict:
@@ -95,51 +103,25 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> None:
-    """Accuracy against mean NFEs, one polyline per method (PIL only)."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    left, right, top, bottom = 60, width - 110, 20, height - 50
-    xs = [r["mean_nfe"] for r in rows]
+def plot(rows: list[dict], path: Path) -> None:
+    """Accuracy against mean NFEs, one polyline per method."""
+    series: dict[str, list[tuple]] = {}
+    for r in rows:
+        series.setdefault(r["method"], []).append((r["mean_nfe"], r["overall"]))
     ys = [r["overall"] for r in rows]
-    x_lo, x_hi = 0.0, max(xs) * 1.05 or 1.0
-    y_lo, y_hi = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
-    y_hi = y_hi if y_hi > y_lo else y_lo + 0.1
-
-    def at(x, y):
-        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
-
-    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
-    for k in range(5):
-        y = y_lo + k * (y_hi - y_lo) / 4
-        px, py = at(x_lo, y)
-        draw.text((5, py - 6), f"{y:.2f}", fill=(0, 0, 0))
-        x = x_lo + k * (x_hi - x_lo) / 4
-        px, py = at(x, y_lo)
-        draw.text((px - 10, bottom + 5), f"{x:.0f}", fill=(0, 0, 0))
-    draw.text(((left + right) / 2 - 60, height - 25), "NFEs per prompt", fill=(0, 0, 0))
-    draw.text((5, 2), "toy GenEval overall (held-out)", fill=(0, 0, 0))
-    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        points = [at(r["mean_nfe"], r["overall"]) for r in sorted(rows, key=lambda r: r["mean_nfe"]) if r["method"] == method]
-        color = COLORS.get(method, (0, 0, 0))
-        if len(points) > 1:
-            draw.line(points, fill=color, width=2)
-        for px, py in points:
-            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
-        draw.line([right + 10, top + 12 + 18 * index, right + 30, top + 12 + 18 * index], fill=color, width=3)
-        draw.text((right + 35, top + 6 + 18 * index), method, fill=(0, 0, 0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    low, high = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    line_plot(series, path, x_label="NFEs per prompt", y_label="toy GenEval overall (held-out)", colors=COLORS,
+              x_range=(0.0, max(r["mean_nfe"] for r in rows) * 1.05 or 1.0),
+              y_range=(low, high if high > low else low + 0.1))
 
 
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.inference.guided import FKSettings
+    from flowalign.inference.guided import EuphoniumSettings, FKSettings
     from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
+    from flowalign.samplers.fk import SEMANTICS
     from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
 
@@ -166,6 +148,19 @@ def main() -> None:
     parser.add_argument("--potential", default=FKSettings().potential, help="FK potential")
     parser.add_argument("--fk-resample-start", type=int, default=FKSettings().resample_start,
                         help="first step at which FK may resample")
+    parser.add_argument("--fk-semantics", choices=SEMANTICS, default="flowalign",
+                        help="FK's resampling (flowalign sample --fk-semantics): flowalign, the default here, is the "
+                             "semantics of the recorded results; reference is flowalign sample's default")
+    parser.add_argument("--fk-adaptive", action="store_true",
+                        help="FK (reference semantics): resample only when ESS < N/2")
+    parser.add_argument("--fk-resample-every", type=int, default=FKSettings().resample_every,
+                        help="FK (reference semantics): steps between resampling steps")
+    parser.add_argument("--fk-resample-end", type=int, default=FKSettings().resample_end,
+                        help="FK (reference semantics): last scheduled resampling step before the final one")
+    parser.add_argument("--euphonium-scale", type=float, default=EuphoniumSettings().scale,
+                        help="Euphonium-guided sampling's scale (its gradient source: --rgs-reward / --registers)")
+    parser.add_argument("--euphonium-start", type=float, default=EuphoniumSettings().start,
+                        help="Euphonium-guided sampling's first guided fraction of the steps")
     parser.add_argument("--batch-prompts", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(REPO / "bench/results/guided.json"))
@@ -202,13 +197,20 @@ def main() -> None:
             rows.append(done[(method, budget)])
             print(f"{method:>4} budget {budget:>4}: done, reused", flush=True)
             return
-        guided = method == "rgs" or (method == "fk" and args.fk_guided)
+        guided = method in ("rgs", "euphonium") or (method == "fk" and args.fk_guided)
         config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
                               batch_prompts=args.batch_prompts, registers=args.registers, rgs_bands=args.rgs_bands,
                               rgs_reward=args.rgs_reward if guided else None,
                               rgs_gradient=args.rgs_gradient if guided else "full",
                               noise_level=args.noise_level, lam=args.lam, potential=args.potential,
                               fk_resample_start=args.fk_resample_start)
+        if method == "fk":
+            config.sampler = dataclasses.replace(config.sampler, semantics=args.fk_semantics,
+                                                 adaptive=args.fk_adaptive, resample_every=args.fk_resample_every,
+                                                 resample_end=args.fk_resample_end)
+        if method == "euphonium":
+            config.sampler = dataclasses.replace(config.sampler, scale=args.euphonium_scale,
+                                                 start=args.euphonium_start)
         config.validate()
         try:
             result = run_method(model, metadata, config, reward_fn, registers, guide_reward if guided else None)
@@ -223,8 +225,8 @@ def main() -> None:
 
     record("none", args.steps)
     for method in args.methods:
-        if method == "rgs" and registers is None and guide_reward is None:
-            print("rgs: skipped (no --registers or --rgs-reward)")
+        if method in ("rgs", "euphonium") and registers is None and guide_reward is None:
+            print(f"{method}: skipped (no --registers or --rgs-reward)")
             continue
         for budget in args.budgets:
             if budget >= args.steps:

@@ -11,6 +11,8 @@ from .guided import GuidedResult, best_of_n
 from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
+from .euphonium import euphonium_sampling
+from .satisdive import satisdive_sampling
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
@@ -45,6 +47,7 @@ __all__ = [
     "count_nfe",
     "diffusion_tree_search",
     "euphonium_guidance",
+    "euphonium_sampling",
     "fk_steering",
     "gaussian_log_prob",
     "noise_schedule",
@@ -54,6 +57,7 @@ __all__ = [
     "probe_rollout",
     "reward_guided_sampling",
     "rollout",
+    "satisdive_sampling",
     "sde_mean_std",
     "sde_step",
     "tree_rollout",

@@ -42,6 +42,7 @@ from .guided import (
     LatentReward,
     as_scores,
     check_budget,
+    check_candidates,
     check_sampling,
     initial_noise,
     step,
@@ -150,6 +151,10 @@ class SearchTree:
     def best_leaf(self) -> int:
         return max(self.leaves(), key=lambda n: self.value[n])
 
+    def best_leaves(self, k: int) -> list[int]:
+        """The ``k`` leaves of highest value, best first (the earlier leaf first on ties, as ``best_leaf``; NaN last)."""
+        return sorted(self.leaves(), key=lambda n: (math.isnan(self.value[n]), -self.value[n]))[:k]
+
     def sample_leaf(self, generator: torch.Generator | None = None) -> int:
         """Descend from the root by the Boltzmann rule over all valued children down to a leaf."""
         node = 0
@@ -177,9 +182,15 @@ def diffusion_tree_search(
     max_children: int = 3,
     noise_level: float = 0.7,
     kind: str = "flow_grpo",
+    candidates: int = 1,
     device: str | torch.device = "cpu",
 ) -> GuidedResult:
     """DTS* (``greedy=True``) or DTS (``greedy=False``) for every prompt, within ``budget`` NFEs per prompt.
+
+    ``candidates = K > 1`` returns a set per prompt: DTS*'s ``K`` best leaves (best first); DTS's ``K`` leaves drawn
+    by ``K`` independent descents (Boltzmann selection; a leaf may be drawn twice, as sampling from the tilted
+    distribution can repeat). A tree with fewer than ``K`` leaves within the budget is a ValueError naming
+    ``--candidates``.
 
     ``info`` holds ``iterations [B]`` (rollouts per tree), ``trees`` (the ``SearchTree``s, states included) and the
     number of distinct leaves.
@@ -211,6 +222,17 @@ def diffusion_tree_search(
         for b in starts:
             iterations[b] += 1
 
+    if candidates > 1:
+        check_candidates(candidates, min(len(tree.leaves()) for tree in trees), "tree search", "leaves")
+        chosen = [tree.best_leaves(candidates) if greedy else
+                  [tree.sample_leaf(generators[b]) for _ in range(candidates)] for b, tree in enumerate(trees)]
+        return GuidedResult(
+            final=torch.stack([torch.stack([tree.state[n] for n in nodes]) for tree, nodes in zip(trees, chosen)]),
+            reward=torch.tensor([[tree.value[n] for n in nodes] for tree, nodes in zip(trees, chosen)],
+                                dtype=torch.float64),
+            nfe=torch.tensor(spent, dtype=torch.long),
+            info={"iterations": iterations, "trees": trees, "leaves": [len(t.leaves()) for t in trees]},
+        )
     if greedy:
         chosen = [tree.best_leaf() for tree in trees]
     else:

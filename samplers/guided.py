@@ -35,7 +35,10 @@ __all__ = [
     "GuidedResult",
     "best_of_n",
     "check_budget",
+    "check_candidates",
     "group_argmax",
+    "group_topk",
+    "keep_candidates",
     "trajectory_nfe",
 ]
 
@@ -113,6 +116,41 @@ def group_argmax(values: Tensor, groups: int, size: int) -> Tensor:
     return torch.arange(groups, device=values.device) * size + values.argmax(dim=1)
 
 
+def group_topk(values: Tensor, groups: int, size: int, k: int) -> Tensor:
+    """Row indices ``[groups, k]`` of the ``k`` largest values in each of ``groups`` consecutive groups of ``size``
+    rows, best first (first index on ties; NaN never wins over a number). ``k = 1`` gives ``group_argmax`` as a
+    column."""
+    if not 1 <= k <= size:
+        raise ValueError(f"cannot keep {k} of {size} rows per group")
+    values = torch.nan_to_num(values.double().reshape(groups, size), nan=-torch.inf)
+    # a stable descending sort keeps the first of tied rows first, as argmax does
+    order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :k]
+    return torch.arange(groups, device=values.device)[:, None] * size + order
+
+
+def check_candidates(candidates: int, available: int, method: str, unit: str, cost: int | None = None) -> int:
+    """``candidates`` as an int, or a ValueError naming ``--candidates`` when ``method`` has fewer than that many
+    ``unit`` per prompt within its budget (``available``); ``cost``, the NFEs of one unit when each candidate needs
+    its own, names the budget that would do."""
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
+        raise ValueError(f"--candidates must be an integer >= 1, got {candidates!r}")
+    if candidates > available:
+        need = "raise --budget" if cost is None else f"raise --budget to at least {candidates * cost}"
+        raise ValueError(f"--candidates {candidates}: {method} has {available} {unit} per prompt within its budget; "
+                         f"{need} or lower --candidates")
+    return candidates
+
+
+def keep_candidates(x: Tensor, scores: Tensor, prompts: int, size: int, candidates: int) -> tuple[Tensor, Tensor]:
+    """Each prompt's best row (``final [B, ...]``, ``reward [B]``) when ``candidates`` is 1, else its ``candidates``
+    best rows, best first (``final [B, K, ...]``, ``reward [B, K]``), of ``size`` rows per prompt."""
+    if candidates == 1:
+        pick = group_argmax(scores, prompts, size)
+        return x[pick], scores[pick]
+    pick = group_topk(scores, prompts, size, candidates)
+    return x[pick.to(x.device)], scores[pick]
+
+
 def as_scores(values, rows: int) -> Tensor:
     scores = torch.as_tensor(values).detach().double().flatten().cpu()
     if scores.numel() != rows:
@@ -131,9 +169,11 @@ def best_of_n(
     *,
     noise_level: float = 0.0,
     kind: str = "flow_grpo",
+    candidates: int = 1,
     device: str | torch.device = "cpu",
 ) -> GuidedResult:
-    """Best-of-N: ``N = budget // T`` independent trajectories per prompt; keep the one with the highest reward.
+    """Best-of-N: ``N = budget // T`` independent trajectories per prompt; keep the one with the highest reward, or
+    the ``candidates`` best (a set, best first; ``N >= candidates`` is required).
 
     With ``noise_level = 0`` the trajectories are ODE samples from different initial noise. Spends exactly
     ``N * T`` NFEs per prompt (``T`` = steps, times ``evals_per_sample``); the reward is called once, on the
@@ -143,6 +183,7 @@ def best_of_n(
     num_steps = sigmas.numel() - 1
     per = trajectory_nfe(velocity, num_steps)
     n = check_budget(budget, per, "best-of-N") // per
+    check_candidates(candidates, n, "best-of-N", f"trajectories of {per} NFEs", per)
     prompts = len(generators)
     rows = torch.arange(prompts, device=device).repeat_interleave(n)
     x = initial_noise(shape, generators, rows, device)
@@ -152,10 +193,11 @@ def best_of_n(
         spent += count_nfe(velocity, x.shape[0])
         x = step(x, v, sigmas[i], sigmas[i + 1], kind=kind, noise_level=noise_level, generators=generators, rows=rows)
     scores = as_scores(reward(x, rows), x.shape[0])
-    pick = group_argmax(scores, prompts, n)
+    final, chosen = keep_candidates(x, scores, prompts, n, candidates)
     return GuidedResult(
-        final=x[pick],
-        reward=scores[pick],
+        final=final,
+        reward=chosen,
         nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
         info={"particles": n, "all_rewards": scores.reshape(prompts, n)},
     )
+

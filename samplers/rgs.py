@@ -41,9 +41,10 @@ from .guided import (
     LatentReward,
     as_scores,
     check_budget,
+    check_candidates,
     check_sampling,
-    group_argmax,
     initial_noise,
+    keep_candidates,
     step,
 )
 from .rollout import count_nfe
@@ -195,12 +196,14 @@ def reward_guided_sampling(
     noise_level: float = 0.0,
     kind: str = "flow_grpo",
     backward_nfe: int = 1,
+    candidates: int = 1,
     device: str | torch.device = "cpu",
 ) -> GuidedResult:
     """RGS with ``k = budget // cost`` guided particles per prompt (``cost`` = one guided trajectory's NFEs).
 
-    ``final_reward`` (needed when ``k > 1``) scores the final latents and picks each prompt's particle. Returns the
-    chosen latents, their ``final_reward`` (NaN without one) and the NFEs spent.
+    ``final_reward`` (needed when ``k > 1``) scores the final latents and picks each prompt's particle, or its
+    ``candidates`` best (a set, best first; ``k >= candidates`` is required). Returns the chosen latents, their
+    ``final_reward`` (NaN without one) and the NFEs spent.
     """
     sigmas = check_sampling(sigmas, kind, noise_level, generators)
     bands = check_bands(bands)
@@ -212,6 +215,9 @@ def reward_guided_sampling(
     scales = [band_scale(s, bands) for s in sigmas[:-1].tolist()]
     cost = num_steps * evals + sum(scale > 0 for scale in scales) * heads * backward_nfe
     k = check_budget(budget, cost, "RGS") // cost
+    check_candidates(candidates, k, "RGS", f"guided trajectories of {cost} NFEs", cost)
+    if candidates > 1 and final_reward is None:
+        raise ValueError("a set of candidates is ranked by final_reward: give one")
     if k > 1 and final_reward is None:
         k = 1  # nothing to choose with: spend one trajectory's worth
     prompts = len(generators)
@@ -246,10 +252,9 @@ def reward_guided_sampling(
     else:
         with torch.no_grad():
             all_scores = as_scores(final_reward(x, rows), x.shape[0])
-        pick = group_argmax(all_scores, prompts, k)
-        chosen = all_scores[pick]
+        final, chosen = keep_candidates(x, all_scores, prompts, k, candidates)
     return GuidedResult(
-        final=x[pick],
+        final=x[pick] if final_reward is None else final,
         reward=chosen,
         nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
         info={"particles": k, "trajectory_nfe": cost, "guided_steps": sum(s > 0 for s in scales)},

@@ -184,6 +184,36 @@ def test_sample_takes_the_lora_and_defaults_to_the_checkpoints_model(trained, tm
     assert lora_image != (tmp_path / "plain" / "images" / "0000.png").read_bytes()
 
 
+# Every guided sampler with a set of 2 candidates within a small budget (2 steps, 2 prompts).
+GUIDED_WITH_LORA = {
+    "none": [],
+    "bon": ["--budget", "8"],
+    "fk": ["--budget", "8"],
+    "dts": ["--budget", "8"],
+    "rgs": ["--budget", "8", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
+    "euphonium": ["--budget", "8", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
+    "satisdive": ["--budget", "12", "--rgs-reward", "toy_geneval_soft"],  # 2 steps, scoring step 1: 2 (2 + 4)
+}
+
+
+@pytest.mark.slow  # the trained run: about a minute, shared with the tests above
+@pytest.mark.parametrize("guidance", sorted(GUIDED_WITH_LORA))
+def test_every_guided_sampler_runs_on_a_trained_lora(trained, tmp_path, guidance):
+    """Training and inference-time alignment compose: ``--lora CHECKPOINT`` under every guided sampler gives other
+    images than the base model under the same sampler and seeds."""
+    common = ["sample", "--guidance", guidance, "--candidates", "2", "--steps", "2", "--max-prompts", "2",
+              "--prompts", str(trained["prompts"]), *GUIDED_WITH_LORA[guidance]]
+    assert cli.main([*common, "--lora", str(trained["checkpoint"]), "--out", str(tmp_path / "lora")]) == 0
+    assert cli.main([*common, "--out", str(tmp_path / "base")]) == 0
+    lora = json.loads((tmp_path / "lora" / "results.json").read_text())
+    assert lora["config"]["lora_weights"] == "ema" and lora["images_per_prompt"] == 2
+    assert all(row["nfe"] <= int(GUIDED_WITH_LORA[guidance][1]) if GUIDED_WITH_LORA[guidance] else 4
+               for row in lora["results"])
+    images = sorted((tmp_path / "lora" / "images").glob("*.png"))
+    assert len(images) == 4
+    assert any(image.read_bytes() != (tmp_path / "base" / "images" / image.name).read_bytes() for image in images)
+
+
 # ---------------------------------------------------------------------------------------------------- export
 
 

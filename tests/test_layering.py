@@ -59,9 +59,10 @@ RULES = [
          under("flowalign.samplers"),
          only("flowalign.samplers", "flowalign.kernels", "flowalign.seeding", "flowalign.errors", "flowalign.registry")),
     Rule("the foundation imports only the foundation", under(*FOUNDATION), only(*FOUNDATION)),
-    Rule("reward_models/ (images or latents in, scores out) never imports models, the reward registry, the components "
+    Rule("reward_models/ (images or latents in, scores or embeddings out) never imports models, the reward and embedding "
+         "registries, the components "
          "or the layers above them", under("flowalign.reward_models"),
-         never("flowalign.models", "flowalign.rewards", *COMPONENTS, *UPPER)),
+         never("flowalign.models", "flowalign.rewards", "flowalign.embeddings", *COMPONENTS, *UPPER)),
     Rule("models/ never imports rewards, reward models, evaluation, the toy world, the components or the layers "
          "above them", under("flowalign.models"),
          never("flowalign.rewards", "flowalign.reward_models", "flowalign.evaluation", "flowalign.toy",
@@ -69,8 +70,8 @@ RULES = [
     Rule("evaluation, the toy world, data and export never import the components, inference, training or the CLI",
          under("flowalign.evaluation", "flowalign.toy", "flowalign.data", "flowalign.export"),
          never(*COMPONENTS, *UPPER)),
-    Rule("flowalign.rewards never imports the components, inference, training or the CLI", under("flowalign.rewards"),
-         never(*COMPONENTS, *UPPER)),
+    Rule("flowalign.rewards and flowalign.embeddings never import the components, inference, training or the CLI",
+         under("flowalign.rewards", "flowalign.embeddings"), never(*COMPONENTS, *UPPER)),
     Rule("rollout shapes never import credit, losses, objectives or the layers above them", under("flowalign.rollout"),
          never("flowalign.credit", "flowalign.losses", "flowalign.objectives", *UPPER)),
     Rule("credit never imports losses, objectives or the layers above them", under("flowalign.credit"),

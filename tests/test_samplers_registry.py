@@ -47,16 +47,29 @@ class KeepAll(GuidedSampler):
                             nfe=torch.full((prompts,), nfe, dtype=torch.long))
 
 
+class NeedsDepth(GuidedSampler):
+    needs = frozenset({"reward", "depth_map"})
+
+
 class NeedsEmbedding(GuidedSampler):
+    """Keeps two copies, after checking that flowalign sample handed it the --diversity embedding."""
+
     needs = frozenset({"reward", "image_embedding"})
+
+    def sample(self, problem):
+        vectors = problem.embedding.embed(torch.rand(2, 3, 16, 16))
+        assert vectors.shape[0] == 2 and torch.allclose(vectors.norm(dim=1), torch.ones(2))
+        return KeepAll(PairSettings(name="keep_all", copies=2)).sample(problem)
 
 
 @pytest.fixture
 def registered():
     flowalign.register_sampler("keep_all", KeepAll, config=PairSettings)
+    register_sampler("needs_depth", NeedsDepth, config=ComponentConfig)
     register_sampler("needs_embedding", NeedsEmbedding, config=ComponentConfig)
     yield
     SAMPLERS.unregister("keep_all")
+    SAMPLERS.unregister("needs_depth")
     SAMPLERS.unregister("needs_embedding")
 
 
@@ -92,11 +105,21 @@ def test_what_a_sampler_needs_and_flowalign_sample_lacks_is_refused_before_loadi
     from flowalign.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["sample", "--guidance", "needs_embedding", "--model", str(tmp_path / "absent"), "--out",
+        main(["sample", "--guidance", "needs_depth", "--model", str(tmp_path / "absent"), "--out",
               str(tmp_path / "o")])
     assert exit_info.value.code == 2
-    assert "needs image_embedding, which flowalign sample does not provide" in capsys.readouterr().err
+    assert "needs depth_map, which flowalign sample does not provide" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_sampler_that_needs_an_image_embedding_gets_the_diversity_one(registered, tmp_path):
+    from flowalign.cli import main
+
+    out = tmp_path / "o"
+    assert main(["sample", "--guidance", "needs_embedding", "--diversity", "pixels", "--steps", "2", "--budget", "4",
+                 "--max-prompts", "1", "--model", str(TOY), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["diversity_embedding"] == "pixels" and results["sets"][0]["diversity"] > 0
 
 
 def test_the_built_in_samplers_are_listed_with_their_settings_and_needs():

@@ -14,8 +14,8 @@ built-in ones (``flowalign.inference.guided``). Each is registered in ``SAMPLERS
 A sampler declares what it ``needs`` of ``flowalign sample`` (``NEEDS``): ``reward`` (the image reward as
 ``problem.reward(x0, rows)``, always given), ``differentiable_reward`` (a differentiable image reward, named by
 ``differentiable_reward()``, as ``problem.guide_reward``), ``registers`` (latent reward registers from the checkpoint
-``registers_checkpoint()``, attached to the transformer, as ``problem.registers``) or ``image_embedding`` (not
-provided by ``flowalign sample`` yet: refused at start-up). ``check(config)`` checks what spans the sampler's settings
+``registers_checkpoint()``, attached to the transformer, as ``problem.registers``) or ``image_embedding`` (the image
+embedding of ``--diversity``, ``flowalign.embeddings``, as ``problem.embedding``). ``check(config)`` checks what spans the sampler's settings
 and the rest of the ``SampleConfig`` (its steps and budget), before anything loads.
 
 ``sample(problem) -> GuidedResult``: one sample per prompt (``final [B, ...]``, ``reward [B]``), or a *set* of ``k``
@@ -49,7 +49,7 @@ class GuidedProblem:
     image reward of decoded latents, no gradient), ``sigmas`` of ``config.steps`` steps, the latent ``shape`` of one
     sample, one generator per prompt (``generators[b]`` keyed ``(seed, prompt_offset + b)``: a prompt's draws do not
     depend on its batch), and what the sampler needs: ``guide_reward`` (the differentiable image reward) or
-    ``registers``. ``latent_reward(reward_fn, differentiable=True)`` scores decoded latents with any image reward."""
+    ``registers``, and the image ``embedding`` (``--diversity``). ``latent_reward(reward_fn, differentiable=True)`` scores decoded latents with any image reward."""
 
     model: Any
     metadata: list[dict]
@@ -62,6 +62,7 @@ class GuidedProblem:
     device: Any
     registers: Any = None
     guide_reward: Any = None
+    embedding: Any = None
     prompt_offset: int = 0
     extras: dict = field(default_factory=dict)
 
@@ -95,6 +96,9 @@ class GuidedSampler(Component):
     needs: ClassVar[frozenset[str]] = frozenset({"reward"})
     # Whether ``SampleConfig.budget`` applies (``none`` spends one trajectory whatever the budget).
     uses_budget: ClassVar[bool] = True
+    # The whole trajectories each of the K candidates costs at least (so ``K * steps`` NFEs must fit the budget,
+    # checked before the model loads); None for a sampler whose candidates share work (a tree's leaves).
+    trajectories_per_candidate: ClassVar[int | None] = 1
 
     def requirements(self) -> frozenset[str]:
         """What this sampler, with its settings, needs (``needs`` unless the settings decide)."""

@@ -8,7 +8,8 @@ NFEs spent. ``run_sample`` adds loading, checks and outputs (``images/*.png``, `
 ``summary.md``).
 
 The sampler is the component section ``sampler`` (``--guidance NAME``, its settings ``sampler.KEY`` or their options:
-``--lam``, ``--potential``, ``--fk-resample-start``, ``--noise-level``, ``--max-children``, ``--dts-soft``,
+``--lam``, ``--potential``, ``--fk-semantics``, ``--fk-adaptive``, ``--fk-resample-start``, ``--fk-resample-every``,
+``--fk-resample-end``, ``--fk-reward-min-value``, ``--noise-level``, ``--max-children``, ``--dts-soft``,
 ``--registers``, ``--rgs-reward``, ``--rgs-reward-kwargs``, ``--rgs-gradient``, ``--rgs-bands``; see
 ``flowalign.inference.guided``). The budget is per prompt. Every check on the settings runs before the model loads,
 and what the sampler needs (a differentiable image reward, registers) is built from its settings.
@@ -75,7 +76,16 @@ class SampleConfig:
                                        "the file, for an editing model) (default: assets/prompts/test.jsonl)")
     sampler: ComponentConfig = flagged(component("flowalign.inference:SAMPLERS", "bon",
                                                  "the guided sampler and its settings"), "guidance")
-    budget: int = option(40, "NFEs per prompt")
+    budget: int = option(40, "NFEs per prompt (for the whole set with --candidates)")
+    candidates: int = option(1, "K images per prompt: a set from every method (best-of-N's K best, FK's K particles, "
+                             "DTS's K best leaves, K RGS / Euphonium / SatisDive trajectories), with its worst-candidate "
+                             "reward and diversity", metavar="K")
+    diversity: str = option("auto", "image embedding that measures a set's diversity (mean pairwise cosine distance): "
+                            "auto (toy_scene on the toy world, else pixels), or a registered embedding (toy_scene, "
+                            "pixels, clip, dreamsim)", metavar="NAME")
+    diversity_kwargs: dict[str, Any] = option({}, "--diversity's constructor arguments as a JSON object, e.g. local "
+                                              "weights: '{\"path\": \"/w/dreamsim\"}'", parse=parse_json_object,
+                                              metavar="JSON")
     steps: int = option(10, "sampler steps per trajectory")
     seed: int = option(0, "noise seed (prompt p's draws from the generator keyed (seed, p))")
     reward: str = option("toy_geneval", "registered image reward that scores samples")
@@ -146,7 +156,7 @@ class SampleConfig:
             close = SAMPLERS.closest(self.sampler.name)
             raise ConfigError(f"unknown guidance {self.sampler.name!r}: expected one of {', '.join(SAMPLERS.names())}"
                               + (f"; did you mean {close!r}?" if close else ""), key="sampler.name")
-        for name in ("budget", "steps", "batch_prompts"):
+        for name in ("budget", "steps", "batch_prompts", "candidates"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}", key=name)
@@ -163,7 +173,17 @@ class SampleConfig:
                 f"budget={self.budget} NFEs per prompt is smaller than one trajectory of {self.steps} steps "
                 f"({cost}): raise --budget to at least {per_trajectory} or lower --steps", key="budget"
             )
+        per_candidate = sampler.trajectories_per_candidate
+        if sampler.uses_budget and per_candidate and self.candidates * per_candidate * per_trajectory > self.budget:
+            need = self.candidates * per_candidate * per_trajectory
+            raise ConfigError(
+                f"--candidates {self.candidates}: {self.sampler.name} needs at least {per_candidate} trajectory of "
+                f"{per_trajectory} NFEs per candidate, {need} NFEs per prompt, and --budget is {self.budget}: raise "
+                f"--budget to at least {need} or lower --candidates", key="candidates")
         sampler.check(self)
+        from flowalign.embeddings import check_embedding
+
+        check_embedding(self.diversity, self.diversity_kwargs, key="diversity")
         at_least("max_prompts", self.max_prompts, 1)
         if self.lora_weights is not None and self.lora is None:
             raise ConfigError(f"--weights {self.lora_weights} chooses a checkpoint's weights: give the checkpoint "
@@ -175,8 +195,8 @@ class SampleConfig:
 
 
 def _provided() -> frozenset[str]:
-    """What ``run_sample`` gives a sampler (``flowalign.inference.NEEDS`` but the image embedding)."""
-    return frozenset({"reward", "differentiable_reward", "registers"})
+    """What ``run_sample`` gives a sampler (``flowalign.inference.NEEDS``)."""
+    return frozenset({"reward", "differentiable_reward", "registers", "image_embedding"})
 
 
 def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64,
@@ -234,10 +254,10 @@ def encode_prompts(model, prompts: Sequence[str], guidance_scale: float = 1.0, *
 
 
 def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_fn, registers=None,
-               guide_reward=None, prompt_offset: int = 0) -> GuidedResult:
+               guide_reward=None, embedding=None, prompt_offset: int = 0) -> GuidedResult:
     """The configured guided sampler over ``metadata`` (one batch of prompts). Prompt ``p``'s randomness comes from
     the generator keyed ``(seed, prompt_offset + p)``. A sampler that needs them gets ``registers`` (RGS's register
-    heads) and the differentiable image reward ``guide_reward``."""
+    heads), the differentiable image reward ``guide_reward`` and the image ``embedding``."""
     from flowalign.inference import GuidedProblem
 
     prompts = [entry["prompt"] for entry in metadata]
@@ -247,7 +267,8 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
         reward=latent_reward(model, reward_fn, prompts, metadata), sigmas=model.sigmas(config.steps),
         shape=tuple(model.latent_shape(1)[1:]),
         generators=[seeded_generator(config.seed, prompt_offset + p) for p in range(len(prompts))],
-        device=model.device, registers=registers, guide_reward=guide_reward, prompt_offset=prompt_offset)
+        device=model.device, registers=registers, guide_reward=guide_reward, embedding=embedding,
+        prompt_offset=prompt_offset)
     return config.build_sampler().sample(problem)
 
 
@@ -319,6 +340,9 @@ def run_sample(config: SampleConfig) -> dict:
         if guide is not None:
             check_reward_run(guide[0], guide[1], key="--rgs-reward", model=model_path,
                              image_size=getattr(config, "image_size", None))
+        from flowalign.embeddings import resolve_embedding
+
+        embedding_name = resolve_embedding(config.diversity, model_path)
         reward_fn = build_reward(config.reward, **{**reward_kwargs, **config.reward_kwargs})
         guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
         device = str(resolve_device(config.device))
@@ -331,13 +355,31 @@ def run_sample(config: SampleConfig) -> dict:
     if register_path is not None:
         registers = load_registers(register_path, dict(model.transformer.config)).to(device)
 
+    from flowalign.embeddings import build_embedding
+
+    def embedding_model():
+        return build_embedding(embedding_name, **{"device": device, **config.diversity_kwargs})
+
+    embedding = embedding_model() if "image_embedding" in needs else None
     images, rewards, nfes = sample_prompts(model, metadata, config, reward_fn=reward_fn, registers=registers,
-                                           guide_reward=guide_reward)
-    return write_outputs(config, metadata, images, rewards, nfes)
+                                           guide_reward=guide_reward, embedding=embedding)
+    diversity = None
+    if rewards.dim() == 2:  # a set per prompt: its diversity in the configured embedding
+        diversity = (embedding_name, measure_diversity(images, embedding or embedding_model()))
+    return write_outputs(config, metadata, images, rewards, nfes, diversity=diversity)
 
 
-def sample_prompts(model, metadata, config, *, reward_fn, registers=None,
-                   guide_reward=None) -> tuple[Tensor, Tensor, Tensor]:
+def measure_diversity(images: Tensor, embedding) -> Tensor:
+    """Each prompt's set diversity ``[P]`` (``flowalign.embeddings.set_diversity``) of ``images [P, K, 3, H, W]``
+    in an image embedding (``flowalign.embeddings.build_embedding``)."""
+    from flowalign.embeddings import set_diversity
+
+    vectors = embedding.embed(images.flatten(0, 1))
+    return set_diversity(vectors.reshape(images.shape[0], images.shape[1], -1))
+
+
+def sample_prompts(model, metadata, config, *, reward_fn, registers=None, guide_reward=None,
+                   embedding=None) -> tuple[Tensor, Tensor, Tensor]:
     """``run_guided`` over the prompts, ``config.batch_prompts`` at a time: decoded images ``[P, 3, H, W]`` on the CPU,
     the chosen samples' rewards ``[P]`` and the NFEs each prompt used ``[P]``; for a sampler returning a set of ``k``
     per prompt, images ``[P, k, 3, H, W]`` and rewards ``[P, k]``."""
@@ -345,7 +387,7 @@ def sample_prompts(model, metadata, config, *, reward_fn, registers=None,
     for start in range(0, len(metadata), config.batch_prompts):
         batch = metadata[start : start + config.batch_prompts]
         result = run_guided(model, batch, config, reward_fn=reward_fn, registers=registers,
-                            guide_reward=guide_reward, prompt_offset=start)
+                            guide_reward=guide_reward, embedding=embedding, prompt_offset=start)
         finals.append(result.final.detach())
         rewards.append(torch.as_tensor(result.reward).double().cpu())
         nfes.append(torch.as_tensor(result.nfe).cpu())
@@ -361,8 +403,9 @@ def sample_prompts(model, metadata, config, *, reward_fn, registers=None,
 
 
 def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor, rewards: Tensor,
-                  nfes: Tensor) -> dict:
-    """``images/``, ``grid.png``, ``results.json`` and ``summary.md`` (module docstring); returns the summary."""
+                  nfes: Tensor, *, diversity: tuple[str, Tensor] | None = None) -> dict:
+    """``images/``, ``grid.png``, ``results.json`` and ``summary.md`` (module docstring); returns the summary.
+    ``diversity``: the embedding's name and each prompt's set diversity, for a set per prompt."""
     from flowalign.evaluation.images import save_grid, to_uint8
 
     out = Path(config.out_dir)
@@ -394,6 +437,8 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
     }
     if sets:
         summary["images_per_prompt"] = k
+        summary.update(set_summary(rewards, None if diversity is None else diversity[1]))
+        summary["diversity_embedding"] = None if diversity is None else diversity[0]
     if all("include" in m for m in metadata):
         from flowalign.evaluation.geneval import summarize
         from flowalign.toy.reward import ToyGenEvalReward
@@ -409,11 +454,34 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
              "",
              f"prompts {len(metadata)}, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"]
     if sets:
-        lines.append(f"{k} images per prompt")
+        lines.append(f"{k} images per prompt: mean worst-candidate reward {_fmt(summary['mean_worst_reward'])}, "
+                     f"mean set diversity {_fmt(summary['mean_diversity'])} ({summary['diversity_embedding']} "
+                     "embedding, mean pairwise cosine distance)")
+        lines += ["", "| prompt | worst reward | mean reward | diversity |", "|---:|---:|---:|---:|"]
+        lines += [f"| {row['prompt_id']} | {_fmt(row['worst_reward'])} | {_fmt(row['mean_reward'])} | "
+                  f"{_fmt(row['diversity'])} |" for row in summary["sets"]]
     if "geneval" in summary:
         lines.append(f"toy GenEval overall {summary['geneval']['overall']:.3f}")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     return summary
+
+
+def set_summary(rewards: Tensor, diversity: Tensor | None) -> dict:
+    """Per prompt of ``rewards [P, K]``: the worst candidate's reward (the set's reward floor), the mean reward and
+    the set diversity (``diversity [P]``, or None); and their means over prompts (NaN rewards skipped)."""
+    rewards = rewards.double()
+    worst = torch.where(rewards.isnan(), torch.inf, rewards).min(dim=1).values
+    worst = torch.where(worst.isinf(), torch.nan, worst)
+    mean = rewards.nanmean(dim=1)
+    sets = [{"prompt_id": p, "worst_reward": _num(float(worst[p])), "mean_reward": _num(float(mean[p])),
+             "diversity": None if diversity is None else float(diversity[p])} for p in range(rewards.shape[0])]
+    return {"mean_worst_reward": _num(float(worst.nanmean())),
+            "mean_diversity": None if diversity is None else float(diversity.double().mean()),
+            "sets": sets}
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _num(value: float) -> float | None:

@@ -1,0 +1,99 @@
+"""Image embeddings as registered components, and the diversity of a set of images.
+
+An *image embedding* maps ``images [B, 3, H, W]`` in [0, 1] to unit vectors ``[B, D]`` (``embed(images)``, no gradient;
+``forward(images)``, differentiable). The built-in ones (``flowalign.reward_models.embeddings``): ``toy_scene`` (the
+toy world's segmenter maps and colours, pooled on a grid), ``pixels`` (the pooled image, no weights), ``clip``
+(open_clip) and ``dreamsim`` (DreamSim from a local directory). Add one with
+``register_embedding("name", factory)``; ``factory(**kwargs)`` returns an object with ``embed``.
+
+**Diversity of a set.** For the ``K`` images of one prompt, the mean pairwise cosine distance of their embeddings,
+
+    diversity = 2 / (K (K - 1)) * sum_{i < j} max(1 - cos(e_i, e_j), 0),
+
+0 for ``K`` copies of one image (and for ``K = 1``), at most 2. It is the batch diversity SatisDive keeps above its
+cutoff and reports (with DreamSim on real models), and what ``flowalign sample --candidates K`` writes per prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from flowalign.config import ConfigError
+from flowalign.registry import Registry
+
+__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "build_embedding", "check_embedding", "register_embedding",
+           "resolve_embedding", "set_diversity"]
+
+
+def _lazy(attribute: str) -> Callable[..., Any]:
+    def build(**kwargs: Any):
+        from flowalign.reward_models import embeddings
+
+        return getattr(embeddings, attribute)(**kwargs)
+
+    build.target = ("flowalign.reward_models.embeddings", attribute)
+    return build
+
+
+EMBEDDINGS: Registry = Registry("image embedding")
+EMBEDDINGS.register("toy_scene", _lazy("ToySceneEmbedding"))
+EMBEDDINGS.register("pixels", _lazy("PixelEmbedding"))
+EMBEDDINGS.register("clip", _lazy("CLIPEmbedding"))
+EMBEDDINGS.register("dreamsim", _lazy("DreamSimEmbedding"))
+
+# ``auto`` means ``toy_scene`` for the toy world (a model path ending in one of these), else ``pixels``.
+TOY_MODEL_MARKERS = ("toy-sd3",)
+
+
+def register_embedding(name: str, factory: Callable[..., Any], *, overwrite: bool = False) -> None:
+    """Register an image embedding: ``factory(**kwargs)`` returns an object with ``embed(images) -> [B, D]``."""
+    EMBEDDINGS.register(name, factory, overwrite=overwrite)
+
+
+def resolve_embedding(name: str, model: str | None) -> str:
+    """``name``, with ``auto`` made ``toy_scene`` for the toy world's model and ``pixels`` for any other."""
+    if name != "auto":
+        return name
+    toy = model is not None and str(model).rstrip("/").endswith(TOY_MODEL_MARKERS)
+    return "toy_scene" if toy else "pixels"
+
+
+def check_embedding(name: str, kwargs: Mapping[str, Any], *, key: str) -> None:
+    """ConfigError naming ``key`` for an unknown embedding, constructor arguments that are not an object, or a
+    DreamSim directory that does not exist, before anything is built or loaded."""
+    if name != "auto" and name not in EMBEDDINGS:
+        close = EMBEDDINGS.closest(name)
+        raise ConfigError(f"unknown image embedding {name!r}: expected auto or one of {', '.join(EMBEDDINGS.names())}"
+                          + (f"; did you mean {close!r}?" if close else ""), key=key)
+    if not isinstance(kwargs, Mapping):
+        raise ConfigError(f"the {key} embedding's arguments must be a JSON object, got {kwargs!r}", key=f"{key}_kwargs")
+    if name == "dreamsim":
+        from flowalign.reward_models.embeddings import check_dreamsim_path
+
+        try:
+            check_dreamsim_path(kwargs.get("path"))
+        except FileNotFoundError as error:
+            raise ConfigError(str(error), key=f"{key}_kwargs") from None
+
+
+def build_embedding(name: str, **kwargs: Any):
+    """The registered image embedding ``name`` built with ``kwargs``."""
+    return EMBEDDINGS.build(name, **kwargs)
+
+
+def set_diversity(embeddings: Tensor) -> Tensor:
+    """Mean pairwise cosine distance within each set: ``embeddings [B, K, D]`` -> ``[B]`` float64 (module
+    docstring); 0 for ``K = 1``."""
+    from flowalign.reward_models.embeddings import cosine_distances
+
+    if embeddings.dim() != 3:
+        raise ValueError(f"set_diversity takes embeddings [sets, K, D], got shape {tuple(embeddings.shape)}")
+    k = embeddings.shape[1]
+    if k < 2:
+        return torch.zeros(embeddings.shape[0], dtype=torch.float64)
+    distances = cosine_distances(embeddings).double()
+    upper = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)
+    return distances[:, upper].mean(dim=1)
