@@ -134,6 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--budget-of", action="append", default=[], metavar="METHOD=BUDGETS",
+                        help="this method's budgets instead of --budgets (comma-separated), e.g. bon=80 fk=40")
     parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
     parser.add_argument("--rgs-reward", default=None,
                         help="differentiable image reward for RGS's gradient on x0_hat (e.g. toy_geneval_soft)")
@@ -223,12 +225,14 @@ def main() -> None:
             handle.write(json.dumps({**row, "settings": settings}) + "\n")
         print(f"{method:>4} budget {budget:>4}: overall {row['overall']:.3f}, mean NFE {row['mean_nfe']:.1f}", flush=True)
 
+    own_budgets = {name: [int(b) for b in budgets.split(",")]
+                   for name, budgets in (item.split("=", 1) for item in args.budget_of)}
     record("none", args.steps)
     for method in args.methods:
         if method in ("rgs", "euphonium") and registers is None and guide_reward is None:
             print(f"{method}: skipped (no --registers or --rgs-reward)")
             continue
-        for budget in args.budgets:
+        for budget in own_budgets.get(method, args.budgets):
             if budget >= args.steps:
                 record(method, budget)
 
