@@ -30,29 +30,32 @@ def micro_batch(batch, step: int) -> MicroBatch:
     )
 
 
-def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool):
-    """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (LoRA off, no
-    gradient; else None)."""
+def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool, reference_policy=None):
+    """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (no gradient; else None):
+    inside ``reference_policy()`` (the run's reference, ``flowalign.losses.reference``), by default the base model
+    (``model.reference()``: the LoRA off)."""
     with autocast():
         v = model.velocity(x, sigma, cond, guidance_scale)
     v_ref = None
     if reference:
-        with torch.no_grad(), model.reference(), autocast():
+        with torch.no_grad(), (reference_policy() if reference_policy else model.reference()), autocast():
             v_ref = model.velocity(x, sigma, cond, guidance_scale)
     return v, v_ref
 
 
-def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool,
+                  reference_policy=None) -> PolicyOutput:
     """The policy velocity at the micro-batch's sources (per transition too), and the reference's when asked."""
     v_sources, v_ref_sources = velocities(model, micro.x, micro.sigma, micro.cond, guidance_scale=guidance_scale,
-                                          autocast=autocast, reference=reference)
+                                          autocast=autocast, reference=reference, reference_policy=reference_policy)
     return PolicyOutput(v=v_sources[micro.inverse], v_sources=v_sources,
                         v_ref=None if v_ref_sources is None else v_ref_sources[micro.inverse],
                         v_ref_sources=v_ref_sources)
 
 
-def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool,
+                reference_policy=None) -> PolicyOutput:
     """The policy (and reference) velocity at an objective's data unit."""
     v, v_ref = velocities(model, unit.x, unit.sigma, unit.cond, guidance_scale=guidance_scale, autocast=autocast,
-                          reference=reference)
+                          reference=reference, reference_policy=reference_policy)
     return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref)
