@@ -109,7 +109,6 @@ class DiversityCredit(CreditEstimator):
         base = scores.advantages if self.config.std == "advantage" else None
         advantages, weights = diversity_advantages(scores.combined, embeddings, group_ids, scores.valid, base=base)
         advantages = advantages.clamp(-self.clip, self.clip).float()
-        above = weights != 1
         stats = {"credit/diversity_weight_max": float(weights.max()),
-                 "credit/diversity_weighted_frac": float(above.double().mean())}
+                 "credit/diversity_weight_min": float(weights.min())}
         return Credit(advantages.to(t.step.device)[t.sample_id], stats=stats)
