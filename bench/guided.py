@@ -29,6 +29,7 @@ row's gain over plain sampling is paired image by image, with its standard error
 from __future__ import annotations
 
 import argparse
+import sys
 import dataclasses
 import json
 import math
@@ -36,6 +37,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot import line_plot  # noqa: E402 - bench/plot.py (imported now: loading a pipeline drops sys.path[0])
 METHODS = ("bon", "fk", "dts", "rgs", "euphonium")
 COLORS = {"none": (120, 120, 120), "bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44),
           "rgs": (214, 39, 40), "euphonium": (148, 103, 189)}
@@ -100,43 +103,16 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, width: int = 640, height: int = 420) -> None:
-    """Accuracy against mean NFEs, one polyline per method (PIL only)."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    left, right, top, bottom = 60, width - 110, 20, height - 50
-    xs = [r["mean_nfe"] for r in rows]
+def plot(rows: list[dict], path: Path) -> None:
+    """Accuracy against mean NFEs, one polyline per method."""
+    series: dict[str, list[tuple]] = {}
+    for r in rows:
+        series.setdefault(r["method"], []).append((r["mean_nfe"], r["overall"]))
     ys = [r["overall"] for r in rows]
-    x_lo, x_hi = 0.0, max(xs) * 1.05 or 1.0
-    y_lo, y_hi = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
-    y_hi = y_hi if y_hi > y_lo else y_lo + 0.1
-
-    def at(x, y):
-        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
-
-    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
-    for k in range(5):
-        y = y_lo + k * (y_hi - y_lo) / 4
-        px, py = at(x_lo, y)
-        draw.text((5, py - 6), f"{y:.2f}", fill=(0, 0, 0))
-        x = x_lo + k * (x_hi - x_lo) / 4
-        px, py = at(x, y_lo)
-        draw.text((px - 10, bottom + 5), f"{x:.0f}", fill=(0, 0, 0))
-    draw.text(((left + right) / 2 - 60, height - 25), "NFEs per prompt", fill=(0, 0, 0))
-    draw.text((5, 2), "toy GenEval overall (held-out)", fill=(0, 0, 0))
-    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        points = [at(r["mean_nfe"], r["overall"]) for r in sorted(rows, key=lambda r: r["mean_nfe"]) if r["method"] == method]
-        color = COLORS.get(method, (0, 0, 0))
-        if len(points) > 1:
-            draw.line(points, fill=color, width=2)
-        for px, py in points:
-            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
-        draw.line([right + 10, top + 12 + 18 * index, right + 30, top + 12 + 18 * index], fill=color, width=3)
-        draw.text((right + 35, top + 6 + 18 * index), method, fill=(0, 0, 0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    low, high = max(0.0, min(ys) - 0.05), min(1.0, max(ys) + 0.05)
+    line_plot(series, path, x_label="NFEs per prompt", y_label="toy GenEval overall (held-out)", colors=COLORS,
+              x_range=(0.0, max(r["mean_nfe"] for r in rows) * 1.05 or 1.0),
+              y_range=(low, high if high > low else low + 0.1))
 
 
 def main() -> None:
@@ -158,6 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--budgets", type=int, nargs="+", default=[10, 20, 40, 80])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--budget-of", action="append", default=[], metavar="METHOD=BUDGETS",
+                        help="this method's budgets instead of --budgets (comma-separated), e.g. bon=80 fk=40")
     parser.add_argument("--registers", default=None, help="register checkpoint for RGS (skipped without)")
     parser.add_argument("--rgs-reward", default=None,
                         help="differentiable image reward for RGS's gradient on x0_hat (e.g. toy_geneval_soft)")
@@ -247,12 +225,14 @@ def main() -> None:
             handle.write(json.dumps({**row, "settings": settings}) + "\n")
         print(f"{method:>4} budget {budget:>4}: overall {row['overall']:.3f}, mean NFE {row['mean_nfe']:.1f}", flush=True)
 
+    own_budgets = {name: [int(b) for b in budgets.split(",")]
+                   for name, budgets in (item.split("=", 1) for item in args.budget_of)}
     record("none", args.steps)
     for method in args.methods:
         if method in ("rgs", "euphonium") and registers is None and guide_reward is None:
             print(f"{method}: skipped (no --registers or --rgs-reward)")
             continue
-        for budget in args.budgets:
+        for budget in own_budgets.get(method, args.budgets):
             if budget >= args.steps:
                 record(method, budget)
 

@@ -30,12 +30,15 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot import line_plot  # noqa: E402 - bench/plot.py (imported now: loading a pipeline drops sys.path[0])
 COLORS = {"bon": (31, 119, 180), "fk": (255, 127, 14), "dts": (44, 160, 44), "satisdive": (214, 39, 40)}
 
 
@@ -113,41 +116,13 @@ def table(rows: list[dict], k: int, embedding: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path, width: int = 680, height: int = 440) -> None:
-    """Worst-candidate reward against diversity, one polyline per method in order of diversity (PIL only)."""
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    left, right, top, bottom = 60, width - 120, 20, height - 50
-    xs, ys = [r["mean_diversity"] for r in rows], [r["mean_worst"] for r in rows]
-    x_lo, x_hi = min(xs) - 0.02, max(xs) + 0.02
-    y_lo, y_hi = min(ys) - 0.03, max(ys) + 0.03
-
-    def at(x, y):
-        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
-
-    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
-    for i in range(5):
-        y = y_lo + i * (y_hi - y_lo) / 4
-        draw.text((5, at(x_lo, y)[1] - 6), f"{y:.2f}", fill=(0, 0, 0))
-        x = x_lo + i * (x_hi - x_lo) / 4
-        draw.text((at(x, y_lo)[0] - 12, bottom + 5), f"{x:.2f}", fill=(0, 0, 0))
-    draw.text(((left + right) / 2 - 90, height - 25), "set diversity (toy_scene cosine distance)", fill=(0, 0, 0))
-    draw.text((5, 2), "worst-candidate reward (toy_geneval, held-out)", fill=(0, 0, 0))
-    for index, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        mine = sorted((r for r in rows if r["method"] == method), key=lambda r: r["mean_diversity"])
-        points = [at(r["mean_diversity"], r["mean_worst"]) for r in mine]
-        color = COLORS.get(method, (0, 0, 0))
-        if len(points) > 1:
-            draw.line(points, fill=color, width=2)
-        for (px, py), r in zip(points, mine):
-            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
-            draw.text((px + 4, py - 12), r["label"], fill=color)
-        draw.line([right + 10, top + 12 + 18 * index, right + 30, top + 12 + 18 * index], fill=color, width=3)
-        draw.text((right + 35, top + 6 + 18 * index), method, fill=(0, 0, 0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+def plot(rows: list[dict], path: Path) -> None:
+    """Worst-candidate reward against diversity, one polyline per method in order of diversity."""
+    series: dict[str, list[tuple]] = {}
+    for r in rows:
+        series.setdefault(r["method"], []).append((r["mean_diversity"], r["mean_worst"], r["label"]))
+    line_plot(series, path, x_label="set diversity (toy_scene cosine distance)",
+              y_label="worst-candidate reward (toy_geneval, held-out)", colors=COLORS)
 
 
 def main() -> None:

@@ -104,7 +104,7 @@ def _kernels_check() -> str:
 
 GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "guided_bon_confirm_80", "guided_fk_rgs",
           "guided_fk_rgs_confirm_40", "guided_rgs_high", "guided_rgs_mid", "guided_rgs_confirm", "guided_rgs_scale2",
-          "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full")
+          "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium")
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),

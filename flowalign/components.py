@@ -45,6 +45,13 @@ Every iteration, the trainer calls each component twice around the optimizer ste
 Both return stats to log (python floats; an empty dict by default). A component that keeps state across iterations
 returns it from ``state_dict()`` (tensors and JSON values) and takes it back in ``load_state_dict``: checkpoints store
 it, so a resumed run continues bitwise.
+
+Policy copies. A component may ask the trainer to keep lagging copies of the trainable weights
+(``policy_copies()``, each a ``PolicyCopy``): DiffusionNFT's "old" policy, AWM's trust-region EMA, online DPO's
+reference. The trainer starts each as a copy of the trainable weights, moves it at the end of every iteration by
+``theta_c <- eta theta_c + (1 - eta) theta`` with ``eta = decay(k)`` (``k`` the optimizer steps taken so far), saves it
+in checkpoints, evaluates it at an objective's data units (``PolicyOutput.v_copies``) and, when a component names it
+in ``sampling_policy()``, rolls out with it (``"reference"`` rolls out with the reference model instead).
 """
 
 from __future__ import annotations
@@ -52,7 +59,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar
 
-__all__ = ["Component", "ComponentConfig", "IterationContext"]
+__all__ = ["Component", "ComponentConfig", "IterationContext", "PolicyCopy", "REFERENCE_POLICY"]
+
+REFERENCE_POLICY = "reference"  # ``sampling_policy()``'s name for the reference model (the LoRA off, or the base copy)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCopy:
+    """A lagging copy of the trainable weights the trainer keeps for a component (module docstring).
+
+    ``decay(k)`` is the weight ``eta`` in [0, 1] the copy keeps at the end of an iteration, after ``k`` optimizer steps
+    in all: ``theta_c <- eta theta_c + (1 - eta) theta``. ``eta = 0`` makes it the current weights, ``eta = 1``
+    leaves it where it is (a copy that always keeps 1 is the initial weights: the base model for a LoRA)."""
+
+    name: str
+    decay: Callable[[int], float]
+    help: str = ""
+
+    def eta(self, steps: int) -> float:
+        """``decay(steps)``, checked to lie in [0, 1]."""
+        eta = float(self.decay(int(steps)))
+        if not 0.0 <= eta <= 1.0:
+            raise ValueError(f"policy copy {self.name!r}: decay({steps}) = {eta} is not in [0, 1]")
+        return eta
 
 
 @dataclasses.dataclass
@@ -134,6 +163,16 @@ class Component:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take back what ``state_dict`` returned (from a checkpoint)."""
+
+    def policy_copies(self) -> list[PolicyCopy]:
+        """The lagging copies of the trainable weights this component needs the trainer to keep (module
+        docstring); their names are unique over the run's components."""
+        return []
+
+    def sampling_policy(self) -> str | None:
+        """The policy the rollouts are sampled with: None (the trained weights, the default), ``"reference"`` (the
+        reference model) or the name of one of the run's policy copies. At most one component may set it."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r})"

@@ -47,6 +47,7 @@ __all__ = [
     "load_config",
     "validate_config",
     "to_dict",
+    "to_saved_dict",
     "save_config",
     "diff_configs",
     "format_help",
@@ -660,11 +661,29 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def to_saved_dict(config: Any) -> dict[str, Any]:
+    """``to_dict`` for writing a config that loads back as itself: a component map's default entry that is off is
+    written as null (``loss: {grpo: null}``; ``loss: {}`` would load with the default term on)."""
+    data = to_dict(config)
+
+    def switch_off(obj: Any, node: dict[str, Any]) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.metadata.get("map"):
+                for name in f.metadata.get("defaults", ()):
+                    node[f.name].setdefault(name, None)
+            elif dataclasses.is_dataclass(value) and isinstance(node.get(f.name), dict):
+                switch_off(value, node[f.name])
+
+    switch_off(config, data)
+    return data
+
+
 def save_config(config: Any, path: str | os.PathLike) -> None:
     """Write the fully resolved config as YAML; ``load_config(type(config), path)`` gives it back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=None)
+    text = yaml.safe_dump(to_saved_dict(config), sort_keys=False, default_flow_style=None)
     path.write_text(f"# fully resolved {type(config).__name__}\n{text}")
 
 

@@ -74,6 +74,7 @@ __all__ = [
     "check_reward_run",
     "reads_latents",
     "score_all",
+    "score_range",
     "score_latents",
 ]
 
@@ -111,6 +112,7 @@ def _toy_geneval_soft(**kwargs: Any) -> Reward:
 
 _toy_geneval.reward_class = _toy_geneval_class
 _toy_geneval_soft.reward_class = _toy_geneval_soft_class
+_toy_geneval.score_range = _toy_geneval_soft.score_range = (0.0, 1.0)  # correctness, or the fraction of clauses
 
 
 class BrightnessReward:
@@ -121,6 +123,7 @@ class BrightnessReward:
     """
 
     name = "brightness"
+    score_range = (0.0, 1.0)
 
     def __init__(self, channel: int | None = None):
         if channel not in (None, 0, 1, 2):
@@ -137,11 +140,13 @@ class BrightnessReward:
         return self.forward(images, prompts, metadata)
 
 
-def _lazy(module: str, attribute: str, *, negative_scores: str | None = None, **fixed: Any) -> Callable[..., Reward]:
+def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
+          score_range: tuple[float, float] | None = None, **fixed: Any) -> Callable[..., Reward]:
     """A factory importing ``flowalign.reward_models.<module>.<attribute>`` only when the reward is built.
 
     Real reward models pull in transformers/open_clip and load weights, so nothing is imported at registry time.
-    ``negative_scores`` says why the reward can score below 0 (``negative_scores_reason``), known without importing.
+    ``negative_scores`` says why the reward can score below 0 (``negative_scores_reason``), ``score_range`` the
+    interval its scores lie in (``score_range``), both known without importing.
     """
 
     def reward_class() -> type:
@@ -154,6 +159,7 @@ def _lazy(module: str, attribute: str, *, negative_scores: str | None = None, **
 
     factory.reward_class = reward_class  # the class without building it: its entry points, before weights load
     factory.negative_scores = negative_scores
+    factory.score_range = score_range
     factory.__name__ = f"build_{attribute}"
     factory.__doc__ = f"Build flowalign.reward_models.{module}.{attribute} (kwargs: its constructor's)."
     return factory
@@ -173,7 +179,7 @@ REWARDS.register("aesthetic", _lazy("aesthetic", "LaionAesthetic"))
 REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
                                                negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
-REWARDS.register("geneval", _lazy("geneval", "GenEvalReward"))
+REWARDS.register("geneval", _lazy("geneval", "GenEvalReward", score_range=(0.0, 1.0)))
 # Editing: how much of its condition image (the prompt line's "images") a sample keeps.
 REWARDS.register("source_similarity", _lazy("source_similarity", "SourceSimilarity"))
 # DRL's discriminator logit (`flowalign reward train-discriminator` writes the checkpoint its path= names).
@@ -204,6 +210,15 @@ def negative_scores_reason(name: str) -> str | None:
     """Why the registered reward ``name`` can score below 0, or None when it does not say so. A reward declares it
     with a ``negative_scores`` string on its factory or class (no weights load, nothing is imported)."""
     return getattr(REWARDS.get(name), "negative_scores", None) if name in REWARDS else None
+
+
+def score_range(name: str) -> tuple[float, float] | None:
+    """The interval ``(low, high)`` the registered reward ``name``'s scores lie in, when it declares one with a
+    ``score_range`` on its factory or class (nothing is imported or loaded), else None (unknown, or unbounded)."""
+    if name not in REWARDS:
+        return None
+    declared = getattr(REWARDS.get(name), "score_range", None)
+    return None if declared is None else (float(declared[0]), float(declared[1]))
 
 
 def reads_latents(reward: Any) -> bool:

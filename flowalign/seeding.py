@@ -39,3 +39,4 @@ class Purpose(IntEnum):
     STEP_SUBSET = 4  # DanceGRPO's subset of trained steps
     SHUFFLE = 5  # the order of the trained steps in each inner epoch
     OBJECTIVE = 6  # an objective's data units (noise levels, noise, picks)
+    FORWARD = 7  # a forward-process objective's noise levels and noise at the rollout's final samples

@@ -12,6 +12,7 @@ from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
 from .euphonium import euphonium_sampling
+from .satisdive import satisdive_sampling
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
@@ -56,6 +57,7 @@ __all__ = [
     "probe_rollout",
     "reward_guided_sampling",
     "rollout",
+    "satisdive_sampling",
     "sde_mean_std",
     "sde_step",
     "tree_rollout",

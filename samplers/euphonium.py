@@ -81,7 +81,7 @@ def euphonium_sampling(
     evals = count_nfe(guide, 1)
     cost = num_steps * evals + guided * heads * backward_nfe
     k = check_budget(budget, cost, "Euphonium-guided") // cost
-    check_candidates(candidates, k, "Euphonium-guided sampling", f"trajectories ({cost} NFEs each)")
+    check_candidates(candidates, k, "Euphonium-guided sampling", f"trajectories of {cost} NFEs", cost)
     prompts = len(generators)
     rows = torch.arange(prompts, device=device).repeat_interleave(k)
     x = initial_noise(shape, generators, rows, device)

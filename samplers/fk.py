@@ -64,10 +64,10 @@ from .guided import (
     LatentReward,
     as_scores,
     check_budget,
+    check_candidates,
     check_sampling,
-    group_argmax,
-    group_topk,
     initial_noise,
+    keep_candidates,
     step,
     trajectory_nfe,
 )
@@ -161,7 +161,7 @@ def fk_steering(
         raise ValueError(f"resample_steps {sorted(checks)} must lie in 0..{num_steps - 1}")
     per = trajectory_nfe(velocity, num_steps)
     n = check_budget(budget, per, "FK-steering") // per
-    check_candidates(candidates, n, per, budget)
+    check_candidates(candidates, n, "FK steering", f"particles of {per} NFEs", per)
 
     prompts = len(generators)
     rows = torch.arange(prompts, device=device).repeat_interleave(n)
@@ -184,32 +184,9 @@ def fk_steering(
     scores = as_scores(reward(x, rows), x.shape[0])
     info = {"semantics": "flowalign", "particles": n, "events": events, "resamples": sum(e[3] for e in events),
             "guided_proposals": corrector is not None}
-    return best_particles(x, scores, prompts, n, candidates, spent, info)
-
-
-def check_candidates(candidates: int, particles: int, per_trajectory: int, budget: int) -> None:
-    """ValueError unless ``1 <= candidates <= particles`` (FK returns ``K`` of its ``N`` final particles)."""
-    if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"candidates must be an integer >= 1, got {candidates!r}")
-    if candidates > particles:
-        raise ValueError(
-            f"--candidates {candidates} asks FK steering for {candidates} final particles per prompt, but budget="
-            f"{budget} NFEs per prompt pays for N = budget // {per_trajectory} = {particles}: raise --budget to at "
-            f"least {candidates * per_trajectory} (N = {candidates}) or lower --candidates"
-        )
-
-
-def best_particles(x: Tensor, scores: Tensor, prompts: int, n: int, candidates: int, spent: int,
-                   info: dict) -> GuidedResult:
-    """The best final particle per prompt (``final [B, ...]``), or with ``candidates = K > 1`` the ``K`` best sorted
-    by reward, descending (``final [B, K, ...]``, ``reward [B, K]``); NaN never wins, ties keep the first."""
-    nfe = torch.full((prompts,), spent // prompts, dtype=torch.long)
-    if candidates == 1:
-        pick = group_argmax(scores, prompts, n)
-        return GuidedResult(final=x[pick], reward=scores[pick], nfe=nfe, info=info)
-    pick = group_topk(scores, prompts, n, candidates)
-    final = x[pick.flatten().to(x.device)].reshape(prompts, candidates, *x.shape[1:])
-    return GuidedResult(final=final, reward=scores[pick], nfe=nfe, info=info)
+    final, chosen = keep_candidates(x, scores, prompts, n, candidates)
+    return GuidedResult(final=final, reward=chosen, nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
+                        info=info)
 
 
 @torch.no_grad()
@@ -261,7 +238,7 @@ def fk_steering_reference(
     active = set(fk_schedule(num_steps, resample_start, resample_every, resample_end))
     per = trajectory_nfe(velocity, num_steps)
     n = check_budget(budget, per, "FK-steering") // per
-    check_candidates(candidates, n, per, budget)
+    check_candidates(candidates, n, "FK steering", f"particles of {per} NFEs", per)
 
     prompts = len(generators)
     rows = torch.arange(prompts, device=device).repeat_interleave(n)
@@ -293,4 +270,6 @@ def fk_steering_reference(
     info = {"semantics": "reference", "particles": n, "schedule": sorted(active), "events": events,
             "resamples": sum(e[3] for e in events), "degenerate": sum(e[4] for e in events),
             "guided_proposals": corrector is not None}
-    return best_particles(x, scores, prompts, n, candidates, spent, info)
+    final, chosen = keep_candidates(x, scores, prompts, n, candidates)
+    return GuidedResult(final=final, reward=chosen, nfe=torch.full((prompts,), spent // prompts, dtype=torch.long),
+                        info=info)

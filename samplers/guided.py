@@ -128,14 +128,16 @@ def group_topk(values: Tensor, groups: int, size: int, k: int) -> Tensor:
     return torch.arange(groups, device=values.device)[:, None] * size + order
 
 
-def check_candidates(candidates: int, available: int, method: str, unit: str) -> int:
+def check_candidates(candidates: int, available: int, method: str, unit: str, cost: int | None = None) -> int:
     """``candidates`` as an int, or a ValueError naming ``--candidates`` when ``method`` has fewer than that many
-    ``unit`` per prompt within its budget (``available``)."""
+    ``unit`` per prompt within its budget (``available``); ``cost``, the NFEs of one unit when each candidate needs
+    its own, names the budget that would do."""
     if isinstance(candidates, bool) or not isinstance(candidates, int) or candidates < 1:
         raise ValueError(f"--candidates must be an integer >= 1, got {candidates!r}")
     if candidates > available:
+        need = "raise --budget" if cost is None else f"raise --budget to at least {candidates * cost}"
         raise ValueError(f"--candidates {candidates}: {method} has {available} {unit} per prompt within its budget; "
-                         f"raise --budget or lower --candidates")
+                         f"{need} or lower --candidates")
     return candidates
 
 
@@ -181,7 +183,7 @@ def best_of_n(
     num_steps = sigmas.numel() - 1
     per = trajectory_nfe(velocity, num_steps)
     n = check_budget(budget, per, "best-of-N") // per
-    check_candidates(candidates, n, "best-of-N", f"trajectories ({per} NFEs each)")
+    check_candidates(candidates, n, "best-of-N", f"trajectories of {per} NFEs", per)
     prompts = len(generators)
     rows = torch.arange(prompts, device=device).repeat_interleave(n)
     x = initial_noise(shape, generators, rows, device)

@@ -215,7 +215,7 @@ def reward_guided_sampling(
     scales = [band_scale(s, bands) for s in sigmas[:-1].tolist()]
     cost = num_steps * evals + sum(scale > 0 for scale in scales) * heads * backward_nfe
     k = check_budget(budget, cost, "RGS") // cost
-    check_candidates(candidates, k, "RGS", f"guided trajectories ({cost} NFEs each)")
+    check_candidates(candidates, k, "RGS", f"guided trajectories of {cost} NFEs", cost)
     if candidates > 1 and final_reward is None:
         raise ValueError("a set of candidates is ranked by final_reward: give one")
     if k > 1 and final_reward is None:

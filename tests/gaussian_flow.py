@@ -45,3 +45,26 @@ def levels(num_steps, level=0.7):
     out = torch.full((num_steps,), level)
     out[-1] = 0.0
     return out
+
+
+# The guided samplers' callables on this flow: velocity(x, sigma, rows), reward(x0, rows), one generator a prompt.
+
+
+class CountingVelocity:
+    """The Gaussian flow's velocity with ``(x, sigma, rows)``, counting rows per prompt (the NFEs)."""
+
+    def __init__(self, prompts):
+        self.per_prompt = [0] * prompts
+
+    def __call__(self, x, sigma, rows):
+        for r in rows.tolist():
+            self.per_prompt[r] += 1
+        return gaussian_velocity(x, sigma)
+
+
+def mean_reward(x0, rows):
+    return x0.flatten(1).mean(dim=1)
+
+
+def generators(n, seed=0):
+    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]

@@ -192,6 +192,7 @@ GUIDED_WITH_LORA = {
     "dts": ["--budget", "8"],
     "rgs": ["--budget", "8", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
     "euphonium": ["--budget", "8", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
+    "satisdive": ["--budget", "12", "--rgs-reward", "toy_geneval_soft"],  # 2 steps, scoring step 1: 2 (2 + 4)
 }
 
 

@@ -25,7 +25,7 @@ from flowalign.samplers.fk import (
     multinomial_draw,
 )
 from flowalign.samplers.guided import best_of_n, group_argmax, group_topk
-from gaussian_flow import gaussian_velocity, sigmas
+from gaussian_flow import CountingVelocity, gaussian_velocity, generators, mean_reward, sigmas
 
 REPO = Path(__file__).resolve().parents[1]
 CASES = json.loads((REPO / "tests" / "data" / "fk_reference_cases.json").read_text())
@@ -236,26 +236,6 @@ def test_flowalign_differs_where_the_reference_saturates(case):
 # ------------------------------------------------------------------------------------------------ the sampler
 
 
-class CountingVelocity:
-    """The Gaussian flow's velocity with ``(x, sigma, rows)``, counting rows per prompt (the NFEs)."""
-
-    def __init__(self, prompts):
-        self.per_prompt = [0] * prompts
-
-    def __call__(self, x, sigma, rows):
-        for r in rows.tolist():
-            self.per_prompt[r] += 1
-        return gaussian_velocity(x, sigma)
-
-
-def mean_reward(x0, rows):
-    return x0.flatten(1).mean(dim=1)
-
-
-def generators(n, seed=0):
-    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
-
-
 @pytest.mark.parametrize("semantics", ["reference", "flowalign"])
 @pytest.mark.parametrize("candidates", [1, 3])
 def test_k_candidates_cost_exactly_n_t_nfes_and_come_sorted(semantics, candidates):
@@ -278,8 +258,8 @@ def test_k_candidates_cost_exactly_n_t_nfes_and_come_sorted(semantics, candidate
 @pytest.mark.parametrize("sampler", [fk_steering_reference, fk_steering])
 def test_more_candidates_than_particles_are_refused_before_any_work(sampler):
     velocity = CountingVelocity(2)
-    with pytest.raises(ValueError, match=r"--candidates 5 .* budget=24 .* N = budget // 5 = 4: raise --budget to at "
-                                         r"least 25"):
+    with pytest.raises(ValueError, match=r"--candidates 5: FK steering has 4 particles of 5 NFEs per prompt within "
+                                         r"its budget; raise --budget to at least 25"):
         sampler(velocity, mean_reward, sigmas(5), SHAPE, generators(2), 24, candidates=5)
     assert velocity.per_prompt == [0, 0]
 

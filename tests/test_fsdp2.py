@@ -122,6 +122,26 @@ def test_a_sharded_checkpoint_resumes_bitwise_at_the_same_process_count(tiny_mod
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "optim.minibatches": 1,
+                   "objectives.diffusion_nft.batch_size": 2, "objectives.awm.batch_size": 4}
+
+
+def test_policy_copies_shard_and_resume_bitwise_under_fsdp2(tiny_model, tmp_path):
+    """DiffusionNFT's theta_old (the rollout's weights) and AWM's theta_ema are DTensors like the weights they copy:
+    one FSDP2 process is bitwise the DDP run, and a sharded checkpoint (copies in sharded/) resumes bitwise."""
+    sharded = train_here(tiny_model, tmp_path / "fsdp2", **FORWARD_PROCESS)
+    whole = train_here(tiny_model, tmp_path / "ddp", **FORWARD_PROCESS, **{"distributed.engine": "ddp"})
+    assert [m["reward"] for m in sharded] == [m["reward"] for m in whole]
+    assert [m["objectives/awm/ema_kl"] for m in sharded] == [m["objectives/awm/ema_kl"] for m in whole]
+    a, b = lora(tmp_path / "fsdp2", 2), lora(tmp_path / "ddp", 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    train_here(tiny_model, tmp_path / "split", **FORWARD_PROCESS, **{"train.iterations": 1})
+    GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **FORWARD_PROCESS, **{
+        "train.resume": "latest"}))).train()
+    c = lora(tmp_path / "split", 2)
+    assert all(torch.equal(a[k], c[k]) for k in a)
+
+
 TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[0, 1]", "rollout.branching": "[2]",
         "rollout.split_noise_scale": 2.0, "sampling.window_size": "null", "sampling.window_start": "fixed",
         "sampling.window_last": "null", "sampling.batch_size": 4, "optim.minibatches": 1}

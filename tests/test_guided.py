@@ -21,33 +21,13 @@ from flowalign.samplers.rgs import (
     rgs_correction,
     x0_guide,
 )
-from gaussian_flow import gaussian_velocity, sigmas
+from gaussian_flow import CountingVelocity, gaussian_velocity, generators, mean_reward, sigmas
 from reward_fixtures import image_reward_installed, tiny_zoo_kwargs
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "assets" / "toy-sd3"
 # The reward zoo's differentiable scorers (imagereward needs its optional package, see README).
 ZOO = ["pickscore", "hps", "clipscore", "aesthetic", "imagereward"]
-
-
-class CountingVelocity:
-    """The Gaussian flow's velocity with ``(x, sigma, rows)``, counting rows per prompt (the NFEs)."""
-
-    def __init__(self, prompts):
-        self.per_prompt = [0] * prompts
-
-    def __call__(self, x, sigma, rows):
-        for r in rows.tolist():
-            self.per_prompt[r] += 1
-        return gaussian_velocity(x, sigma)
-
-
-def mean_reward(x0, rows):
-    return x0.flatten(1).mean(dim=1)
-
-
-def generators(n, seed=0):
-    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
 
 
 SHAPE = (6,)

@@ -18,31 +18,11 @@ from flowalign.samplers.euphonium import euphonium_sampling
 from flowalign.samplers.guided import best_of_n, group_argmax, group_topk
 from flowalign.samplers.rgs import reward_guided_sampling, x0_guide
 from flowalign.samplers.sde import euphonium_guidance, sde_step, standard_normal
-from gaussian_flow import gaussian_velocity, sigmas
+from gaussian_flow import CountingVelocity, gaussian_velocity, generators, mean_reward, sigmas
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "assets" / "toy-sd3"
 SHAPE = (6,)
-
-
-class CountingVelocity:
-    """The Gaussian flow's velocity with ``(x, sigma, rows)``, counting rows per prompt (the NFEs)."""
-
-    def __init__(self, prompts):
-        self.per_prompt = [0] * prompts
-
-    def __call__(self, x, sigma, rows):
-        for r in rows.tolist():
-            self.per_prompt[r] += 1
-        return gaussian_velocity(x, sigma)
-
-
-def mean_reward(x0, rows):
-    return x0.flatten(1).mean(dim=1)
-
-
-def generators(n, seed=0):
-    return [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
 
 
 # ------------------------------------------------------------------------------------------------ choosing K
@@ -230,6 +210,8 @@ SAMPLE_RUNS = {
     "fk": ["--budget", "16"],
     "rgs": ["--budget", "40", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
     "euphonium": ["--budget", "48", "--rgs-reward", "toy_geneval_soft", "--rgs-gradient", "x0"],
+    # 4 steps, scoring steps 1, 2, 3: 4 (4 + 3 x 4) NFEs
+    "satisdive": ["--budget", "64", "--rgs-reward", "toy_geneval_soft"],
 }
 
 

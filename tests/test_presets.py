@@ -1,5 +1,6 @@
 """Every shipped config loads; method presets run an iteration; model presets run on tiny pipelines of their class."""
 
+import math
 from pathlib import Path
 
 import pytest
@@ -42,7 +43,8 @@ def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
-                                         "shell_lcc_objective", "soar", "sft", "grpo_guard", "gardo"}
+                                         "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
+                                         "grpo_guard", "gardo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
@@ -76,6 +78,29 @@ EXPECTED = {
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
 # and 6 auxiliary points (7) per pair; SFT: 1.
 OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1}
+# Objectives on rollouts (no loss term): NFEs of one iteration, the rollout's 2 x 2 x 10 plus the objective's passes
+# per trained row. DiffusionNFT: 9 levels per sample, each evaluated by the policy, theta_old and the reference (KL);
+# AWM: 6 levels, the policy, the reference and theta_ema; DPO: 9 draws per pair, its 2 rows by the policy and the
+# reference.
+ROLLOUT_OBJECTIVES = {"diffusion_nft": 40 + 4 * 9 * 3, "awm": 40 + 4 * 6 * 3, "dpo": 40 + 2 * 9 * 2 * 2}
+
+
+def assert_rollout_objective_run(name, history):
+    """2 iterations of an objective on rollouts: its NFEs, a real update, and the exact values at iteration 0, where
+    the LoRA is still zero and every policy copy equals the trained weights."""
+    assert len(history) == 2 and "first_ratio_max" not in history[0] and history[0]["reward_std"] > 0
+    assert [h["nfe"] for h in history] == [ROLLOUT_OBJECTIVES[name]] * 2
+    assert all(h["grad_norm"] > 0 and math.isfinite(h[f"objectives/{name}/loss"]) for h in history)
+    first = {k.split("/")[-1]: v for k, v in history[0].items() if k.startswith(f"objectives/{name}/")}
+    if name == "diffusion_nft":  # theta = theta_old (v+ = v- = v) and the reference: no deviation, no KL
+        assert first["old_deviate"] == 0.0 and first["kl"] == 0.0 and first["r_mean"] == pytest.approx(0.5)
+        assert first["positive_loss"] == first["negative_loss"]
+        assert [h["copies/old/eta"] for h in history] == pytest.approx([0.001, 0.002])
+    if name == "awm":  # the ratio is exactly 1; the policy is the reference and theta_ema
+        assert first["ratio_mean"] == 1.0 and first["kl"] == 0.0 and first["ema_kl"] == 0.0
+        assert [h["copies/kl_ema/eta"] for h in history] == pytest.approx([0.001, 0.002])
+    if name == "dpo":  # at theta = ref the loss is log 2, whatever the pairs
+        assert first["dpo_loss"] == pytest.approx(math.log(2)) and first["inside"] == 0.0
 
 
 def assert_kl_follows_the_lora(config, history):
@@ -91,6 +116,11 @@ def assert_kl_follows_the_lora(config, history):
 @pytest.mark.parametrize("preset", METHODS, ids=lambda p: p.stem)
 def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     extra = dict(SMALL_RUN_SHAPE.get(preset.stem, {}))
+    if preset.stem in ROLLOUT_OBJECTIVES:  # rollouts and rewards, no transition trained
+        config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
+        assert not config.loss and list(config.objectives) == [preset.stem]
+        assert_rollout_objective_run(preset.stem, GRPOTrainer(config).train())
+        return
     if preset.stem in OBJECTIVE_ONLY:  # no rollout: 2 iterations of the objective alone
         config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
         history = GRPOTrainer(config).train()
@@ -287,7 +317,42 @@ def test_soar_and_sft_presets_train_on_the_same_data_at_the_same_steps():
     assert (a.guidance_scale, a.points, a.rollout_paths, a.lambda_aux, a.aux_timestep) == (3.0, 6, 1, 1.0, "released")
 
 
-@pytest.mark.parametrize("preset", [p for p in METHODS if p.stem not in OBJECTIVE_ONLY], ids=lambda p: p.stem)
+# The forward-process presets against flow_grpo: the loss term off, their objective on with these settings (the
+# released defaults but where the page says: the toy model's unshifted table, units of 4 samples).
+FORWARD_PRESETS = {
+    "diffusion_nft": ({"sampling.noise_level": 0.0, "advantage.std": "global"},
+                      {"beta": 1.0, "kl_beta": 1e-4, "adv_clip_max": 5.0, "adv_mode": "all", "optimality": "advantage",
+                       "timestep_fraction": 0.99, "timesteps": "grid", "adaptive_weighting": True, "batch_size": None,
+                       "sample_with_old": True, "old_decay_rate": 0.001, "old_decay_max": 0.5, "old_decay_delay": 0}),
+    "awm": ({"sampling.noise_level": 0.0, "advantage.std": "global"},
+            {"train_sigmas": 6, "timestep_fraction": 0.9, "weighting": "ghuber", "ghuber_power": 0.25,
+             "clip_range": 1.0, "adv_clip_max": 5.0, "advantage_max": 1.0, "kl_beta": 1e-3, "kl_weighting": "uniform",
+             "ema_kl_beta": 1.0, "ema_kl_weighting": "uniform", "ema_kl_decay": "linear", "ema_kl_decay_max": 0.3,
+             "batch_size": 4}),
+    "dpo": ({}, {"beta": 100.0, "pairs": "best_worst", "ties": "skip", "timestep_fraction": 0.99, "logit_mean": 0.0,
+                 "logit_std": 1.0, "table_shift": 1.0, "ref_update_steps": None, "sample_with_reference": True,
+                 "groups_per_unit": 1}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORWARD_PRESETS))
+def test_forward_process_presets_differ_from_flow_grpo_in_exactly_their_knobs(name):
+    preset = REPO / f"configs/methods/{name}.yaml"
+    assert yaml.safe_load(preset.read_text()).get("base") == "flow_grpo.yaml"
+    config = to_dict(load_config(TrainConfig, preset, []))
+    reference = to_dict(load_config(TrainConfig, REPO / "configs/methods/flow_grpo.yaml", []))
+    sections, settings = FORWARD_PRESETS[name]
+    assert config["loss"] == {} and config["objectives"] == {name: {"name": name, "weight": 1.0, **settings}}
+    for key, value in sections.items():
+        section, field = key.split(".")
+        assert config[section][field] == value and reference[section][field] != value
+    rest = {k: v for k, v in config.items() if k not in ("loss", "objectives")}
+    differing = {line.split(":")[0] for line in diff_configs({k: reference[k] for k in rest}, rest)}
+    assert differing == set(sections)
+
+
+@pytest.mark.parametrize("preset", [p for p in METHODS if p.stem not in OBJECTIVE_ONLY and p.stem not in
+                                    ROLLOUT_OBJECTIVES], ids=lambda p: p.stem)
 def test_method_presets_differ_from_their_base_in_exactly_their_knobs(preset, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # loading reads no file a preset names (register_grpo's registers are absent here)
     base, expected = PRESET_DIFFS[preset.stem]
@@ -413,3 +478,39 @@ def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_a
     assert rewards["policy"].shape == (batch, 11)
     assert torch.allclose(rewards["policy"], rewards["reference"], atol=1e-6, rtol=0)
     assert rewards["policy"].std() > 0
+
+
+def _run_state(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = ("trainable", "ema", "copies")
+    return {name: load_file(str(checkpoint / f"{name}.safetensors")) for name in files
+            if (checkpoint / f"{name}.safetensors").is_file()}
+
+
+@pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
+                                         ("dpo", {"objectives.dpo.ref_update_steps": 1})],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo"])
+def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
+    """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
+    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
+    import json
+
+    preset = REPO / f"configs/methods/{name}.yaml"
+    settings = {"train.checkpoint_every": 1, "train.keep_checkpoints": 3, **extra}
+    runs = {}
+    for run, iterations in (("full", 2), ("split", 1), ("split", 2)):
+        resume = {"train.resume": "latest"} if (run, iterations) == ("split", 2) else {}
+        config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / run, **settings, **resume,
+                                                            **{"train.iterations": iterations}))
+        GRPOTrainer(config).train()
+        runs[run] = tmp_path / run
+    a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
+    assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))
+    for part in a:
+        assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
+    lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+              for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
+    assert lines[0] == lines[1] and len(lines[0]) == 2
+    state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
+    assert state["optimizer_steps"] == 2

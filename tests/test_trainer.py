@@ -340,6 +340,29 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
     _assert_same_run(a, b)
 
 
+# The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
+# r from global-std advantages, AWM's strata shared per unit of 2 samples and its theta_ema, online DPO's pairs per
+# group (each process holds one) and its reference copy, refreshed every 3 optimizer steps.
+FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "advantage.std": "global",
+                   "objectives.diffusion_nft.batch_size": 2, "objectives.awm.train_sigmas": 3,
+                   "objectives.awm.batch_size": 2, "objectives.dpo.ref_update_steps": 3,
+                   "objectives.dpo.sample_with_reference": "false"}
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny_model, tmp_path):
+    """Each process re-noises its own samples with draws keyed by sample, unit and group, DPO pairs whole groups on
+    their process, and the policy copies move alike: the run, copies included, does not depend on the process count."""
+    a, b = _one_vs_two_processes(tiny_model, tmp_path, **FORWARD_PROCESS)
+    _assert_same_run(a, b)
+    ca, cb = load_file(str(a / "copies.safetensors")), load_file(str(b / "copies.safetensors"))
+    assert sorted({k.split("/")[0] for k in ca}) == ["kl_ema", "old", "ref"] and ca.keys() == cb.keys()
+    difference = max((ca[k] - cb[k]).abs().max().item() for k in ca)
+    assert difference < 1e-4, difference
+    history = json.loads((b / "state.json").read_text())["history"]
+    assert all(h["objectives/dpo/tie_frac"] == 0.0 for h in history)  # brightness never ties
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_iteration_checkpoints_and_exits_zero(tiny_model, tmp_path):
     run = tmp_path / "run"

@@ -213,11 +213,6 @@ class FKSteering(GuidedSampler):
         if end is not None and end > steps - 1:
             raise ConfigError(f"fk_resample_end must be a step in {start}..{steps - 1} (sampler.resample_end), got "
                               f"{end!r}", key="sampler.resample_end")
-        candidates, particles = int(getattr(config, "candidates", 1)), config.budget // steps
-        if candidates > particles:  # with CFG each step costs 2 NFEs: the sampler checks the exact count again
-            raise ConfigError(f"--candidates {candidates} asks FK for {candidates} final particles per prompt, but "
-                              f"budget={config.budget} pays for N = budget // steps = {particles}: raise --budget to "
-                              f"at least {candidates * steps} or lower --candidates", key="candidates")
 
     def sample(self, problem: GuidedProblem):
         from flowalign.samplers.fk import fk_steering, fk_steering_reference
@@ -371,3 +366,7 @@ class EuphoniumGuided(RewardGradient):
                                       head_weights=heads, noise_level=settings.sde_noise, kind="dance",
                                       backward_nfe=backward_nfe, candidates=problem.candidates,
                                       device=problem.device)
+
+
+# SatisDive lives in its own module (its settings extend GradientSource); importing it registers it.
+from flowalign.inference import satisdive as _satisdive  # noqa: E402,F401

@@ -12,7 +12,7 @@ the stats of all terms are logged together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from torch import Tensor
@@ -52,12 +52,15 @@ class MicroBatch:
 @dataclass
 class PolicyOutput:
     """The policy velocity per transition ``v`` (with gradient) and at the sources ``v_sources``; the reference
-    velocity likewise (``None`` unless a term needs it)."""
+    velocity likewise (``None`` unless a term needs it). ``v_copies``: at an objective's data unit, the velocity of
+    each policy copy the objective declares (``Component.policy_copies``), by name, without gradient, computed in the
+    same autocast and batch as ``v``."""
 
     v: Tensor
     v_ref: Tensor | None = None
     v_sources: Tensor | None = None
     v_ref_sources: Tensor | None = None
+    v_copies: dict[str, Tensor] = field(default_factory=dict)
 
 
 class LossTerm(Component):

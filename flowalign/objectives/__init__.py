@@ -1,5 +1,5 @@
-"""Objectives: losses on data units instead of rollout transitions (supervised flow matching, SOAR; later the
-forward-process objectives: DiffusionNFT, AWM, online DPO).
+"""Objectives: losses on data units instead of rollout transitions: on a dataset (supervised flow matching, SOAR,
+Shell-LCC) or on the iteration's rollouts (the forward-process objectives DiffusionNFT, AWM and online DPO).
 
 An ``Objective`` is registered in ``OBJECTIVES`` with its settings (``objectives: {flow_matching: {data: ...}}``, several
 may be on). Each iteration it makes this process's ``DataUnit``s (``units(iteration, context)``): latents ``x`` the
@@ -7,6 +7,14 @@ policy is evaluated at, their noise levels and conditioning rows, and whatever i
 ``(seed, iteration, unit)`` (``context.generator``), so a 2-process run makes the same units as a 1-process run. The
 trainer evaluates the policy (and the reference, when ``needs_reference``) once per unit and calls ``loss(unit,
 policy)``, a ``PolicyOutput`` as the loss terms get.
+
+Objectives on rollouts (``trains_on_rollouts = True``) train on the final samples of the iteration's rollout and their
+rewards, not on its transitions: the trainer rolls out (with the component's ``sampling_policy``, any sampler, no
+log-prob is read), scores and group-normalises as for GRPO, and hands the objective this process's samples in
+``context.rollout`` (``RolloutSamples``: final latents, conditioning, rewards, advantages, validity, group ids). Its
+draws are keyed by global sample (or group) numbers (``Purpose.FORWARD``), so the units do not depend on the layout;
+``samples_per_unit(config)`` tells the batch arithmetic how many consecutive samples a unit holds (each process's
+share of the samples must be a multiple of it). A run may be rollout objectives alone (``loss: {grpo: null}``).
 
 Interleaving. The units of an inner epoch are split over the optimizer's minibatches like the trained steps: the
 ``m``-th minibatch gets the ``m``-th of ``optim.minibatches`` equal shares, and its loss is the mean over its rollout
@@ -26,7 +34,8 @@ from flowalign.losses import PolicyOutput
 from flowalign.registry import Registry
 from flowalign.seeding import Purpose, generator
 
-__all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOutput", "process_slice", "register_objective"]
+__all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOutput", "RolloutSamples", "process_slice",
+           "register_objective"]
 
 OBJECTIVES: Registry = Registry("objective")
 register_objective = OBJECTIVES.register
@@ -51,9 +60,40 @@ class DataUnit:
 
 
 @dataclass
+class RolloutSamples:
+    """This process's samples of the iteration's rollout, in sample order, for objectives on rollouts.
+
+    ``x0`` ``[n, ...]``: the final latents; ``sample_ids`` ``[n]``: their global numbers (prompt-major, a contiguous
+    slice per process); ``group_ids`` ``[n]``: their GRPO group (``sample_id // data.group_size``); ``advantages``:
+    the group-normalised, clipped advantages the credit would get (``advantage.std``, ``advantage.clip``);
+    ``rewards``: the combined reward before normalisation; ``valid``: False for a sample a reward could not judge;
+    ``cond``: the iteration's conditioning, one row per prompt of the iteration, and ``prompt_index`` ``[n]`` each
+    sample's row; ``sigmas``: the rollout's noise levels (``s_0 = 1 > ... > s_N = 0``)."""
+
+    x0: Tensor
+    sample_ids: Tensor
+    group_ids: Tensor
+    advantages: Tensor
+    rewards: Tensor
+    valid: Tensor
+    cond: Any
+    prompt_index: Tensor
+    sigmas: Tensor
+
+    def __len__(self) -> int:
+        return int(self.x0.shape[0])
+
+    def cond_of(self, rows: Tensor | list[int]):
+        """The conditioning rows of the samples at local positions ``rows``."""
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        return self.cond.index(self.prompt_index[rows].to(self.cond.embeds.device))
+
+
+@dataclass
 class ObjectiveContext:
     """What an objective may use to make its units: the model (``encode``, ``encode_images``, ``prepare_noise``),
-    the run's config, its seed and the iteration, this process's place among ``num_processes`` and its device."""
+    the run's config, its seed and the iteration, this process's place among ``num_processes`` and its device;
+    for an objective on rollouts, this process's samples of the iteration's rollout (``rollout``, else None)."""
 
     model: Any
     config: Any
@@ -62,6 +102,7 @@ class ObjectiveContext:
     process_index: int = 0
     num_processes: int = 1
     device: torch.device | str | None = None
+    rollout: RolloutSamples | None = None
 
     def generator(self, key: int, purpose: int = Purpose.OBJECTIVE) -> torch.Generator:
         """A CPU generator keyed by ``(seed, iteration, key, purpose)`` (``flowalign.seeding``)."""
@@ -91,6 +132,15 @@ class Objective(Component):
     """A loss on data units (module docstring)."""
 
     needs_reference: ClassVar[bool] = False
+    # Trains on the iteration's rollouts (context.rollout) instead of a dataset: the trainer rolls out and scores for it.
+    trains_on_rollouts: ClassVar[bool] = False
+    # The setting that decides samples_per_unit (named in batch-arithmetic errors).
+    unit_setting: ClassVar[str] = "batch_size"
+
+    def samples_per_unit(self, config) -> int | None:
+        """For an objective on rollouts: the consecutive samples one unit holds (each process's share of the samples
+        must be a multiple of it), or None when units take any share. Unused for objectives on data."""
+        return None
 
     def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
         raise NotImplementedError
@@ -100,4 +150,4 @@ class Objective(Component):
 
 
 # The built-in objectives register themselves on import.
-from flowalign.objectives import flow_matching, shell_lcc, soar  # noqa: E402,F401
+from flowalign.objectives import awm, diffusion_nft, dpo, flow_matching, shell_lcc, soar  # noqa: E402,F401

@@ -7,6 +7,7 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
   (``<TransformerClass>.from_pretrained`` reads it);
 * ``trainable.safetensors``: the trainable tensors by parameter name (what resuming loads; exact, any format);
 * ``ema.safetensors``: the EMA of the trainable weights, when EMA is on;
+* ``copies.safetensors``: the policy copies the run's components keep (``flowalign.training.copies``), when any;
 * ``optimizer.pt``: the optimizer state;
 * ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process (numpy's as plain
   numbers and a tensor, so the file holds no numpy object);
@@ -17,8 +18,9 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 * ``config.yaml``: the resolved config it was made with.
 
 A sharded run (``distributed.engine: fsdp2``) writes ``sharded/`` (``torch.distributed.checkpoint``: every process
-its shards of the trainable weights, the EMA and the optimizer state) instead of ``trainable.safetensors``,
-``ema.safetensors`` and ``optimizer.pt``; the rest is the same (``flowalign.training.engine``).
+its shards of the trainable weights, the EMA, the policy copies and the optimizer state) instead of
+``trainable.safetensors``, ``ema.safetensors``, ``copies.safetensors`` and ``optimizer.pt``; the rest is the same
+(``flowalign.training.engine``).
 
 It is written to a temporary sibling directory and renamed into place, so an interrupted save never leaves a partial
 checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
@@ -112,6 +114,7 @@ def save_checkpoint(
     ema: dict[str, torch.Tensor] | None = None,
     write_model=None,
     keep: int | None = None,
+    copies: dict[str, torch.Tensor] | None = None,
     component_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoint-<iteration>`` atomically and keep only the newest ``keep`` checkpoints.
@@ -125,6 +128,8 @@ def save_checkpoint(
     save_file({k: v.detach().cpu().contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
     if ema is not None:
         save_file({k: v.detach().cpu().contiguous() for k, v in ema.items()}, str(tmp / "ema.safetensors"))
+    if copies:
+        save_file({k: v.detach().cpu().contiguous() for k, v in copies.items()}, str(tmp / "copies.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng-0.pt")
     write_run_files(tmp, iteration, state, config_yaml, component_tensors)
@@ -213,6 +218,12 @@ def load_checkpoint(
     optimizer.load_state_dict(safe_load(checkpoint / "optimizer.pt", "an optimizer state_dict"))
     ema = load_file(str(checkpoint / "ema.safetensors")) if (checkpoint / "ema.safetensors").is_file() else None
     return load_run_state(checkpoint, rank), ema
+
+
+def load_copies(checkpoint: str | Path) -> dict[str, torch.Tensor] | None:
+    """A checkpoint's policy copies (``copies.safetensors``), or None when it holds none."""
+    path = Path(checkpoint) / "copies.safetensors"
+    return load_file(str(path)) if path.is_file() else None
 
 
 def _fsync_tree(directory: Path) -> None:

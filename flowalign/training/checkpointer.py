@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 import yaml
 
-from flowalign.config import to_dict
+from flowalign.config import to_saved_dict
 from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, load_checkpoint,
-                                           load_component_tensors, load_run_state, save_checkpoint, save_process_rng,
+                                           load_component_tensors, load_copies, load_run_state, save_checkpoint,
+                                           save_process_rng,
                                            write_run_files)
 from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume
 
@@ -47,11 +48,12 @@ class Checkpointer:
     def run_state(self) -> tuple[dict, str]:
         trainer = self.trainer
         last = trainer.last_advantages
-        state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist()}
+        state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist(),
+                 "optimizer_steps": trainer.optimizer_steps}
         values, _ = self.component_state()
         if values:
             state["components"] = values
-        return state, yaml.safe_dump(to_dict(trainer.config), sort_keys=False)
+        return state, yaml.safe_dump(to_saved_dict(trainer.config), sort_keys=False)
 
     def component_state(self) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
         """The components' ``state_dict()``s: ``(JSON values by section, tensors keyed <section>/<key>)``."""
@@ -89,7 +91,8 @@ class Checkpointer:
                 trainer.out_dir, trainer.iteration, trainable=trainer.trainable_state(),
                 optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
                 ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_model=trainer.model.save_trained,
-                keep=trainer.config.train.keep_checkpoints, component_tensors=self.component_state()[1],
+                keep=trainer.config.train.keep_checkpoints, copies=trainer.copies.state_dict() or None,
+                component_tensors=self.component_state()[1],
             )
         trainer.accelerator.wait_for_everyone()
         if not trainer.is_main:
@@ -130,12 +133,28 @@ class Checkpointer:
             trainer.engine.load(trainer, checkpoint / "sharded")
             state = load_run_state(checkpoint, trainer.accelerator.process_index)
             trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
+            trainer.optimizer_steps = optimizer_steps(state, trainer.config)
             self.load_component_state(checkpoint, state)
             return
         state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
                                      optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
         if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
             trainer.ema.load_state_dict(ema)
+        if trainer.copies:
+            copies = load_copies(checkpoint)
+            if copies is None:
+                raise ValueError(f"{checkpoint} holds no policy copies, which this run's components keep")
+            trainer.copies.load_state_dict(copies)
         trainer.iteration = int(state["iteration"])
         trainer.history = state["history"]
+        trainer.optimizer_steps = optimizer_steps(state, trainer.config)
         self.load_component_state(checkpoint, state)
+
+
+def optimizer_steps(state: dict, config) -> int:
+    """The optimizer steps a checkpoint's run took: recorded since policy copies need them, else counted from its
+    history (``optim.inner_epochs * optim.minibatches`` per iteration that was not skipped)."""
+    if "optimizer_steps" in state:
+        return int(state["optimizer_steps"])
+    per_iteration = config.optim.inner_epochs * config.optim.minibatches
+    return sum(per_iteration for metrics in state["history"] if not metrics.get("skipped", 0.0))

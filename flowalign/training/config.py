@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from flowalign.components import ComponentConfig
+from flowalign.components import REFERENCE_POLICY, ComponentConfig
 from flowalign.config import ConfigError, component, component_map
 from flowalign.settings import at_least as _at_least, check as _check, finite as _finite, option, section
 
@@ -217,9 +217,14 @@ class SamplingConfig:
             f"has zero entries where the SDE window can start, so rollouts would have {sorted(counts)} stochastic "
             "steps depending on the window position: make the table positive over the window's range",
         )
-        stochastic = counts.pop()
+
+    def check_trainable(self) -> None:
+        """A run with loss terms trains the stochastic steps: there must be one (an ODE rollout trains nothing; it
+        serves objectives on rollouts, which need no transition)."""
         source = "sampling.noise_table" if self.noise_table is not None else "sampling.noise_level"
-        _check(stochastic > 0, source, "leaves no stochastic step: every step is ODE and nothing would be trained")
+        _check(self.stochastic_steps() > 0, source,
+               "leaves no stochastic step: every step is ODE and nothing would be trained (an ODE rollout serves "
+               "only objectives on rollouts, with no loss term: loss.grpo=null)")
 
     def possibly_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic in some rollout (wherever the SDE window starts)."""
@@ -503,6 +508,15 @@ class Components:
     def all(self) -> list[Any]:
         return list(self.named().values())
 
+    def sampling_policy(self) -> str | None:
+        """The policy the rollouts sample with (``Component.sampling_policy``): the one a component names, else None
+        (the trained weights). Two components naming different ones are a ConfigError."""
+        named = {part.sampling_policy() for part in self.all()} - {None}
+        _check(len(named) <= 1, "objectives",
+               f"name different sampling policies ({', '.join(sorted(named))}): the rollouts sample with one; set "
+               "the others' sampling options off")
+        return named.pop() if named else None
+
 
 @dataclass
 class TrainConfig:
@@ -635,8 +649,15 @@ class TrainConfig:
                 f"= {rollout_batch} is not a multiple of the {per_prompt} samples of one prompt: with {which} a rollout "
                 "chunk holds whole prompts",
             )
-        stochastic = shape.stochastic_steps(sampling)
-        steps = parts.step_selection.count(stochastic)
+        for name, objective in parts.objectives.items():
+            per_unit = objective.samples_per_unit(self) if objective.trains_on_rollouts else None
+            if per_unit:
+                _check(local % per_unit == 0, f"objectives.{name}.{objective.unit_setting}",
+                       f"makes units of {per_unit} consecutive samples, which do not divide the {local} samples per "
+                       f"process (data.prompts_per_iteration * data.group_size / {_processes(num_processes)}): make "
+                       "the samples per process a multiple of it, or change it")
+        stochastic = shape.stochastic_steps(sampling) if self.loss else 0  # no loss term: no transition is trained
+        steps = parts.step_selection.count(stochastic) if self.loss else 0
         steps_from = parts.step_selection.count_source() or shape.stochastic_step_source()
         transitions = local * steps
         micro_batches = (local // rollout_batch) * steps
@@ -664,6 +685,18 @@ class TrainConfig:
         _check(bool(self.loss) or bool(self.objectives), "loss",
                "is empty and no objective is on, so nothing would be trained: keep a loss term (loss.grpo) or add "
                "an objective (objectives.flow_matching.data=toy, objectives.soar.data=toy) for an objective-only run")
+        if self.loss:
+            self.sampling.check_trainable()
+        copies = [copy.name for part in parts.all() for copy in part.policy_copies()]
+        clash = sorted({name for name in copies if copies.count(name) > 1})
+        _check(not clash, "objectives", f"declare the policy copy {clash[0]!r} twice: use one of them"
+               if clash else "")
+        policy = parts.sampling_policy()
+        _check(policy in (None, REFERENCE_POLICY, *copies), "objectives",
+               f"sample the rollouts with the policy {policy!r}, which no component keeps as a copy")
+        _check(not (self.sampling.base_tail_steps and policy == REFERENCE_POLICY), "sampling.base_tail_steps",
+               "hands the rollout's last steps to the base model, but the rollouts already sample with the reference "
+               "model (a component's sampling policy): drop it")
         parts.credit.check_shape(self)
         for part in parts.all():
             part.check(self)

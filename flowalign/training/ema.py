@@ -32,10 +32,14 @@ class EMA:
         self._averages = {name: param.detach().clone() for name, param in self.params.items()}
 
     @torch.no_grad()
-    def update(self) -> None:
-        """One step of every average toward its parameter (module docstring)."""
+    def update(self, decay: float | None = None) -> None:
+        """One step of every average toward its parameter (module docstring), with ``decay`` in [0, 1] for this step
+        instead of the EMA's own (a policy copy's schedule): 0 copies the parameters, 1 leaves the averages."""
+        decay = self.decay if decay is None else float(decay)
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1], got {decay!r}")
         for name, param in self.params.items():
-            self._averages[name].lerp_(param.detach(), 1 - self.decay)
+            self._averages[name].lerp_(param.detach(), 1 - decay)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The averages by parameter name (the tensors themselves, as ``torch.nn.Module.state_dict``)."""

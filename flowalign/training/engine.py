@@ -186,13 +186,16 @@ class FSDP2Engine(Engine):
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state(self, trainer) -> dict:
-        """What a sharded checkpoint holds: the trainable weights, the optimizer and the EMA, as DTensors."""
+        """What a sharded checkpoint holds: the trainable weights, the optimizer, the EMA and the policy copies, as
+        DTensors."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         state = {"trainable": trainer.trainable_state(),
                  "optimizer": get_optimizer_state_dict(trainer.model.transformer, trainer.optimizer)}
         if trainer.ema is not None:
             state["ema"] = trainer.ema.state_dict()
+        if trainer.copies:
+            state["copies"] = trainer.copies.state_dict()
         return state
 
     def save(self, trainer, directory: Path) -> None:

@@ -33,13 +33,15 @@ def micro_batch(batch, step: int) -> MicroBatch:
 def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool, reference_policy=None):
     """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (no gradient; else None):
     inside ``reference_policy()`` (the run's reference, ``flowalign.losses.reference``), by default the base model
-    (``model.reference()``: the LoRA off)."""
-    with autocast():
-        v = model.velocity(x, sigma, cond, guidance_scale)
+    (``model.reference()``: the LoRA off). The reference runs first, so a reference that swaps weights in (GARDO's
+    adaptive one) has put the live weights back before the policy's forward, and nothing changes them before its
+    backward."""
     v_ref = None
     if reference:
         with torch.no_grad(), (reference_policy() if reference_policy else model.reference()), autocast():
             v_ref = model.velocity(x, sigma, cond, guidance_scale)
+    with autocast():
+        v = model.velocity(x, sigma, cond, guidance_scale)
     return v, v_ref
 
 
@@ -53,9 +55,15 @@ def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, 
                         v_ref_sources=v_ref_sources)
 
 
-def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool,
+def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool, copies=None,
                 reference_policy=None) -> PolicyOutput:
-    """The policy (and reference) velocity at an objective's data unit."""
+    """The policy (and reference) velocity at an objective's data unit; ``copies`` maps the names of policy copies
+    to evaluate to a context manager factory swapping each in (``PolicyCopies.swapped_in``). The copies run first,
+    without gradient, so no weight changes between the policy's forward and its backward."""
+    v_copies = {}
+    for name, swapped_in in (copies or {}).items():
+        with torch.no_grad(), swapped_in(name), autocast():
+            v_copies[name] = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
     v, v_ref = velocities(model, unit.x, unit.sigma, unit.cond, guidance_scale=guidance_scale, autocast=autocast,
                           reference=reference, reference_policy=reference_policy)
-    return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref)
+    return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref, v_copies=v_copies)

@@ -15,6 +15,14 @@ recomputed log-prob ratio of an iteration is exactly 1. Log-probs are always fp3
 
 An objective-only run (no loss terms: ``loss: {grpo: null}``, and at least one objective, e.g. SFT or SOAR on data)
 has no rollout, rewards or credit: each iteration is the objectives' units, in ``optim.minibatches`` optimizer steps.
+An objective on rollouts (DiffusionNFT, AWM, online DPO: ``Objective.trains_on_rollouts``) makes the iteration roll
+out and score as for GRPO; without loss terms there is no credit and no transition is trained (an ODE rollout will
+do), and the objective gets the final samples and their rewards (``ObjectiveContext.rollout``).
+
+Policy copies (``Component.policy_copies``) are lagging copies of the trainable weights kept for the components
+(``flowalign.training.copies``): moved at the end of every iteration by their schedule, evaluated at the units of the
+objective that declares them, and, for the component naming one in ``sampling_policy()`` (or ``"reference"``), the
+weights the rollout samples with.
 ``nfe`` counts every per-sample model evaluation: the rollout's and the completions', plus, with objectives, the
 forwards their units cost (``nfe/objectives``: what making a unit spent, ``DataUnit.nfe``, and the trainer's
 evaluations of it in every inner epoch, doubled under CFG and with the reference).
@@ -42,7 +50,8 @@ from flowalign.errors import setup_phase
 from flowalign.kernels import use_backend
 from flowalign.lr_schedule import learning_rate_scale
 from flowalign.models import FlowModel
-from flowalign.objectives import ObjectiveContext
+from flowalign.components import REFERENCE_POLICY
+from flowalign.objectives import ObjectiveContext, RolloutSamples
 from flowalign.rewards import bind_reward_model
 from flowalign.rollout import RolloutContext, per_row_velocity
 from flowalign.samplers import noise_schedule
@@ -51,6 +60,7 @@ from flowalign.training.callbacks import RunLog, summarize_records
 from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.config import TrainConfig
+from flowalign.training.copies import PolicyCopies
 from flowalign.training.distributed import agreed, check_distributed_type, check_ranks_agree, summed
 from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
@@ -113,7 +123,9 @@ class GRPOTrainer:
         self.optimizer = self.engine.optimizer(self, self.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
                                                weight_decay=optim.weight_decay)
         self.ema = EMA(self.trainable_state(), optim.ema_decay) if optim.ema_decay > 0 else None
+        self.copies = PolicyCopies(self.trainable_state(), [c for part in self.parts.all() for c in part.policy_copies()])
         self.iteration, self.history, self.stop_requested, self.last_advantages = 0, [], False, None
+        self.optimizer_steps, self.iteration_cond = 0, None
         for part in self.parts.all():
             part.set_up(self)
         if self.checkpoint is not None:  # loading it is set-up too: a file that does not fit is the user's to fix
@@ -122,6 +134,21 @@ class GRPOTrainer:
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    @property
+    def rolls_out(self) -> bool:
+        """Whether an iteration rolls out and scores: a loss term trains transitions, or an objective trains on the
+        rollouts."""
+        return bool(self.parts.losses) or any(o.trains_on_rollouts for o in self.parts.objectives.values())
+
+    def sampling_weights(self):
+        """Context in which the model holds the weights the rollouts sample with (``Component.sampling_policy``)."""
+        name = self.parts.sampling_policy()
+        if name is None:
+            return nullcontext()
+        if name == REFERENCE_POLICY:
+            return self.model.reference()
+        return self.copies.swapped_in(name)
 
     @property
     def computes_kl(self) -> bool:
@@ -176,18 +203,21 @@ class GRPOTrainer:
 
     def train_iteration(self, iteration: int):
         """One iteration: ``(metrics, prompts, batches, scores)``."""
-        if not self.parts.losses:
+        if not self.rolls_out:
             return self.objective_iteration(iteration)
         clock = time.perf_counter()
         prompts = self.prompts.prompts_for(iteration)
         self.model.transformer.eval()
-        batches = self.rollout(iteration, prompts)
+        with self.sampling_weights():
+            batches = self.rollout(iteration, prompts)
         timings = {"time/rollout": time.perf_counter() - clock}
         clock = time.perf_counter()
         scores = score_iteration(self, batches)
         self.last_advantages = scores.global_advantages
-        steps = self.trained_steps(iteration, batches)
-        completion_nfe, credit_stats = self.assign_credit(iteration, batches, scores, steps)
+        steps, completion_nfe, credit_stats = [], 0, {}
+        if self.parts.losses:  # credit for the transitions the loss terms train
+            steps = self.trained_steps(iteration, batches)
+            completion_nfe, credit_stats = self.assign_credit(iteration, batches, scores, steps)
         timings["time/reward"] = time.perf_counter() - clock
         clock = time.perf_counter()
         collapse = self.collapse.measure(self, batches, scores)
@@ -203,7 +233,8 @@ class GRPOTrainer:
         else:
             self.model.transformer.train()
             self.set_learning_rate(iteration)
-            update = {**self.update(iteration, batches, steps), "skipped": 0.0}
+            update = {**self.update(iteration, batches, steps, scores), "skipped": 0.0}
+        update.update(self.end_iteration())
         timings["time/train"] = time.perf_counter() - clock
         objective_nfe = update.get("nfe/objectives", 0.0)
         metrics = {"iteration": float(iteration), **scores.stats, **credit_stats, **prepared, **update, **collapse,
@@ -220,12 +251,16 @@ class GRPOTrainer:
         prepared = self.prepare_update(context)
         self.model.transformer.train()
         self.set_learning_rate(iteration)
-        update = self.update(iteration, [], [])
+        update = {**self.update(iteration, [], []), **self.end_iteration()}
         metrics = {"iteration": float(iteration), **prepared, **update, "skipped": 0.0,
                    "time/train": time.perf_counter() - clock, "nfe": update["nfe/objectives"],
                    "lr": self.optimizer.param_groups[0]["lr"]}
         metrics.update(self.after_update(context, metrics))
         return metrics, [], [], None
+
+    def end_iteration(self) -> dict[str, float]:
+        """Move the policy copies by their schedules; their ``eta`` as metrics (``copies/<name>/eta``)."""
+        return {f"copies/{name}/eta": eta for name, eta in self.copies.end_iteration(self.optimizer_steps).items()}
 
     # ------------------------------------------------------------------------- around the optimizer steps
     def iteration_context(self, iteration: int, batches, scores) -> IterationContext:
@@ -274,6 +309,7 @@ class GRPOTrainer:
         ids = torch.arange(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
         with self.accelerator.autocast(), use_backend(cfg.model.kernels):
             batches = [self.parts.shape.grow(context, chunk, cond) for chunk in ids.split(self.layout.rollout_batch_size)]
+        self.iteration_cond = cond  # one row per prompt: what objectives on rollouts condition on
         per_prompt = cfg.samples_per_prompt()
         for batch in batches:
             batch.metadata = [prompts[i] for i in batch.prompt_index.tolist()]
@@ -304,11 +340,11 @@ class GRPOTrainer:
                              lambda cond: per_row_velocity(self.model, cond, self.config.sampling.guidance_scale))
 
     # ---------------------------------------------------------------------------------------------- update
-    def update(self, iteration: int, batches, steps: list[int]) -> dict[str, float]:
+    def update(self, iteration: int, batches, steps: list[int], scores=None) -> dict[str, float]:
         """Inner epochs of optimizer steps; a minibatch is a share of the trained steps over all batches (shuffled
         identically on every process) and the same share of each objective's data units."""
         cfg = self.config
-        data = self.objective_units(iteration)
+        data = self.objective_units(iteration, batches, scores)
         per_minibatch, shares = self.layout.micro_batches_per_minibatch, cfg.optim.minibatches
         module = self.model.forward_module or self.model.transformer
         records, objective_records, norms = [], {name: [] for name in data}, []
@@ -331,6 +367,7 @@ class GRPOTrainer:
                 norms.append(self.engine.clip_grad_norm(self, self.params, cfg.optim.max_grad_norm))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer_steps += 1
                 if self.ema is not None:
                     self.ema.update()
         summary = summarize_records(records, objective_records, norms)
@@ -343,7 +380,9 @@ class GRPOTrainer:
         evals = 2 if self.model.uses_cfg(self.config.sampling.guidance_scale) else 1
         total = 0
         for name, units in data.items():
-            per_row = evals * (2 if self.parts.objectives[name].needs_reference else 1) * self.config.optim.inner_epochs
+            objective = self.parts.objectives[name]
+            passes = 1 + int(objective.needs_reference) + len(objective.policy_copies())
+            per_row = evals * passes * self.config.optim.inner_epochs
             total += sum(unit.nfe + per_row * len(unit) for unit in units)
         return total
 
@@ -361,17 +400,29 @@ class GRPOTrainer:
         return loss, stats
 
     @torch.no_grad()
-    def objective_units(self, iteration: int) -> dict[str, list]:
+    def objective_units(self, iteration: int, batches=(), scores=None) -> dict[str, list]:
+        rollout = self.rollout_samples(batches, scores) if batches and scores is not None else None
         context = ObjectiveContext(self.model, self.config, self.config.train.seed, iteration,
                                    self.accelerator.process_index, self.accelerator.num_processes,
-                                   self.accelerator.device)
+                                   self.accelerator.device, rollout)
         return {name: objective.units(iteration, context) for name, objective in self.parts.objectives.items()}
+
+    def rollout_samples(self, batches, scores) -> RolloutSamples:
+        """This process's final samples and their rewards, for the objectives on rollouts."""
+        ids = torch.cat([b.sample_ids for b in batches])
+        return RolloutSamples(
+            x0=torch.cat([b.rollout.final for b in batches]), sample_ids=ids,
+            group_ids=ids // self.config.data.group_size, advantages=scores.advantages, rewards=scores.combined,
+            valid=scores.valid, cond=self.iteration_cond, prompt_index=ids // self.config.samples_per_prompt(),
+            sigmas=self.model.sigmas(self.config.sampling.num_steps, self.config.sampling.image_size))
 
     def objective_loss(self, name: str, unit) -> tuple[Tensor, dict]:
         objective = self.parts.objectives[name]
         # objectives on data regress the conditional velocity, whatever CFG the rollouts sample with
+        copies = {copy.name: self.copies.swapped_in for copy in objective.policy_copies()}
         policy = unit_output(self.model, unit, guidance_scale=1.0, autocast=self.accelerator.autocast,
-                             reference=objective.needs_reference, reference_policy=self.reference_policy)
+                             reference=objective.needs_reference, copies=copies,
+                             reference_policy=self.reference_policy)
         return objective.loss(unit, policy)
 
     def set_learning_rate(self, iteration: int) -> None:
