@@ -29,7 +29,7 @@ RESULTS = BENCH / "results"
 PAGES = REPO / "docs/results"
 IMAGES = PAGES / "img"
 # The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
-PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png")
+PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png")
 MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 
 
@@ -90,6 +90,13 @@ def _equal_wall() -> str:
     return equal_wall.table(_read("equal_wall/equal_wall.json"))
 
 
+def _guided_sets() -> str:
+    import guided_sets
+
+    result = _read("guided_sets.json")
+    return guided_sets.table(result["rows"], result["settings"]["candidates"], result["settings"]["embedding"])
+
+
 def _kernels_gpu() -> str:
     import kernel_tables
 
@@ -104,7 +111,8 @@ def _kernels_check() -> str:
 
 GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "guided_bon_confirm_80", "guided_fk_rgs",
           "guided_fk_rgs_confirm_40", "guided_rgs_high", "guided_rgs_mid", "guided_rgs_confirm", "guided_rgs_scale2",
-          "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium")
+          "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium",
+          "guided_fk_reference")
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
@@ -118,6 +126,7 @@ TABLES = {
     "vgpo_signal": ("methods.md", "vgpo_signal.json", _vgpo_signal),
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
+    "guided_sets": ("guided_sampling.md", "guided_sets.json", _guided_sets),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
     "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",
