@@ -498,3 +498,120 @@ def test_vlm_judge_bad_settings_fail_before_anything_loads(judge_server, tmp_pat
     assert f"{key}.template = 'no placeholder' is neither" in check(template="no placeholder")
     check_reward_run("vlm_judge", {"url": judge_server.url + "/v1", "model": "m"}, key=key, model=None,
                      image_size=None)  # reachable (a 404 on /models still answers)
+
+
+# ------------------------------------------------------------------------------------------ training with a remote reward
+def toy_trainer(out: Path, entry: dict, **extra) -> GRPOTrainer:
+    """The toy world's model and reward, cut to 2 prompts x 4 images, 4 steps, chunks of 4."""
+    values = {"model.path": str(REPO / "assets/toy-sd3"), "reward.rewards": json.dumps([entry]),
+              "data.prompts_per_iteration": 2, "data.group_size": 4, "sampling.num_steps": 4,
+              "sampling.batch_size": 4, "sampling.window_size": "null", "sampling.window_start": "fixed",
+              "sampling.window_last": "null", "train.iterations": 5, "train.tracker": "none", "train.eval_at_end": "false",
+              "train.sample_every": 0, "train.out_dir": str(out), **extra}
+    return GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
+
+
+def run_steps(trainer: GRPOTrainer, count: int) -> list[dict]:
+    return [{k.replace("rewards/remote/", "rewards/toy_geneval/"): v for k, v in trainer.step().items()
+             if not k.startswith("time/")} for _ in range(count)]
+
+
+def weights(trainer: GRPOTrainer) -> dict:
+    return {name: value.detach().clone() for name, value in trainer.trainable_state().items()}
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(x.keys() == y.keys() and all(
+        x[k] == y[k] or (math.isnan(x[k]) and math.isnan(y[k])) for k in x) for x, y in zip(a, b))
+
+
+TOY_GENEVAL = {"name": "toy_geneval", "kwargs": {"partial_credit": True}}
+
+
+def test_a_toy_run_scored_remotely_equals_the_in_process_run_with_and_without_overlap(server, tmp_path):
+    served = {"name": "remote", "kwargs": {"url": server.url, "reward": "toy_geneval",
+                                           "token_file": str(server.token_file)}}
+    local = toy_trainer(tmp_path / "local", TOY_GENEVAL)
+    expected, expected_weights = run_steps(local, 5), weights(local)
+    assert any(m["reward_std"] > 0 for m in expected) and not any(m["skipped"] for m in expected)
+    for name, entry, extra in (("remote", served, {}), ("remote-overlap", served, {"reward.overlap": "true"}),
+                               ("local-overlap", TOY_GENEVAL, {"reward.overlap": "true"})):
+        trainer = toy_trainer(tmp_path / name, entry, **extra)
+        assert same(run_steps(trainer, 5), expected), name
+        assert all(torch.equal(value, expected_weights[key]) for key, value in weights(trainer).items()), name
+
+
+def test_a_killed_server_makes_its_iteration_invalid_and_the_run_goes_on(tmp_path):
+    first = Server(tmp_path, name="train-server")
+    served = {"name": "remote", "kwargs": {"url": first.url, "reward": "toy_geneval", "timeout": 5, "retries": 1,
+                                           "backoff": 0.05, "breaker_failures": 0,
+                                           "token_file": str(first.token_file)}}
+    trainer = toy_trainer(tmp_path / "run", served)
+    stopper = toy_trainer(tmp_path / "strict", served, **{"reward.max_invalid_fraction": 0.5})
+    second = None
+    try:
+        history = run_steps(trainer, 2)
+        first.stop(signal.SIGKILL)
+        before = weights(trainer)
+        with pytest.warns(UserWarning, match="every group has zero reward variance; skipping the update"):
+            (down,) = run_steps(trainer, 1)
+        assert down["reward_invalid"] == 8 and down["skipped"] == 1.0 and math.isnan(down["reward"])
+        assert all(torch.equal(value, before[key]) for key, value in weights(trainer).items())
+        with pytest.raises(RuntimeError, match=r"8 of the iteration's 8 samples \(100%\) have an invalid reward .* "
+                                               r"more than reward.max_invalid_fraction = 0.5"):
+            stopper.step()
+        second = Server(tmp_path, port=first.port, name="train-server-2")
+        history += [down, *run_steps(trainer, 2)]
+    finally:
+        if second is not None:
+            second.stop()
+    assert [m["reward_invalid"] for m in history] == [0, 0, 8, 0, 0]
+    assert [m["skipped"] for m in history][3:] == [0.0, 0.0] and len(history) == 5
+
+
+def test_more_invalid_than_skip_invalid_fraction_skips_the_update(tmp_path):
+    from flowalign.rewards import REWARDS, register_reward
+
+    class QuarterNaN:
+        name = "quarter_nan"
+
+        def __call__(self, images, prompts, metadata):
+            scores = images.flatten(1).mean(1)
+            scores[::4] = float("nan")
+            return scores
+
+    register_reward("quarter_nan", QuarterNaN, overwrite=True)
+    try:
+        masked = toy_trainer(tmp_path / "masked", {"name": "quarter_nan"})
+        (kept,) = run_steps(masked, 1)
+        skipping = toy_trainer(tmp_path / "skip", {"name": "quarter_nan"}, **{"reward.skip_invalid_fraction": 0.2})
+        with pytest.warns(UserWarning, match=r"25% of the samples have an invalid reward, more than "
+                                             r"reward.skip_invalid_fraction = 0.2; skipping the update"):
+            (skipped,) = run_steps(skipping, 1)
+    finally:
+        REWARDS.unregister("quarter_nan")
+    assert kept["reward_invalid"] == skipped["reward_invalid"] == 2
+    assert kept["skipped"] == 0.0 and skipped["skipped"] == 1.0
+
+
+def test_overlap_scores_each_chunk_on_the_worker_thread(tmp_path):
+    from flowalign.rewards import REWARDS, register_reward
+
+    calls = []
+
+    class Recorder:
+        name = "recorder"
+
+        def __call__(self, images, prompts, metadata):
+            calls.append((threading.current_thread().name, len(prompts)))
+            return images.flatten(1).mean(1)
+
+    register_reward("recorder", Recorder, overwrite=True)
+    try:
+        run_steps(toy_trainer(tmp_path / "seq", {"name": "recorder"}), 1)
+        sequential, calls[:] = list(calls), []
+        run_steps(toy_trainer(tmp_path / "overlap", {"name": "recorder"}, **{"reward.overlap": "true"}), 1)
+    finally:
+        REWARDS.unregister("recorder")
+    assert sequential == [("MainThread", 8)]
+    assert [size for _, size in calls] == [4, 4] and all(name.startswith("chunk-scoring") for name, _ in calls)
