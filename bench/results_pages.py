@@ -90,6 +90,12 @@ def _equal_wall() -> str:
     return equal_wall.table(_read("equal_wall/equal_wall.json"))
 
 
+def _rewards() -> str:
+    import rewards
+
+    return rewards.table(_read("rewards.json"))
+
+
 def _kernels_gpu() -> str:
     import kernel_tables
 
@@ -118,6 +124,7 @@ TABLES = {
     "vgpo_signal": ("methods.md", "vgpo_signal.json", _vgpo_signal),
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
+    "rewards": ("rewards.md", "rewards.json", _rewards),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
     "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",
