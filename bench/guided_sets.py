@@ -99,8 +99,15 @@ def pareto_check(rows: list[dict]) -> dict:
         verdicts.append({"fk": label, "in_range": True, "fk_worst": y, "satisdive_worst_at_least_as_diverse": best,
                          "dominated": best >= y})
     in_range = [v for v in verdicts if v["in_range"]]
+    # each SatisDive point: the baseline points (best-of-N, FK, DTS) at least as diverse and at least as good
+    baselines = [(r["mean_diversity"], r["mean_worst"], f"{r['method']} {r['label']}") for r in rows
+                 if r["method"] != "satisdive"]
+    dominated_by = {label: [b for bx, by, b in baselines if bx >= x and by >= y]
+                    for x, y, label in ((r["mean_diversity"], r["mean_worst"], r["label"]) for r in rows
+                                        if r["method"] == "satisdive")}
     return {"checked": True, "overlap": [lo, hi], "fk_points": verdicts,
-            "satisdive_dominates": bool(in_range) and all(v["dominated"] for v in in_range)}
+            "satisdive_dominates": bool(in_range) and all(v["dominated"] for v in in_range),
+            "satisdive_points_dominated_by": dominated_by}
 
 
 def table(rows: list[dict], k: int, embedding: str) -> str:
@@ -142,11 +149,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--bon-budgets", type=int, nargs="*", default=[40, 80, 160])
     parser.add_argument("--fk-budget", type=int, default=40)
-    parser.add_argument("--fk-lams", type=float, nargs="*", default=[1.0, 3.0, 10.0, 30.0])
+    parser.add_argument("--fk-lams", type=float, nargs="*", default=[1.0, 3.0, 10.0, 30.0],
+                        help="FK rows as flowalign sample runs it (reference semantics, fixed resampling)")
+    parser.add_argument("--fk-adaptive-lams", type=float, nargs="*", default=[],
+                        help="FK rows with adaptive resampling (--fk-adaptive: only when ESS < N/2)")
     parser.add_argument("--dts-budget", type=int, default=40, help="0 skips DTS*")
     parser.add_argument("--satisdive-deltas", type=float, nargs="*", default=[0.1, 0.25, 0.5, 1.0])
     parser.add_argument("--satisdive", action="append", default=[], metavar="KEY=VALUE",
                         help="another SatisDive setting for every SatisDive row (e.g. step=0.03)")
+    parser.add_argument("--satisdive-variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="SatisDive rows at every delta with these settings too (repeat; '' = the defaults)")
     parser.add_argument("--embedding", default="toy_scene")
     parser.add_argument("--batch-prompts", type=int, default=33)
     parser.add_argument("--seed", type=int, default=0)
@@ -160,7 +172,10 @@ def main() -> None:
     embedding = build_embedding(args.embedding)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(json.dumps(vars(args)))
+    # rows are reused from an earlier run of the same world (prompts, seeds, K, steps, embedding); each row's own
+    # settings are in its label, so a later run may add rows (another FK mode, another SatisDive step)
+    shared = ("model", "prompts", "max_prompts", "repeats", "candidates", "steps", "embedding", "seed")
+    settings = json.loads(json.dumps({key: getattr(args, key) for key in shared}))
     partial = out.with_suffix(".partial.jsonl")
     done = {}
     if partial.exists():
@@ -193,16 +208,20 @@ def main() -> None:
         record("bon", f"N={budget // args.steps}", budget)
     for lam in args.fk_lams:
         record("fk", f"lam={lam:g}", args.fk_budget, lam=lam)
+    for lam in args.fk_adaptive_lams:  # resampling only when the ESS falls below N/2
+        record("fk", f"lam={lam:g} adaptive", args.fk_budget, lam=lam, adaptive=True)
     if args.dts_budget:
         record("dts", f"budget={args.dts_budget}", args.dts_budget)
     if "satisdive" in SAMPLERS and args.satisdive_deltas:
         guide = build_guide_reward("toy_geneval_soft")
         extra = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.satisdive)}
-        for delta in args.satisdive_deltas:
-            config = SampleConfig(guidance="satisdive", candidates=k, steps=args.steps, budget=10**6,
-                                  rgs_reward="toy_geneval_soft")
-            record("satisdive", f"delta={delta:g}", config.budget, guide, reward="toy_geneval_soft", delta=delta,
-                   **extra)
+        for variant in args.satisdive_variant or [""]:
+            settings_of = {**extra, **{key: json.loads(value) for key, value in
+                                       (item.split("=", 1) for item in variant.split(",") if item)}}
+            suffix = "".join(f" {key}={value}" for key, value in settings_of.items() if key != "gradient")
+            for delta in args.satisdive_deltas:
+                record("satisdive", f"delta={delta:g}{suffix}", 10**6, guide, reward="toy_geneval_soft",
+                       delta=delta, **settings_of)
 
     plain = next((r for r in rows if r["method"] == "bon" and r["label"] == f"N={k}"), None)
     for row in rows:

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
            "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo", "drl", "shell_lcc",
-           "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo")
+           "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo", "grpo_guard", "gardo")
 # register_grpo reads outputs/registers/registers.pt (flowalign registers train); drl reads
 # outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator); shell_lcc and
 # shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign reward fit-manifold); soar and sft are
@@ -88,11 +88,12 @@ def cost_table(rows: dict[str, dict]) -> str:
 
 
 def iteration_cost(history: list[dict]) -> dict[str, float]:
-    """Mean rollout / reward / train seconds, their total and NFEs per iteration; the first (warm-up) is dropped."""
+    """Mean rollout / reward / collapse-metric / train seconds, their total and NFEs per iteration; the first
+    (warm-up) is dropped."""
     timed = history[1:] or history
     row = {key: sum(m.get(key, 0.0) for m in timed) / len(timed)  # an objective-only run has no rollout or reward
-           for key in ("time/rollout", "time/reward", "time/train", "nfe")}
-    row["time/total"] = row["time/rollout"] + row["time/reward"] + row["time/train"]
+           for key in ("time/rollout", "time/reward", "time/collapse", "time/train", "nfe")}
+    row["time/total"] = row["time/rollout"] + row["time/reward"] + row["time/collapse"] + row["time/train"]
     return row
 
 

@@ -30,8 +30,21 @@ A component lives through four moments, each a method with a default that does n
 * ``set_up(parts)``: once the model is loaded (``parts`` is the trainer's ``Parts``: model, accelerator, rewards).
 
 It also declares what the rest of the run needs to know of it, instead of the trainer asking by name:
-``progress_dependent()`` (settings that read the run's progress, so ``train.iterations`` may not change on resume)
-and ``resumable`` (its settings that change no math, so a resumed run may change them).
+``progress_dependent()`` (settings that read the run's progress, so ``train.iterations`` may not change on resume),
+``resumable`` (its settings that change no math, so a resumed run may change them) and ``rollout_fields()`` (the
+optional transition fields the rollout must store for it, ``flowalign.rollout``).
+
+Every iteration, the trainer calls each component twice around the optimizer steps, with an ``IterationContext``:
+
+* ``prepare_update(context)``: after the rewards and the credit, before the first optimizer step (a KL gate read
+  from the iteration's gathered rewards, a reference reset). Whatever it computes from the whole gathered batch is
+  the same on every process.
+* ``after_update(context, metrics)``: after the last optimizer step, with the iteration's metrics so far (a reset
+  triggered by the logged KL).
+
+Both return stats to log (python floats; an empty dict by default). A component that keeps state across iterations
+returns it from ``state_dict()`` (tensors and JSON values) and takes it back in ``load_state_dict``: checkpoints store
+it, so a resumed run continues bitwise.
 
 Policy copies. A component may ask the trainer to keep lagging copies of the trainable weights
 (``policy_copies()``, each a ``PolicyCopy``): DiffusionNFT's "old" policy, AWM's trust-region EMA, online DPO's
@@ -46,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, ClassVar
 
-__all__ = ["Component", "ComponentConfig", "PolicyCopy", "REFERENCE_POLICY"]
+__all__ = ["Component", "ComponentConfig", "IterationContext", "PolicyCopy", "REFERENCE_POLICY"]
 
 REFERENCE_POLICY = "reference"  # ``sampling_policy()``'s name for the reference model (the LoRA off, or the base copy)
 
@@ -79,6 +92,23 @@ class ComponentConfig:
 
     def validate(self) -> None:
         """Own ranges; raise ``ConfigError`` naming the setting (``key="fusion"``)."""
+
+
+@dataclasses.dataclass
+class IterationContext:
+    """What ``prepare_update`` and ``after_update`` see of an iteration: its number, the run's config, this process's
+    rollout ``batches`` (empty in an objective-only run), the iteration's rewards ``scores``
+    (``flowalign.training.scoring.Scores``: the gathered raw rewards of every process by name, this process's decoded
+    images; None in an objective-only run), this process's place, and ``mean_over_processes(value)``, the mean of a
+    float over the processes (collective: every process calls it alike)."""
+
+    iteration: int
+    config: Any
+    batches: list
+    scores: Any
+    process_index: int = 0
+    num_processes: int = 1
+    mean_over_processes: Callable[[float], float] = float
 
 
 class Component:
@@ -114,6 +144,25 @@ class Component:
     def progress_dependent(self) -> list[str]:
         """The settings in use that read the run's progress ``iteration / train.iterations``."""
         return []
+
+    def rollout_fields(self) -> frozenset[str]:
+        """The optional transition fields the rollout must store for this component (``flowalign.rollout``)."""
+        return frozenset()
+
+    def prepare_update(self, context: IterationContext) -> dict[str, float]:
+        """Before the iteration's optimizer steps (module docstring); returns stats to log."""
+        return {}
+
+    def after_update(self, context: IterationContext, metrics: dict[str, float]) -> dict[str, float]:
+        """After the iteration's optimizer steps, with its metrics (module docstring); returns stats to log."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """State kept across iterations: tensors and JSON values by name (empty: none), checkpointed."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take back what ``state_dict`` returned (from a checkpoint)."""
 
     def policy_copies(self) -> list[PolicyCopy]:
         """The lagging copies of the trainable weights this component needs the trainer to keep (module

@@ -73,12 +73,14 @@ def probe_rollout(
     reduce: str = "mean",
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     prompt_ids: Tensor | None = None,
+    keep_velocity: bool = False,
 ) -> ProbeRollout:
     """Run the trunks from ``x_init`` (one row per prompt) and probe them at ``probe_steps``.
 
     ``noise_levels[j]`` is the SDE level of the children drawn at step ``j`` (it must be > 0 there; the trunk and the
     completions are ODE whatever the table says elsewhere). With a list of generators, prompt ``p``'s children draw
-    from ``generator[p]``. ``group_id`` of a probe edge is ``p * len(probe_steps) + b``.
+    from ``generator[p]``. ``group_id`` of a probe edge is ``p * len(probe_steps) + b``. With ``keep_velocity`` each
+    probe edge stores the trunk's velocity at its source (``Transitions.velocity``).
     """
     sigmas, noise_levels = check_rollout_inputs(sigmas, noise_levels, kind, reduce, x_init.device)
     num_steps = sigmas.numel() - 1
@@ -98,7 +100,7 @@ def probe_rollout(
     # Storage: the trunk states x_j at the probe steps (P per probe), then the children (P * K per probe), both
     # probe-major. The trunk is evaluated in its own call at the prompts' batch size, the same composition the
     # trainer's recomputation uses, so the first log-prob ratio is exactly 1.
-    trunk_states, child_states, step_of, std_of, logp_of = [], [], [], [], []
+    trunk_states, child_states, step_of, std_of, logp_of, v_of = [], [], [], [], [], []
     alive: list[tuple[Tensor, Tensor]] = []  # (states, prompt of each row), one entry per probe so far
     x, nfe = x_init, 0
     for i in range(num_steps):
@@ -123,6 +125,8 @@ def probe_rollout(
             step_of.append(torch.full((child.shape[0],), i, device=device))
             std_of.append(out.std.float())
             logp_of.append(out.log_prob)
+            if keep_velocity:
+                v_of.append(v.repeat_interleave(children, 0))
             alive.append((child, owner))
         x = ode_step(x, v, sigma, sigma_next)
 
@@ -151,6 +155,7 @@ def probe_rollout(
         prompt_id=owner[order],
         kind=kind,
         reduce=reduce,
+        velocity=torch.cat(v_of)[order] if keep_velocity else None,
     )
     final = torch.cat([a for a, _ in alive])[order]
     return ProbeRollout(transitions=transitions, final=final, nfe=nfe, probe_steps=steps, children=children)

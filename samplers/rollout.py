@@ -37,6 +37,9 @@ class Transitions:
     ``log_prob_shift`` (``[N, ...]`` like the states, or None) is the mean shift the log-prob was taken under, for
     rollouts guided with ``log_prob_under="guided"``: the recomputed log-prob is then that of ``x_next - shift``
     under the policy's unguided mean (``flowalign.samplers.sde.guided_log_prob_sample``).
+    ``velocity`` (``[N, ...]`` like the states, in the velocity's dtype, or None) is the rollout policy's velocity at
+    each transition's source, kept only when asked (``keep_velocity``): what a loss needs to rebuild the old policy's
+    transition mean exactly (GRPO-Guard's RatioNorm).
     """
 
     states: Tensor
@@ -56,6 +59,7 @@ class Transitions:
     kind: str = "flow_grpo"
     reduce: str = "mean"
     log_prob_shift: Tensor | None = None
+    velocity: Tensor | None = None
 
     @property
     def x_t(self) -> Tensor:
@@ -122,6 +126,7 @@ def rollout(
     prompt_ids: Tensor | None = None,
     guidance: MeanShift | None = None,
     log_prob_under: str = "unguided",
+    keep_velocity: bool = False,
 ) -> Rollout:
     """Integrate from ``x_init`` (at ``sigmas[0]``) over ``len(sigmas) - 1`` steps.
 
@@ -132,6 +137,7 @@ def rollout(
     ``guidance(x, v, sigma, sigma_next, step)``, called on every step after the velocity (so it may record what it
     reads at every state), returns the shift of an SDE step's mean (``[B, ...]``) or None (always None on ODE steps); the log-prob is taken under the unguided or the guided mean
     (``log_prob_under``, ``sde_step``). With ``"guided"`` the shifts are stored in ``Transitions.log_prob_shift``.
+    With ``keep_velocity`` every step's velocity is stored in ``Transitions.velocity``.
     """
     check_log_prob_under(log_prob_under)
     sigmas, noise_levels = check_rollout_inputs(sigmas, noise_levels, kind, reduce, x_init.device)
@@ -141,12 +147,14 @@ def rollout(
     group_ids = rows if group_ids is None else torch.as_tensor(group_ids, device=device)
     prompt_ids = rows if prompt_ids is None else torch.as_tensor(prompt_ids, device=device)
 
-    states, stds, log_probs, shifts, nfe = [x_init], [], [], [], 0
+    states, stds, log_probs, shifts, velocities, nfe = [x_init], [], [], [], [], 0
     x = x_init
     for i in range(num_steps):
         sigma, sigma_next, level = sigmas[i], sigmas[i + 1], float(noise_levels[i])
         v = velocity(x, sigma)
         nfe += count_nfe(velocity, batch)
+        if keep_velocity:
+            velocities.append(v)
         shift = None if guidance is None else guidance(x, v, sigma, sigma_next, i)
         if shift is not None and level == 0:
             raise ValueError(f"guidance returned a mean shift for step {i}, an ODE step (noise level 0): only SDE "
@@ -184,6 +192,7 @@ def rollout(
         kind=kind,
         reduce=reduce,
         log_prob_shift=stored_shifts(shifts, x_init) if log_prob_under == "guided" else None,
+        velocity=torch.cat(velocities) if keep_velocity else None,
     )
     return Rollout(transitions=transitions, final=x, nfe=nfe)
 

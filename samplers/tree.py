@@ -122,12 +122,14 @@ def tree_rollout(
     generator: torch.Generator | Sequence[torch.Generator] | None = None,
     group_ids: Tensor | None = None,
     prompt_ids: Tensor | None = None,
+    keep_velocity: bool = False,
 ) -> TreeRollout:
     """Grow one tree from each row of ``x_roots`` (at ``sigmas[0]``) over ``len(sigmas) - 1`` steps.
 
     ``velocity(x, sigma, tree)`` sees the live nodes of all trees at once; ``tree[k]`` is the tree (the row of
     ``x_roots``) of node ``k``, so the caller can pick each node's conditioning. ``group_ids`` / ``prompt_ids`` label
-    each tree (default: its row).
+    each tree (default: its row). With ``keep_velocity`` each edge stores its source node's velocity
+    (``Transitions.velocity``; a split's children share their parent's).
     """
     sigmas, noise_levels = check_rollout_inputs(sigmas, noise_levels, kind, reduce, x_roots.device)
     num_steps = sigmas.numel() - 1
@@ -143,7 +145,7 @@ def tree_rollout(
     level_tree = [rows]  # tree of each live node
     parents: list[int | None] = [None] * trees
     node_step = [-1] * trees
-    src, dst, step_of, std_of, scale_of, logp_of = [], [], [], [], [], []
+    src, dst, step_of, std_of, scale_of, logp_of, v_of = [], [], [], [], [], [], []
     first_id, nfe = 0, 0
     for i in range(num_steps):
         x, tree = levels[-1], level_tree[-1]
@@ -176,6 +178,8 @@ def tree_rollout(
         std_of.append(std.float())
         scale_of.append(torch.full((x_next.shape[0],), float(scale), device=device))
         logp_of.append(log_prob)
+        if keep_velocity:
+            v_of.append(v.repeat_interleave(b, 0) if level > 0 else v)
         levels.append(x_next)
         level_tree.append(child_tree)
         first_id = first_child
@@ -203,6 +207,7 @@ def tree_rollout(
         prompt_id=prompt_ids[tree_of_edge],
         kind=kind,
         reduce=reduce,
+        velocity=torch.cat(v_of) if keep_velocity else None,
     )
     if levels[-1].shape[0] != trees * leaves_per_tree:
         raise RuntimeError(

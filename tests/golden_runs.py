@@ -2,8 +2,12 @@
 what a change of the trainer's math would move.
 
 A run is summarised by the sha256 of its trainable weights, its EMA, its optimizer state and its ``metrics.jsonl``
-without timing keys (``digests``), and by the values the tolerance check reads (``values``): the weight and EMA
-*updates* (final minus initial), and the metrics.
+without timing keys and without the collapse metrics (``digests``), and by the values the tolerance check reads
+(``values``): the weight and EMA *updates* (final minus initial), and the metrics. The collapse metrics
+(``collapse/*``, ``flowalign.training.collapse``) are measurements of the samples, not training state: computed
+without gradients or randomness, they feed nothing back, so they are left out like the timings, and a change of what
+they measure (a new embedding, another held-out reward) moves no golden digest. ``tests/test_collapse.py`` pins their
+values and checks that turning them off leaves every other metric and weight bitwise unchanged.
 
 Floats are not the same on every CPU (``torch`` picks kernels by CPU capability and the BLAS differs), and RL
 amplifies the difference, so the recorded file (``tests/golden/baselines.json``) keys the digests by a fingerprint of
@@ -57,6 +61,8 @@ RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS]
 EXACT_METRICS = ("iteration", "nfe", "nfe/rollout", "nfe/completion", "nfe/objectives", "skipped", "reward_invalid",
                  "lr", "first_ratio_max", "first_ratio_mean", "first_approx_kl", "first_clip_frac")
 FORWARD_ONLY_METRICS = ("reward", "reward_std")
+# Metrics no digest or value holds: wall-clock timings, and the collapse metrics (measurements; module docstring).
+UNPINNED_METRICS = ("time/", "collapse/")
 COSINE_MIN, NORM_RATIO_TOLERANCE = 0.99, 0.02
 LATE_RTOL, LATE_ATOL, FORWARD_RTOL = 0.05, 5e-3, 1e-3
 
@@ -88,6 +94,10 @@ SMALL_RUN_SHAPE = {
     "euphonium": {"credit.process_reward": "brightness"},  # a differentiable process reward that needs no segmenter
     "soar": {"objectives.soar.batch_size": 1, "objectives.soar.units_per_iteration": 2},
     "sft": {"objectives.flow_matching.batch_size": 1, "objectives.flow_matching.units_per_iteration": 2},
+    # GARDO ranks its proxy against auxiliary rewards that need no segmenter: brightness against JPEG (in)compressibility
+    "gardo": {"reward.rewards": "[{name: brightness}, {name: jpeg_compressibility, weight: 0.0}, "
+                                "{name: jpeg_incompressibility, weight: 0.0}]",
+              "loss.gated_kl.auxiliaries": "[jpeg_compressibility, jpeg_incompressibility]"},
 }
 
 
@@ -142,7 +152,7 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
     weights = {n: p.detach().cpu() for n, p in trainer.trainable_state().items()}
     ema = None if trainer.ema is None else {n: e.detach().cpu() for n, e in trainer.ema.state_dict().items()}
     optimizer = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
-    metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+    metrics = [{k: v for k, v in json.loads(line).items() if not k.startswith(UNPINNED_METRICS)}
                for line in (out / "metrics.jsonl").read_text().splitlines()]
     digests = {
         "weights": _tensors_digest(weights),

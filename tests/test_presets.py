@@ -43,7 +43,8 @@ def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
-                                         "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo"}
+                                         "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
+                                         "grpo_guard", "gardo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus"}
     from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
@@ -71,6 +72,8 @@ EXPECTED = {
     "drl": (9, 2 * 2 * 10),
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
     "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
+    "grpo_guard": (9, 2 * 2 * 10),  # RatioNorm reads the rollout's own velocities: no extra NFE
+    "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
 # and 6 auxiliary points (7) per pair; SFT: 1.
@@ -249,6 +252,9 @@ SHELL_LCC_OBJECTIVE = {"name": "shell_lcc", "path": "outputs/manifolds/shell_lcc
 
 # Every method preset against its base (flow_grpo against the defaults): exactly these keys differ, to these values.
 # Keys a preset repeats at its base's value (e.g. branch_grpo's split_steps) are not differences.
+GATED_KL = {"name": "gated_kl", "beta": 0.07, "main": None, "auxiliaries": ["toy_geneval", "jpeg_compressibility"],
+            "orientation": "reference", "fraction": 0.1, "fraction_min": 0.02, "fraction_max": 0.2, "adapt": 0.1,
+            "history": 20, "kl_std": "std_t"}
 PRESET_DIFFS = {
     "flow_grpo": (None, {"sampling.window_size": None, "sampling.window_start": "fixed", "sampling.window_last": None}),
     "flow_grpo_fast": ("flow_grpo", {"sampling.window_size": 2, "sampling.window_start": "random",
@@ -287,6 +293,16 @@ PRESET_DIFFS = {
         "path": "outputs/manifolds/shell_lcc.safetensors", "variant": "band", "tau": None}}]}),
     "shell_lcc_objective": ("flow_grpo", {"objectives": {"shell_lcc": SHELL_LCC_OBJECTIVE},
                                           **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
+    "grpo_guard": ("flow_grpo", {"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
+                                 "loss.grpo.step_reweight": "inverse_dt"}),
+    "gardo": ("flow_grpo", {
+        "reward.rewards": [{"name": "toy_geneval_soft", "weight": 1.0, "kwargs": {}},
+                           {"name": "toy_geneval", "weight": 0.0, "kwargs": {"partial_credit": True}},
+                           {"name": "jpeg_compressibility", "weight": 0.0, "kwargs": {}}],
+        "credit.name": "diversity", "credit.embedding": "auto", "credit.embedding_kwargs": {}, "credit.std": "none",
+        **{f"loss.gated_kl.{k}": v for k, v in GATED_KL.items()},
+        "reference.name": "adaptive", "reference.reset_every": 16, "reference.kl_threshold": 3e-4,
+        "reference.kl_metric": "gated_kl"}),
 }
 
 

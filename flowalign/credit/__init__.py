@@ -11,7 +11,8 @@ tree advantages with fusion and pruning), ``dense``, ``return_to_go`` and ``turn
 ODE-completed states: DenseGRPO, TP-GRPO), ``registers`` (step rewards from latent reward registers) and ``vgpo``
 (VGPO's value-anchored advantages from the instant rewards of one-step clean estimates;
 ``value_anchored_advantages`` is its math for one group) and ``euphonium`` (Euphonium's process-reward-guided rollouts
-and outcome plus process advantages; ``euphonium_advantages`` is its math).
+and outcome plus process advantages; ``euphonium_advantages`` is its math) and ``diversity`` (GARDO's
+diversity-aware advantages from image embeddings within a group; ``diversity_advantages`` is its math).
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from torch import Tensor
 from flowalign.components import Component
 from flowalign.registry import Registry
 
-__all__ = ["CREDIT", "BatchScores", "Credit", "CreditContext", "CreditEstimator", "euphonium_advantages",
-           "register_credit", "value_anchored_advantages"]
+__all__ = ["CREDIT", "BatchScores", "Credit", "CreditContext", "CreditEstimator", "diversity_advantages",
+           "euphonium_advantages", "register_credit", "value_anchored_advantages"]
 
 CREDIT: Registry = Registry("credit estimator")
 register_credit = CREDIT.register
@@ -48,11 +49,13 @@ class Credit:
 @dataclass
 class BatchScores:
     """The rewards of one batch's samples: group-normalised ``advantages``, the ``combined`` reward before
-    normalisation and ``valid`` (each ``[B]``, CPU)."""
+    normalisation and ``valid`` (each ``[B]``, CPU), and the decoded ``images`` ``[B, 3, H, W]`` in [0, 1] (CPU; None
+    where a caller has none)."""
 
     advantages: Tensor
     combined: Tensor
     valid: Tensor
+    images: Tensor | None = None
 
 
 @dataclass
@@ -102,6 +105,7 @@ def trained_mask(transitions, steps: list[int]) -> Tensor:
 
 
 # The built-in estimators and step components register themselves on import.
-from flowalign.credit import euphonium, group, registers, steps, step_credit, tree, vgpo  # noqa: E402,F401
+from flowalign.credit import diversity, euphonium, group, registers, steps, step_credit, tree, vgpo  # noqa: E402,F401
+from flowalign.credit.diversity import diversity_advantages  # noqa: E402
 from flowalign.credit.euphonium import euphonium_advantages  # noqa: E402
 from flowalign.credit.value_anchored import value_anchored_advantages  # noqa: E402

@@ -77,6 +77,6 @@ class LossTerm(Component):
 
 
 # The built-in terms register themselves on import.
-from flowalign.losses import grpo, rg_opd  # noqa: E402,F401
+from flowalign.losses import gated_kl, grpo, reference, rg_opd  # noqa: E402,F401
 # SOAR's pure math (the objective on data is flowalign.objectives.soar).
 from flowalign.losses.soar import soar_aux_points, soar_loss  # noqa: E402

@@ -12,6 +12,29 @@ PPO-clip objective (Flow-GRPO, Liu et al. 2025, eq. 6; Schulman et al. 2017), pe
 ``old_log_prob`` is the log-prob the rollout stored and is treated as a constant; with Flow-GRPO's ``mean`` log-prob
 reduction the clip range is tiny (around 1e-4). All arithmetic is fp32: bf16 log-probs drift, so the ratio would not
 be 1 on the first inner step (docs/design/math.md#first-ratio).
+
+GRPO-Guard (Wang et al. 2025, "GRPO-Guard: Mitigating Implicit Over-Optimization in Flow Matching via Regulated
+Clipping", arXiv 2510.22319; code ``scripts/train_sd3_GRPO_Guard.py`` of yifan123/flow_grpo), two options of the
+term, both off by default:
+
+* **RatioNorm** (``ratio_norm``). Every SDE step is Gaussian, ``x' = mu_old + sigma xi``, so with
+  ``Delta = mu_theta - mu_old`` the mean-reduced log-ratio is ``mean_d(xi Delta) / sigma - ||Delta||^2_m /
+  (2 sigma^2)``: a deterministic negative shift that grows as ``1/sigma^2`` at low noise, plus a spread that varies
+  with the step. RatioNorm adds back ``b = ||Delta||^2_m / (2 sigma^2)`` and rescales by ``sigma``:
+
+      log rho_hat = sigma (log p_theta - log p_old + b)  =  mean_d((x' - mu_old) Delta) / sigma
+
+  (per sample: zero-mean, no ``1/sigma``), and clips ``rho_hat`` instead of the ratio. ``ratio_norm_bias: batch``
+  (the default, the reference code) uses one ``b`` and one ``sigma`` per micro-batch, their means: the code's
+  ``mean`` over an empty tuple of dimensions reduces over the whole batch; ``sample`` uses each transition's own
+  (the paper's reading, and verl-omni's and Flow-Factory's). ``mu_old`` is rebuilt from the rollout's own velocity
+  (``Transitions.velocity``, kept when the term asks) by the same function as ``mu_theta``, so on the first
+  micro-batch ``Delta`` is exactly 0 and ``rho_hat`` exactly 1, on any backend. The guard's log-ratio always reduces
+  by the mean over latent dimensions (a sum would grow it ``D`` times past the 2e-6 clip range).
+* **Per-step gradient reweighting** (``step_reweight: inverse_dt``): each transition's policy loss is divided by
+  ``-dt = sigma_t - sigma_{t+1}``. ``grad log rho_hat`` is proportional to ``dt`` (``d mu / d v`` is), so this
+  equalises the gradient across noise levels (the reference divides a micro-batch's loss by ``mean(sqrt(-dt))^2``,
+  the same number with one step per micro-batch). It also applies without RatioNorm, to the plain ratio.
 """
 
 from __future__ import annotations
@@ -22,7 +45,8 @@ from torch import Tensor
 from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
 from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
 
-__all__ = ["grpo_loss", "latent_mean_kl", "transition_grpo_loss", "velocity_mse_kl"]
+__all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "latent_mean_kl", "step_reweight",
+           "transition_grpo_loss", "velocity_mse_kl"]
 
 
 def grpo_loss(
@@ -111,6 +135,101 @@ def loss_stats(loss: Tensor, policy_loss: Tensor, kl: Tensor, log_ratio: Tensor,
         }
 
 
+GUARD_BIASES = ("batch", "sample")
+STEP_REWEIGHTS = ("none", "inverse_dt")
+
+
+def guard_log_ratio(mean: Tensor, old_mean: Tensor, sample: Tensor, std: Tensor, *,
+                    bias: str = "batch") -> tuple[Tensor, Tensor]:
+    """GRPO-Guard's normalised log-ratio ``log rho_hat`` and the plain mean-reduced log-ratio, per transition ``[N]``
+    (module docstring): ``mean`` is ``mu_theta`` (carries the gradient), ``old_mean`` ``mu_old``, ``sample`` the
+    drawn ``x'`` (constants), ``std`` the transition std ``[N]`` (or ``[N, 1, ...]``).
+
+    With ``d = x' - mu_old`` and ``Delta = mu_theta - mu_old`` (means over the latent dimensions):
+
+        plain        = mean(2 d Delta - Delta^2) / (2 sigma^2)              (= log p_theta - log p_old)
+        sample bias  : log rho_hat = mean(d Delta) / sigma
+        batch bias   : log rho_hat = s (plain + mean_n mean(Delta_n^2) / (2 s^2)),   s = mean_n sigma_n
+
+    Both are exactly 0 where ``mu_theta == mu_old``."""
+    if bias not in GUARD_BIASES:
+        raise ValueError(f"unknown RatioNorm bias {bias!r}: expected one of {', '.join(GUARD_BIASES)}")
+    if not (mean.shape == old_mean.shape == sample.shape):
+        raise ValueError(f"mean {tuple(mean.shape)}, old_mean {tuple(old_mean.shape)} and sample "
+                         f"{tuple(sample.shape)} must have the same shape")
+    dims = tuple(range(1, mean.ndim))
+    sigma = std.float().reshape(-1)
+    if sigma.shape[0] != mean.shape[0]:
+        raise ValueError(f"std has {sigma.shape[0]} rows but mean has {mean.shape[0]}")
+    d = sample.detach().float() - old_mean.detach().float()
+    delta = mean.float() - old_mean.detach().float()
+    cross, square = (d * delta).mean(dim=dims), (delta * delta).mean(dim=dims)
+    plain = (2 * cross - square) / (2 * sigma**2)
+    if bias == "sample":
+        return cross / sigma, plain
+    s = sigma.mean()
+    return s * (plain + square.mean() / (2 * s**2)), plain
+
+
+def step_reweight(sigma: Tensor, sigma_next: Tensor, kind: str = "inverse_dt") -> Tensor:
+    """GRPO-Guard's per-transition weight of the policy loss: ``1 / (sigma - sigma_next)`` (``inverse_dt``), or 1
+    (``none``); ``[N]`` fp32."""
+    if kind not in STEP_REWEIGHTS:
+        raise ValueError(f"unknown step reweighting {kind!r}: expected one of {', '.join(STEP_REWEIGHTS)}")
+    ones = torch.ones_like(sigma, dtype=torch.float32)
+    return ones / (sigma.float() - sigma_next.float()) if kind == "inverse_dt" else ones
+
+
+def guard_transition_loss(
+    v: Tensor,
+    v_old: Tensor,
+    x_t: Tensor,
+    x_next: Tensor,
+    sigma: Tensor,
+    sigma_next: Tensor,
+    advantages: Tensor,
+    *,
+    kind: str,
+    noise_level: Tensor,
+    noise_scale: Tensor | float = 1.0,
+    clip_range: float,
+    bias: str = "batch",
+    weights: Tensor | None = None,
+    v_ref: Tensor | None = None,
+    beta: float = 0.0,
+    kl: str = "latent_mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """The GRPO loss with RatioNorm (module docstring) from the policy velocity ``v`` and the rollout's ``v_old``:
+    ``mean_n w_n max(-A rho_hat, -A clip(rho_hat, 1 - eps, 1 + eps)) + beta mean_n KL_n``, torch autograd (the
+    reweighting, when on, is in ``weights``). Stats as ``grpo_loss``'s, on ``rho_hat``, plus ``guard/plain_ratio_mean``
+    (the unnormalised ratio, below 1 on average: the bias RatioNorm removes) and ``guard/log_ratio_std``."""
+    from flowalign.kernels.sde_reference import per_sample, sde_mean_std
+
+    check_loss_settings(clip_range, beta, kl_given=v_ref is not None, kl_source="the reference velocity v_ref")
+    mean, std = sde_mean_std(x_t, v, sigma, sigma_next, kind=kind, noise_level=noise_level)
+    old_mean, _ = sde_mean_std(x_t, v_old.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
+    std = std * per_sample(noise_scale, x_t)
+    log_ratio, plain = guard_log_ratio(mean, old_mean, x_next, std, bias=bias)
+    per = clipped_policy_loss(log_ratio, advantages.detach().float(), clip_range)
+    if weights is not None:
+        per = weights.detach().float() * per
+    policy_loss = per.mean()
+    kl_rows = torch.zeros_like(per)
+    if v_ref is not None:
+        if kl == "latent_mean":
+            ref_mean, _ = sde_mean_std(x_t, v_ref.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
+            kl_rows = latent_mean_kl(mean, ref_mean, std)
+        else:
+            kl_rows = velocity_mse_kl(v, v_ref.detach())
+    kl_mean = kl_rows.mean()
+    loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
+    stats = loss_stats(loss, policy_loss, kl_mean, log_ratio.detach(), clip_range)
+    with torch.no_grad():
+        stats["guard/plain_ratio_mean"] = float(torch.exp(plain).mean())
+        stats["guard/log_ratio_std"] = float(log_ratio.std(unbiased=False)) if log_ratio.numel() > 1 else 0.0
+    return loss, stats
+
+
 def _check_shape(name: str, tensor: Tensor, shape: torch.Size) -> None:
     if tensor.shape != shape:
         raise ValueError(f"{name} must have shape {tuple(shape)} like log_prob, got {tuple(tensor.shape)}")
@@ -125,7 +244,7 @@ from typing import Literal  # noqa: E402
 
 from flowalign.components import ComponentConfig  # noqa: E402
 from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss  # noqa: E402
-from flowalign.settings import finite, option  # noqa: E402
+from flowalign.settings import check, finite, option  # noqa: E402
 
 
 @dataclass
@@ -134,10 +253,21 @@ class GRPOLossConfig(ComponentConfig):
     beta: float = option(0.0, "weight of the KL penalty to the reference model; 0 = none")
     kl: Literal["latent_mean", "velocity_mse"] = option(
         "latent_mean", "KL estimate: between the transition means in latent space, or the velocity MSE")
+    ratio_norm: bool = option(
+        False, "GRPO-Guard's RatioNorm: clip the recentred, rescaled ratio sigma (log p - log p_old + b) instead of "
+        "the ratio (the rollout then keeps its velocities)")
+    ratio_norm_bias: Literal["batch", "sample"] = option(
+        "batch", "RatioNorm's b and sigma: one batch mean per micro-batch (the reference code) or per transition (the "
+        "paper's reading)")
+    step_reweight: Literal["none", "inverse_dt"] = option(
+        "none", "GRPO-Guard's per-timestep gradient reweighting: divide each transition's policy loss by "
+        "-dt = sigma_t - sigma_{t+1} (inverse_dt), or not")
 
     def validate(self) -> None:
         finite("clip_range", self.clip_range, 0.0, strict=True)
         finite("beta", self.beta, 0.0)
+        check(self.ratio_norm or self.ratio_norm_bias == "batch", "ratio_norm_bias",
+              f"= {self.ratio_norm_bias!r} is RatioNorm's setting: set ratio_norm: true, or drop it")
 
 
 @register_loss("grpo", config=GRPOLossConfig)
@@ -148,6 +278,10 @@ class GRPOLoss(LossTerm):
         """A KL penalty, or the velocity MSE logged, needs the reference velocity."""
         return self.config.beta > 0 or self.config.kl == "velocity_mse"
 
+    def rollout_fields(self) -> frozenset[str]:
+        """RatioNorm rebuilds the old transition mean from the rollout's own velocity."""
+        return frozenset({"velocity"}) if self.config.ratio_norm else frozenset()
+
     def loss(self, micro: MicroBatch, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
         st, cfg = micro.transitions, self.config
         x_t, x_next = st.x_t, st.x_next
@@ -155,12 +289,23 @@ class GRPOLoss(LossTerm):
             from flowalign.samplers.sde import guided_log_prob_sample
 
             x_t, x_next = x_t.float(), guided_log_prob_sample(x_next, st.log_prob_shift)
+        weights = micro.weights
+        if cfg.step_reweight != "none":
+            weights = weights * step_reweight(st.sigma, st.sigma_next, cfg.step_reweight).to(weights.device)
+        v_ref = policy.v_ref if self.wants_reference() else None
+        if cfg.ratio_norm:
+            if st.velocity is None:
+                raise RuntimeError("loss.grpo.ratio_norm needs the rollout's velocities (Transitions.velocity): the "
+                                   "rollout shape did not keep them")
+            return guard_transition_loss(
+                policy.v, st.velocity, x_t, x_next, st.sigma, st.sigma_next, micro.advantages, kind=st.kind,
+                noise_level=st.noise_level, noise_scale=st.noise_scale, clip_range=cfg.clip_range,
+                bias=cfg.ratio_norm_bias, weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl)
         # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
         return transition_grpo_loss(
             policy.v, x_t, x_next, st.sigma, st.sigma_next, st.log_prob, micro.advantages, kind=st.kind,
             noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=st.reduce, clip_range=cfg.clip_range,
-            weights=micro.weights, v_ref=policy.v_ref if self.wants_reference() else None, beta=cfg.beta, kl=cfg.kl,
-            backend=self.backend,
+            weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl, backend=self.backend,
         )
 
     def set_up(self, parts) -> None:

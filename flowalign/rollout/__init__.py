@@ -16,6 +16,17 @@ component that needs it (a credit estimator) returns it from ``rollout_hooks()``
 ``Batch.extras[hook.name]``. A ``RolloutGuidance`` (a hook too) shifts the mean of a chain rollout's SDE steps
 (``flowalign.samplers.rollout``'s ``guidance``; Euphonium's process-reward guidance is one), and what it recorded lands
 in ``Batch.extras[guidance.name]``.
+
+Optional transition fields. A component that needs more of the rollout than the states and log-probs names the
+field in ``rollout_fields()`` (``"velocity"``: the rollout policy's velocity at each transition's source, which
+GRPO-Guard's RatioNorm needs to rebuild the old transition mean exactly); the context carries the union of them
+(``RolloutContext.fields``) and a shape that declares the field in ``fields`` stores it (``keeps(name)``). A config
+asking for a field its shape cannot store is refused before anything loads.
+
+Base-model tail (``sampling.base_tail_steps``, as MixGRPO's inference runs): the last steps of a rollout are taken by
+the reference model (the LoRA disabled, ``model.reference()``); every shape wraps its velocity with
+``RolloutContext.with_base_tail``. Those steps must be ODE steps (checked at load time), so no trained transition's
+log-prob comes from the base model and the first ratio stays exactly 1.
 """
 
 from __future__ import annotations
@@ -108,6 +119,29 @@ class RolloutContext:
     levels: Tensor
     hooks: list[RolloutHook] = field(default_factory=list)
     prompts: list[dict] = field(default_factory=list)
+    fields: frozenset[str] = frozenset()
+
+    def keeps(self, name: str) -> bool:
+        """Whether a component asked the rollout to store the optional transition field ``name``."""
+        return name in self.fields
+
+    def with_base_tail(self, velocity: Callable) -> Callable:
+        """``velocity`` (``(x, sigma, ...)``), except on the last ``sampling.base_tail_steps`` steps of the schedule,
+        where it runs inside ``model.reference()`` (the base model: the LoRA disabled). Unchanged with no tail."""
+        tail = int(getattr(self.config.sampling, "base_tail_steps", 0) or 0)
+        if tail <= 0:
+            return velocity
+        first = float(self.sigmas[len(self.sigmas) - 1 - tail])  # sigma of the first tail step
+        model = self.model
+
+        def tailed(x: Tensor, sigma, *rest):
+            if float(sigma) <= first:
+                with model.reference():
+                    return velocity(x, sigma, *rest)
+            return velocity(x, sigma, *rest)
+
+        tailed.evals_per_sample = getattr(velocity, "evals_per_sample", 1)
+        return tailed
 
     def guidance(self) -> RolloutGuidance | None:
         """The one ``RolloutGuidance`` among the hooks, or None (two are refused: their shifts would not compose)."""
@@ -147,6 +181,10 @@ class RolloutContext:
     def per_row_velocity(self, cond) -> Callable:
         return per_row_velocity(self.model, cond, self.config.sampling.guidance_scale)
 
+    def rollout_velocity(self, cond) -> Callable:
+        """The per-row velocity a shape grows its rollout with: ``per_row_velocity`` with the base-model tail."""
+        return self.with_base_tail(self.per_row_velocity(cond))
+
 
 def per_row_velocity(model, cond, guidance_scale: float) -> Callable:
     """``velocity(x, sigma, row)``: each state with the conditioning row ``row`` of ``cond`` (trees, probes, the
@@ -164,6 +202,8 @@ class RolloutShape(Component):
 
     # A chunk and a process hold whole prompts (the shape grows a prompt's samples in one batched pass).
     whole_prompts: ClassVar[bool] = False
+    # The optional transition fields it can store when a component asks (module docstring).
+    fields: ClassVar[frozenset[str]] = frozenset()
 
     def samples_per_prompt(self, group_size: int) -> int:
         """Final images per prompt."""

@@ -19,6 +19,8 @@ from flowalign.seeding import Purpose
 class Chains(RolloutShape):
     """group_size independent trajectories per prompt."""
 
+    fields = frozenset({"velocity"})
+
     def grow(self, context: RolloutContext, ids: Tensor, cond) -> Batch:
         sampling, group_size = context.config.sampling, context.config.data.group_size
         rows = [int(j) // group_size for j in ids]
@@ -26,12 +28,13 @@ class Chains(RolloutShape):
         x_init = context.model.prepare_noise(
             len(ids), sampling.image_size, generator=[context.generator(k, Purpose.INIT_NOISE) for k in noise_keys])
         chunk_cond = cond.index(rows)
-        velocity = context.model.velocity_fn(chunk_cond, sampling.guidance_scale)
+        velocity = context.with_base_tail(context.model.velocity_fn(chunk_cond, sampling.guidance_scale))
         with context.watch(velocity) as (velocity, readings), context.guide(rows, chunk_cond) as (shift, under, finish):
             result = rollout(
                 velocity, x_init, context.sigmas, context.levels, kind=sampling.kind, reduce=sampling.log_prob_reduce,
                 generator=[context.generator(int(j), Purpose.SDE_NOISE) for j in ids],
                 group_ids=ids // group_size, prompt_ids=torch.arange(len(ids)), guidance=shift, log_prob_under=under,
+                keep_velocity=context.keeps("velocity"),
             )
             guided = finish(result.final)
         return Batch(result, ids, chunk_cond, prompt_index=torch.tensor(rows), extras={**readings(), **guided})

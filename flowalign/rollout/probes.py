@@ -37,6 +37,7 @@ class Probes(RolloutShape):
     """an ODE trunk per prompt with group_size ODE-completed SDE children at each probe step (TempFlow-GRPO)."""
 
     whole_prompts = True
+    fields = frozenset({"velocity"})
 
     def samples_per_prompt(self, group_size: int) -> int:
         return group_size * self.groups_per_prompt()
@@ -65,8 +66,9 @@ class Probes(RolloutShape):
             len(owners), sampling.image_size, generator=[context.generator(p, Purpose.INIT_NOISE) for p in owners])
         chunk_cond = cond.index(owners)
         result = probe_rollout(
-            context.per_row_velocity(chunk_cond), x_init, context.sigmas, context.levels, self.config.probe_steps,
+            context.rollout_velocity(chunk_cond), x_init, context.sigmas, context.levels, self.config.probe_steps,
             config.data.group_size, kind=sampling.kind, reduce=sampling.log_prob_reduce,
             generator=[context.generator(p, Purpose.SDE_NOISE) for p in owners], prompt_ids=owners,
+            keep_velocity=context.keeps("velocity"),
         )
         return Batch(result, ids, chunk_cond, prompt_index=owners)

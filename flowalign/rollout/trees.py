@@ -51,6 +51,7 @@ class Trees(RolloutShape):
     """one branching tree per prompt, its leaves the prompt's group (BranchGRPO)."""
 
     whole_prompts = True
+    fields = frozenset({"velocity"})
 
     def check(self, config) -> None:
         settings, sampling = self.config, config.sampling
@@ -73,9 +74,9 @@ class Trees(RolloutShape):
             len(groups), sampling.image_size, generator=[context.generator(g, Purpose.INIT_NOISE) for g in groups])
         chunk_cond = cond.index(groups)
         result = tree_rollout(
-            context.per_row_velocity(chunk_cond), roots, context.sigmas, context.levels, self.schedule(),
+            context.rollout_velocity(chunk_cond), roots, context.sigmas, context.levels, self.schedule(),
             kind=sampling.kind, reduce=sampling.log_prob_reduce,
             generator=[context.generator(g, Purpose.SDE_NOISE) for g in groups],
-            group_ids=groups, prompt_ids=torch.arange(len(groups)),
+            group_ids=groups, prompt_ids=torch.arange(len(groups)), keep_velocity=context.keeps("velocity"),
         )
         return Batch(result, ids, chunk_cond, prompt_index=groups)

@@ -13,7 +13,7 @@ from typing import Any
 from flowalign.config import save_config, to_dict
 from flowalign.training.run_directory import trim_metrics
 
-__all__ = ["RunLog", "flat_config", "summarize_records"]
+__all__ = ["RunLog", "collapse_postfix", "flat_config", "summarize_records"]
 
 
 class RunLog:
@@ -50,6 +50,7 @@ class RunLog:
         postfix = {"reward": f"{metrics['reward']:.3f}"} if "reward" in metrics else {}
         if trainer.computes_kl and "kl" in metrics:  # a KL to the reference is computed only for these
             postfix["kl"] = f"{metrics['kl']:.2e}"
+        postfix.update(collapse_postfix(metrics))
         self.bar.set_postfix(postfix)
         self.bar.update(1)
 
@@ -69,6 +70,20 @@ class RunLog:
     def end(self) -> None:
         if self.tracking:
             self.trainer.accelerator.end_training()
+
+
+def collapse_postfix(metrics: dict[str, float]) -> dict[str, str]:
+    """The collapse metrics in the progress bar: ``div`` (within-group diversity), ``sat`` (saturated pixels) and
+    ``held`` (the held-out reward)."""
+    out = {}
+    if "collapse/diversity" in metrics:
+        out["div"] = f"{metrics['collapse/diversity']:.3f}"
+    if "collapse/saturated_frac" in metrics:
+        out["sat"] = f"{metrics['collapse/saturated_frac']:.3f}"
+    held = [k for k in metrics if k.startswith("collapse/held_out/")]
+    if held:
+        out["held"] = f"{metrics[held[0]]:.3f}"
+    return out
 
 
 def flat_config(tree: dict, prefix: str = "") -> dict[str, Any]:

@@ -11,7 +11,10 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 * ``optimizer.pt``: the optimizer state;
 * ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process (numpy's as plain
   numbers and a tensor, so the file holds no numpy object);
-* ``state.json``: the iteration, the metrics history, and anything else the trainer keeps;
+* ``state.json``: the iteration, the metrics history, and anything else the trainer keeps (the components' state:
+  its JSON values under ``components``);
+* ``components.safetensors``: the tensors of the components' state (``<section>/<key>``: an adaptive reference's
+  snapshot), when a component keeps any;
 * ``config.yaml``: the resolved config it was made with.
 
 A sharded run (``distributed.engine: fsdp2``) writes ``sharded/`` (``torch.distributed.checkpoint``: every process
@@ -112,6 +115,7 @@ def save_checkpoint(
     write_model=None,
     keep: int | None = None,
     copies: dict[str, torch.Tensor] | None = None,
+    component_tensors: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``run_dir/checkpoint-<iteration>`` atomically and keep only the newest ``keep`` checkpoints.
 
@@ -128,7 +132,7 @@ def save_checkpoint(
         save_file({k: v.detach().cpu().contiguous() for k, v in copies.items()}, str(tmp / "copies.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng-0.pt")
-    write_run_files(tmp, iteration, state, config_yaml)
+    write_run_files(tmp, iteration, state, config_yaml, component_tensors)
     if write_model is not None:
         write_model(tmp)
     return finish_checkpoint(tmp, final, keep)
@@ -147,9 +151,19 @@ def begin_checkpoint(tmp: Path) -> None:
     tmp.mkdir()
 
 
-def write_run_files(tmp: Path, iteration: int, state: dict[str, Any], config_yaml: str) -> None:
+def write_run_files(tmp: Path, iteration: int, state: dict[str, Any], config_yaml: str,
+                    component_tensors: dict[str, torch.Tensor] | None = None) -> None:
     (tmp / "state.json").write_text(json.dumps({"iteration": iteration, **state}, indent=1))
     (tmp / "config.yaml").write_text(config_yaml)
+    if component_tensors:
+        save_file({k: v.detach().cpu().contiguous() for k, v in component_tensors.items()},
+                  str(tmp / "components.safetensors"))
+
+
+def load_component_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's ``components.safetensors`` (empty when it has none)."""
+    path = Path(checkpoint) / "components.safetensors"
+    return load_file(str(path)) if path.is_file() else {}
 
 
 def finish_checkpoint(tmp: Path, final: Path, keep: int | None) -> Path:

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import yaml
 
 from flowalign.config import to_saved_dict
 from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, load_checkpoint,
-                                           load_copies, load_run_state, save_checkpoint, save_process_rng,
+                                           load_component_tensors, load_copies, load_run_state, save_checkpoint,
+                                           save_process_rng,
                                            write_run_files)
 from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume
 
@@ -48,7 +50,34 @@ class Checkpointer:
         last = trainer.last_advantages
         state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist(),
                  "optimizer_steps": trainer.optimizer_steps}
+        values, _ = self.component_state()
+        if values:
+            state["components"] = values
         return state, yaml.safe_dump(to_saved_dict(trainer.config), sort_keys=False)
+
+    def component_state(self) -> tuple[dict[str, dict], dict[str, torch.Tensor]]:
+        """The components' ``state_dict()``s: ``(JSON values by section, tensors keyed <section>/<key>)``."""
+        values, tensors = {}, {}
+        for section, part in self.trainer.parts.named().items():
+            for key, value in part.state_dict().items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{section}/{key}"] = value
+                else:
+                    values.setdefault(section, {})[key] = value
+        return values, tensors
+
+    def load_component_state(self, checkpoint, state: dict) -> None:
+        """Give each component back what it saved (``state.json``'s ``components`` and ``components.safetensors``)."""
+        values, tensors = state.get("components", {}), load_component_tensors(checkpoint)
+        for section, part in self.trainer.parts.named().items():
+            saved = dict(values.get(section, {}))
+            saved.update({key[len(section) + 1:]: tensor for key, tensor in tensors.items()
+                          if key.startswith(section + "/")})
+            if saved or part.state_dict():
+                if not saved:
+                    raise ValueError(f"checkpoint {checkpoint} holds no state for {section} (written before it kept "
+                                     "any?): it cannot resume this run")
+                part.load_state_dict(saved)
 
     def save(self) -> Path | None:
         """Write ``checkpoint-<iteration>`` (main process; every process its RNG); returns its path on the main."""
@@ -63,6 +92,7 @@ class Checkpointer:
                 optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
                 ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_model=trainer.model.save_trained,
                 keep=trainer.config.train.keep_checkpoints, copies=trainer.copies.state_dict() or None,
+                component_tensors=self.component_state()[1],
             )
         trainer.accelerator.wait_for_everyone()
         if not trainer.is_main:
@@ -84,7 +114,7 @@ class Checkpointer:
         save_process_rng(tmp, accelerator.process_index)
         if trainer.is_main:
             state, config_yaml = self.run_state()
-            write_run_files(tmp, trainer.iteration, state, config_yaml)
+            write_run_files(tmp, trainer.iteration, state, config_yaml, self.component_state()[1])
             trainer.model.save_trained(tmp, state_dict=exported)
         accelerator.wait_for_everyone()
         if trainer.is_main:
@@ -104,6 +134,7 @@ class Checkpointer:
             state = load_run_state(checkpoint, trainer.accelerator.process_index)
             trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
             trainer.optimizer_steps = optimizer_steps(state, trainer.config)
+            self.load_component_state(checkpoint, state)
             return
         state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
                                      optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
@@ -117,6 +148,7 @@ class Checkpointer:
         trainer.iteration = int(state["iteration"])
         trainer.history = state["history"]
         trainer.optimizer_steps = optimizer_steps(state, trainer.config)
+        self.load_component_state(checkpoint, state)
 
 
 def optimizer_steps(state: dict, config) -> int:

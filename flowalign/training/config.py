@@ -155,6 +155,9 @@ class SamplingConfig:
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
+    base_tail_steps: int = option(
+        0, "the last this many steps of every rollout are taken by the base model (the LoRA disabled), as MixGRPO's "
+        "inference does; they must be ODE steps (never trained); 0 = none")
 
     def base_levels(self) -> list[float]:
         """Levels before any window: the table, or the constant level with the last step an ODE step."""
@@ -205,6 +208,7 @@ class SamplingConfig:
         _finite("sampling.guidance_scale", self.guidance_scale, 0.0)
         _at_least("sampling.image_size", self.image_size, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
+        self._validate_base_tail()
 
         counts = self._stochastic_counts()
         _check(
@@ -221,6 +225,26 @@ class SamplingConfig:
         _check(self.stochastic_steps() > 0, source,
                "leaves no stochastic step: every step is ODE and nothing would be trained (an ODE rollout serves "
                "only objectives on rollouts, with no loss term: loss.grpo=null)")
+
+    def possibly_stochastic_steps(self) -> set[int]:
+        """Steps that are stochastic in some rollout (wherever the SDE window starts)."""
+        levels = self.base_levels()
+        stochastic = {i for i, level in enumerate(levels) if level > 0}
+        if self.window_size is None:
+            return stochastic
+        covered = {s + k for s in self._window_starts() for k in range(self.window_size)}
+        return stochastic & covered
+
+    def _validate_base_tail(self) -> None:
+        tail, n = self.base_tail_steps, self.num_steps
+        _check(isinstance(tail, int) and not isinstance(tail, bool) and 0 <= tail < n, "sampling.base_tail_steps",
+               f"must be an integer in 0..{n - 1} (sampling.num_steps - 1), got {tail!r}")
+        if tail:
+            trained = sorted(s for s in self.possibly_stochastic_steps() if s >= n - tail)
+            _check(not trained, "sampling.base_tail_steps",
+                   f"= {tail} hands steps {n - tail}..{n - 1} to the base model, but steps {trained} are stochastic "
+                   "(trained) in some rollout, and a trained step's log-prob must come from the policy: shorten the "
+                   "tail or end the SDE window earlier")
 
     def always_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
@@ -410,6 +434,44 @@ class RunConfig:
 
 
 @dataclass
+class CollapseConfig:
+    """Collapse metrics logged every iteration (``flowalign.training.collapse``): within-group diversity of the
+    samples, the fraction of saturated pixels, and the reward of a held-out reward model the run does not optimise."""
+
+    resumable: ClassVar[tuple[str, ...]] = ("enabled", "embedding", "embedding_kwargs", "saturation_margin",
+                                            "held_out", "held_out_kwargs")  # measurements: no math changes
+
+    enabled: bool = option(True, "log collapse/* metrics every iteration")
+    embedding: str = option("auto", "image embedding of the within-group diversity (flowalign.embeddings: auto = "
+                            "toy_scene on the toy world, pixels elsewhere; clip, dreamsim)")
+    embedding_kwargs: dict[str, Any] = option({}, "constructor arguments of the embedding (dreamsim: {path: DIR})")
+    saturation_margin: float = option(
+        1.0 / 255, "a pixel channel within this of 0 or 1 counts as saturated (1/255: the values 8-bit images round "
+        "to 0 or 255)")
+    held_out: str | None = option(
+        "auto", "a registered reward the run does not optimise, logged as collapse/held_out/<name>; auto = on the toy "
+        "world the exact (binary) toy_geneval when training on toy_geneval_soft or partial-credit toy_geneval, and "
+        "toy_geneval_soft when training on the binary one; none otherwise; null = none")
+    held_out_kwargs: dict[str, Any] = option({}, "constructor arguments of the held-out reward")
+
+    def validate(self) -> None:
+        _finite("collapse.saturation_margin", self.saturation_margin, 0.0, high=0.5)
+        if self.enabled:
+            from flowalign.embeddings import check_embedding
+
+            check_embedding(self.embedding, self.embedding_kwargs, key="collapse.embedding")
+        if self.held_out not in (None, "auto"):
+            from flowalign.rewards import REWARDS
+
+            close = REWARDS.closest(self.held_out) if self.held_out not in REWARDS else None
+            _check(self.held_out in REWARDS, "collapse.held_out",
+                   f"= {self.held_out!r} is not a registered reward; known: auto, null, {', '.join(REWARDS.names())}"
+                   + (f"; did you mean {close!r}?" if close else ""))
+        _check(self.held_out not in (None, "auto") or not self.held_out_kwargs, "collapse.held_out_kwargs",
+               "are the constructor arguments of collapse.held_out: name a reward there")
+
+
+@dataclass
 class DistributedConfig:
     """How the model is laid out over the processes (``flowalign.training.engine``)."""
 
@@ -448,10 +510,20 @@ class Components:
     step_weighting: Any
     losses: dict[str, Any]
     objectives: dict[str, Any]
+    reference: Any = None
+
+    def named(self) -> dict[str, Any]:
+        """Every part by its config section (``credit``, ``loss.grpo``, ``objectives.sft``, ``reference``)."""
+        parts = {"rollout": self.shape, "credit": self.credit, "step_selection": self.step_selection,
+                 "step_weighting": self.step_weighting}
+        parts.update({f"loss.{name}": term for name, term in self.losses.items()})
+        parts.update({f"objectives.{name}": objective for name, objective in self.objectives.items()})
+        if self.reference is not None:
+            parts["reference"] = self.reference
+        return parts
 
     def all(self) -> list[Any]:
-        return [self.shape, self.credit, self.step_selection, self.step_weighting, *self.losses.values(),
-                *self.objectives.values()]
+        return list(self.named().values())
 
     def sampling_policy(self) -> str | None:
         """The policy the rollouts sample with (``Component.sampling_policy``): the one a component names, else None
@@ -486,6 +558,11 @@ class TrainConfig:
                                                      "rollout, no rewards")
     objectives: dict[str, ComponentConfig] = component_map("flowalign.objectives:OBJECTIVES", [],
                                                            "losses on data units, interleaved into the minibatches")
+    reference: ComponentConfig = component("flowalign.losses.reference:REFERENCES", "base",
+                                           "the reference policy the KL terms read: the base model, or GARDO's "
+                                           "adaptive reference (periodically reset to the policy)")
+    collapse: CollapseConfig = section(CollapseConfig, "collapse metrics: within-group diversity, saturated pixels, "
+                                       "a held-out reward")
     optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
     train: RunConfig = section(RunConfig, "run length, logging, checkpoints, evaluation")
     distributed: DistributedConfig = section(DistributedConfig, "the distributed engine: DDP or FSDP2 sharding")
@@ -513,6 +590,7 @@ class TrainConfig:
             step_weighting=build("flowalign.credit.steps:STEP_WEIGHTINGS", self.step_weighting),
             losses={name: build("flowalign.losses:LOSSES", s) for name, s in self.loss.items()},
             objectives={name: build("flowalign.objectives:OBJECTIVES", s) for name, s in self.objectives.items()},
+            reference=build("flowalign.losses.reference:REFERENCES", self.reference),
         )
 
     def noise_schedule_spec(self) -> dict[str, Any]:
@@ -540,6 +618,7 @@ class TrainConfig:
                    ("step_weighting", parts.step_weighting)]
         owners += [(f"loss.{n}", c) for n, c in parts.losses.items()]
         owners += [(f"objectives.{n}", c) for n, c in parts.objectives.items()]
+        owners += [("reference", parts.reference)]
         return [f"{prefix}.{key}" for prefix, owner in owners for key in owner.resumable]
 
     def samples_per_prompt(self) -> int:
@@ -632,9 +711,16 @@ class TrainConfig:
         policy = parts.sampling_policy()
         _check(policy in (None, REFERENCE_POLICY, *copies), "objectives",
                f"sample the rollouts with the policy {policy!r}, which no component keeps as a copy")
+        _check(not (self.sampling.base_tail_steps and policy == REFERENCE_POLICY), "sampling.base_tail_steps",
+               "hands the rollout's last steps to the base model, but the rollouts already sample with the reference "
+               "model (a component's sampling policy): drop it")
         parts.credit.check_shape(self)
         for part in parts.all():
             part.check(self)
+        for section, part in parts.named().items():
+            missing = sorted(part.rollout_fields() - parts.shape.fields)
+            _check(not missing, section if section != "rollout" else "rollout.name",
+                   f"needs the rollout to keep {missing}, which rollout.name = {self.rollout.name!r} cannot store")
         _check(
             self.optim.warmup_iterations <= self.train.iterations,
             "optim.warmup_iterations",

@@ -30,28 +30,33 @@ def micro_batch(batch, step: int) -> MicroBatch:
     )
 
 
-def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool):
-    """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (LoRA off, no
-    gradient; else None)."""
-    with autocast():
-        v = model.velocity(x, sigma, cond, guidance_scale)
+def velocities(model, x, sigma, cond, *, guidance_scale: float, autocast, reference: bool, reference_policy=None):
+    """The policy velocity at ``x`` (with gradient) and, when ``reference``, the reference's (no gradient; else None):
+    inside ``reference_policy()`` (the run's reference, ``flowalign.losses.reference``), by default the base model
+    (``model.reference()``: the LoRA off). The reference runs first, so a reference that swaps weights in (GARDO's
+    adaptive one) has put the live weights back before the policy's forward, and nothing changes them before its
+    backward."""
     v_ref = None
     if reference:
-        with torch.no_grad(), model.reference(), autocast():
+        with torch.no_grad(), (reference_policy() if reference_policy else model.reference()), autocast():
             v_ref = model.velocity(x, sigma, cond, guidance_scale)
+    with autocast():
+        v = model.velocity(x, sigma, cond, guidance_scale)
     return v, v_ref
 
 
-def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool) -> PolicyOutput:
+def policy_output(model, micro: MicroBatch, *, guidance_scale: float, autocast, reference: bool,
+                  reference_policy=None) -> PolicyOutput:
     """The policy velocity at the micro-batch's sources (per transition too), and the reference's when asked."""
     v_sources, v_ref_sources = velocities(model, micro.x, micro.sigma, micro.cond, guidance_scale=guidance_scale,
-                                          autocast=autocast, reference=reference)
+                                          autocast=autocast, reference=reference, reference_policy=reference_policy)
     return PolicyOutput(v=v_sources[micro.inverse], v_sources=v_sources,
                         v_ref=None if v_ref_sources is None else v_ref_sources[micro.inverse],
                         v_ref_sources=v_ref_sources)
 
 
-def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool, copies=None) -> PolicyOutput:
+def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool, copies=None,
+                reference_policy=None) -> PolicyOutput:
     """The policy (and reference) velocity at an objective's data unit; ``copies`` maps the names of policy copies
     to evaluate to a context manager factory swapping each in (``PolicyCopies.swapped_in``). The copies run first,
     without gradient, so no weight changes between the policy's forward and its backward."""
@@ -60,5 +65,5 @@ def unit_output(model, unit, *, guidance_scale: float, autocast, reference: bool
         with torch.no_grad(), swapped_in(name), autocast():
             v_copies[name] = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale)
     v, v_ref = velocities(model, unit.x, unit.sigma, unit.cond, guidance_scale=guidance_scale, autocast=autocast,
-                          reference=reference)
+                          reference=reference, reference_policy=reference_policy)
     return PolicyOutput(v=v, v_sources=v, v_ref=v_ref, v_ref_sources=v_ref, v_copies=v_copies)

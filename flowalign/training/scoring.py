@@ -32,6 +32,9 @@ class Scores:
     images: Tensor  # decoded images
     display: Tensor  # weighted reward sums for the sample grids
     global_advantages: Tensor  # every process's samples (saved in checkpoints)
+    names: list[str] | None = None  # the rewards, in the order of raw_all's rows
+    raw_all: Tensor | None = None  # [rewards, every process's samples]: each reward's raw score, gathered
+    valid_all: Tensor | None = None  # [every process's samples]
 
     def slices(self, batches) -> list[BatchScores]:
         """Each batch's share, in order."""
@@ -39,7 +42,7 @@ class Scores:
         for batch in batches:
             count = len(batch.sample_ids)
             part = slice(offset, offset + count)
-            out.append(BatchScores(self.advantages[part], self.combined[part], self.valid[part]))
+            out.append(BatchScores(self.advantages[part], self.combined[part], self.valid[part], self.images[part]))
             offset += count
         return out
 
@@ -133,7 +136,8 @@ def score_iteration(trainer, batches, overlap: ChunkScoring | None = None) -> Sc
     for name, row in zip(scores.names, raw):
         stats[f"rewards/{name}/mean"] = float(row[valid].mean()) if valid.any() else math.nan
     display = (scores.weights[:, None] * scores.raw).sum(0).cpu()
-    return Scores(advantages[ids], combined[ids], valid[ids], stats, images.cpu(), display, advantages)
+    return Scores(advantages[ids], combined[ids], valid[ids], stats, images.cpu(), display, advantages,
+                  names=list(scores.names), raw_all=raw, valid_all=valid)
 
 
 def check_invalid_fraction(valid: Tensor, limit: float, names) -> None:

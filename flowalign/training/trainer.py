@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flowalign.components import IterationContext
 from flowalign.config import to_dict
 from flowalign.credit import CreditContext
 from flowalign.data.condition_images import encode_kwargs
@@ -57,6 +58,7 @@ from flowalign.samplers import noise_schedule
 from flowalign.seeding import Purpose, generator
 from flowalign.training.callbacks import RunLog, summarize_records
 from flowalign.training.checkpointer import Checkpointer
+from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.config import TrainConfig
 from flowalign.training.copies import PolicyCopies
 from flowalign.training.distributed import agreed, check_distributed_type, check_ranks_agree, summed
@@ -104,6 +106,8 @@ class GRPOTrainer:
         self.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
                                      sampling=config.data.prompt_sampling)
         self.rewards = build_rewards(config, rewards, self.layout)
+        CollapseMetrics.check_prompts(config, train_prompts)
+        self.collapse = CollapseMetrics(config, rewards_given=rewards is not None)  # before the LoRA's seed
         for part in self.parts.all():
             part.start_up()
             part.check_model(config.model.path if model is None else None)
@@ -150,6 +154,10 @@ class GRPOTrainer:
     def computes_kl(self) -> bool:
         """Whether a loss term reads the reference velocity (a KL penalty, the velocity MSE logged, RG-OPD's x0)."""
         return any(term.wants_reference() for term in self.parts.losses.values())
+
+    def reference_policy(self):
+        """The context in which the model's passes are the run's reference policy's (``reference``)."""
+        return self.parts.reference.active(self.model)
 
     def trainable_state(self) -> dict[str, Tensor]:
         return {n: p for n, p in self.model.transformer.named_parameters() if p.requires_grad}
@@ -213,6 +221,11 @@ class GRPOTrainer:
             completion_nfe, credit_stats = self.assign_credit(iteration, batches, scores, steps)
         timings["time/reward"] = time.perf_counter() - clock
         clock = time.perf_counter()
+        collapse = self.collapse.measure(self, batches, scores)
+        timings["time/collapse"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        context = self.iteration_context(iteration, batches, scores)
+        prepared = self.prepare_update(context)
         rollout_nfe = sum(b.rollout.nfe for b in batches) * self.accelerator.num_processes
         completion_nfe = summed(self.accelerator, completion_nfe)
         invalid = scores.stats["reward_invalid"] / self.layout.global_samples
@@ -231,24 +244,57 @@ class GRPOTrainer:
         update.update(self.end_iteration())
         timings["time/train"] = time.perf_counter() - clock
         objective_nfe = update.get("nfe/objectives", 0.0)
-        metrics = {"iteration": float(iteration), **scores.stats, **credit_stats, **update, **timings,
-                   "nfe": float(rollout_nfe + completion_nfe + objective_nfe), "nfe/rollout": float(rollout_nfe),
-                   "nfe/completion": float(completion_nfe), "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics = {"iteration": float(iteration), **scores.stats, **credit_stats, **prepared, **update, **collapse,
+                   **timings, "nfe": float(rollout_nfe + completion_nfe + objective_nfe),
+                   "nfe/rollout": float(rollout_nfe), "nfe/completion": float(completion_nfe),
+                   "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics.update(self.after_update(context, metrics))
         return metrics, prompts, batches, scores
 
     def objective_iteration(self, iteration: int):
         """An iteration of an objective-only run (module docstring): ``(metrics, [], [], None)``."""
         clock = time.perf_counter()
+        context = self.iteration_context(iteration, [], None)
+        prepared = self.prepare_update(context)
         self.model.transformer.train()
         self.set_learning_rate(iteration)
         update = {**self.update(iteration, [], []), **self.end_iteration()}
-        metrics = {"iteration": float(iteration), **update, "skipped": 0.0, "time/train": time.perf_counter() - clock,
-                   "nfe": update["nfe/objectives"], "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics = {"iteration": float(iteration), **prepared, **update, "skipped": 0.0,
+                   "time/train": time.perf_counter() - clock, "nfe": update["nfe/objectives"],
+                   "lr": self.optimizer.param_groups[0]["lr"]}
+        metrics.update(self.after_update(context, metrics))
         return metrics, [], [], None
 
     def end_iteration(self) -> dict[str, float]:
         """Move the policy copies by their schedules; their ``eta`` as metrics (``copies/<name>/eta``)."""
         return {f"copies/{name}/eta": eta for name, eta in self.copies.end_iteration(self.optimizer_steps).items()}
+
+    # ------------------------------------------------------------------------- around the optimizer steps
+    def iteration_context(self, iteration: int, batches, scores) -> IterationContext:
+        accelerator = self.accelerator
+
+        def mean_over_processes(value: float) -> float:
+            if accelerator.num_processes == 1:
+                return float(value)
+            gathered = accelerator.gather(torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device))
+            return float(gathered.mean())
+
+        return IterationContext(iteration, self.config, batches, scores, accelerator.process_index,
+                                accelerator.num_processes, mean_over_processes)
+
+    def prepare_update(self, context: IterationContext) -> dict[str, float]:
+        """Every component's ``prepare_update`` (``flowalign.components``), its stats merged."""
+        stats = {}
+        for part in self.parts.all():
+            stats.update(part.prepare_update(context))
+        return stats
+
+    def after_update(self, context: IterationContext, metrics: dict[str, float]) -> dict[str, float]:
+        """Every component's ``after_update`` with the iteration's metrics, its stats merged."""
+        stats = {}
+        for part in self.parts.all():
+            stats.update(part.after_update(context, metrics))
+        return stats
 
     # ---------------------------------------------------------------------------------- rollout and credit
     @torch.no_grad()
@@ -265,7 +311,8 @@ class GRPOTrainer:
         cond = model.encode(texts, negative_prompts=[""] * len(texts) if model.uses_cfg(
             cfg.sampling.guidance_scale) else None, **encode_kwargs(prompts))  # an editing prompt's images
         hooks = [hook for part in self.parts.all() for hook in part.rollout_hooks()]
-        context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks, prompts)
+        fields = frozenset().union(*(part.rollout_fields() for part in self.parts.all()))
+        context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks, prompts, fields)
         n = self.layout.samples_per_process
         ids = torch.arange(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
         per_prompt, batches = cfg.samples_per_prompt(), []
@@ -354,7 +401,8 @@ class GRPOTrainer:
         """The sum of the loss terms on one batch at one step, on one policy forward."""
         micro = micro_batch(batch, step)
         policy = policy_output(self.model, micro, guidance_scale=self.config.sampling.guidance_scale,
-                               autocast=self.accelerator.autocast, reference=self.computes_kl)
+                               autocast=self.accelerator.autocast, reference=self.computes_kl,
+                               reference_policy=self.reference_policy)
         loss, stats = None, {}
         for term in self.parts.losses.values():
             value, term_stats = term.loss(micro, policy)
@@ -384,7 +432,8 @@ class GRPOTrainer:
         # objectives on data regress the conditional velocity, whatever CFG the rollouts sample with
         copies = {copy.name: self.copies.swapped_in for copy in objective.policy_copies()}
         policy = unit_output(self.model, unit, guidance_scale=1.0, autocast=self.accelerator.autocast,
-                             reference=objective.needs_reference, copies=copies)
+                             reference=objective.needs_reference, copies=copies,
+                             reference_policy=self.reference_policy)
         return objective.loss(unit, policy)
 
     def set_learning_rate(self, iteration: int) -> None:
