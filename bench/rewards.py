@@ -91,7 +91,9 @@ def build_trainer(mode: str, entry: dict, args, out: Path, extra: dict):
     values = {"reward.rewards": json.dumps([entry]), "data.prompts_per_iteration": args.prompts,
               "data.group_size": args.group, "sampling.num_steps": args.steps, "sampling.batch_size": args.chunk,
               "train.iterations": args.iterations + 1, "train.tracker": "none", "train.eval_at_end": "false",
-              "train.sample_every": 0, "train.out_dir": str(out / mode.replace(" ", "_")), **extra}
+              "train.sample_every": 0, "train.out_dir": str(out / mode.replace(" ", "_")),
+              "collapse.enabled": "false",  # its held-out reward follows the trained reward's name: not comparable
+              **extra}
     return GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
 
 

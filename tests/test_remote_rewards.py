@@ -506,7 +506,8 @@ def toy_trainer(out: Path, entry: dict, **extra) -> GRPOTrainer:
     values = {"model.path": str(REPO / "assets/toy-sd3"), "reward.rewards": json.dumps([entry]),
               "data.prompts_per_iteration": 2, "data.group_size": 4, "sampling.num_steps": 4,
               "sampling.batch_size": 4, "sampling.window_size": "null", "sampling.window_start": "fixed",
-              "sampling.window_last": "null", "train.iterations": 5, "train.tracker": "none", "train.eval_at_end": "false",
+              "sampling.window_last": "null", "collapse.held_out": "toy_geneval",
+              "collapse.held_out_kwargs": "{partial_credit: false}",  # the same measurement whatever the reward's name "train.iterations": 5, "train.tracker": "none", "train.eval_at_end": "false",
               "train.sample_every": 0, "train.out_dir": str(out), **extra}
     return GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
 
