@@ -97,6 +97,12 @@ def _guided_sets() -> str:
     return guided_sets.table(result["rows"], result["settings"]["candidates"], result["settings"]["embedding"])
 
 
+def _rewards() -> str:
+    import rewards
+
+    return rewards.table(_read("rewards.json"))
+
+
 def _kernels_gpu() -> str:
     import kernel_tables
 
@@ -127,6 +133,7 @@ TABLES = {
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
     "guided_sets": ("guided_sampling.md", "guided_sets.json", _guided_sets),
+    "rewards": ("rewards.md", "rewards.json", _rewards),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
     "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",

@@ -190,6 +190,30 @@ REWARDS.register("shell_lcc", _lazy("shell_lcc", "ShellLCCReward",
                                     negative_scores="it scores minus the distance to the data manifold"))
 
 
+def _remote(module: str, attribute: str, *, score_range: tuple[float, float] | None = None) -> Callable[..., Reward]:
+    """A factory importing ``flowalign.remote.<module>.<attribute>`` when the reward is built (``_lazy``'s twin for
+    the rewards scored out of process)."""
+
+    def reward_class() -> type:
+        import importlib
+
+        return getattr(importlib.import_module(f"flowalign.remote.{module}"), attribute)
+
+    def factory(**kwargs: Any) -> Reward:
+        return reward_class()(**kwargs)
+
+    factory.reward_class = reward_class
+    factory.score_range = score_range
+    factory.__name__ = f"build_{attribute}"
+    factory.__doc__ = f"Build flowalign.remote.{module}.{attribute} (kwargs: its constructor's)."
+    return factory
+
+
+# Out of process: a reward server's scores (`flowalign serve-reward`), and a VLM judge over chat completions.
+REWARDS.register("remote", _remote("client", "RemoteReward"))
+REWARDS.register("vlm_judge", _remote("judge", "VLMJudge", score_range=(0.0, 1.0)))
+
+
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:
     """Add a reward factory (a class, or a callable of the reward's keyword arguments) to ``REWARDS`` under
     ``name``; a name already registered is a ValueError unless ``overwrite``."""

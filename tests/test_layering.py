@@ -70,8 +70,9 @@ RULES = [
     Rule("evaluation, the toy world, data and export never import the components, inference, training or the CLI",
          under("flowalign.evaluation", "flowalign.toy", "flowalign.data", "flowalign.export"),
          never(*COMPONENTS, *UPPER)),
-    Rule("flowalign.rewards and flowalign.embeddings never import the components, inference, training or the CLI",
-         under("flowalign.rewards", "flowalign.embeddings"), never(*COMPONENTS, *UPPER)),
+    Rule("flowalign.rewards, flowalign.remote (rewards out of process) and flowalign.embeddings never import the "
+         "components, inference, training or the CLI",
+         under("flowalign.rewards", "flowalign.remote", "flowalign.embeddings"), never(*COMPONENTS, *UPPER)),
     Rule("rollout shapes never import credit, losses, objectives or the layers above them", under("flowalign.rollout"),
          never("flowalign.credit", "flowalign.losses", "flowalign.objectives", *UPPER)),
     Rule("credit never imports losses, objectives or the layers above them", under("flowalign.credit"),

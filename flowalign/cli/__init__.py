@@ -23,6 +23,8 @@ Commands (modules of this package):
   config for ``flowalign train`` (``train``).
 * ``flowalign sample [CONFIG] --guidance none|bon|fk|dts|rgs|... --budget NFE``: reward-guided sampling with a
   registered guided sampler (``sample``).
+* ``flowalign serve-reward [CONFIG] [key=value ...]``: serve registered rewards over HTTP for the ``remote``
+  reward (``serve``).
 * ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
 * ``flowalign reward fit-manifold``: a Shell-LCC data manifold on the model's VAE latents (``manifold``).
 * ``flowalign toy pretrain|segmenter``, ``flowalign registers train``, ``flowalign export CHECKPOINT --out DIR``
@@ -85,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .eval import add_eval_commands
     from .manifold import add_fit_manifold
     from .sample import add_sample
+    from .serve import add_serve_reward
     from .tools import add_export, add_registers_train, add_toy_pretrain, add_toy_segmenter
     from .train import add_calibrate, add_train
 
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_toy_pretrain(toy)
     add_toy_segmenter(toy)
     add_sample(commands)
+    add_serve_reward(commands)
     add_export(commands)
     add_registers_train(_group(commands, "registers", "latent reward registers"))
     reward = _group(commands, "reward", "fit reward models on data")

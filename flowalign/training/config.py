@@ -308,12 +308,29 @@ class RewardConfig:
         "sum_then_normalize",
         "weight-sum the raw rewards and then normalize within groups, or normalize each reward first and then sum",
     )
+    max_invalid_fraction: float = option(
+        1.0, "stop the run with an error when more than this fraction of an iteration's samples has an invalid "
+        "reward (NaN: a remote reward whose request failed, a judge's unparseable answer); 1 = never stop. Invalid "
+        "samples are always masked out of the advantages and counted (reward_invalid)")
+    skip_invalid_fraction: float = option(
+        1.0, "skip the iteration's update (no optimizer step; logged as skipped) when more than this fraction of its "
+        "samples has an invalid reward; 1 = never for this reason (an iteration with no valid sample skips anyway: "
+        "every group has zero variance)")
+    overlap: bool = option(
+        False, "decode and score each rollout chunk on a worker thread while the next chunk rolls out (one call of "
+        "each reward per chunk instead of one per iteration: the same scores for rewards that score each image on "
+        "its own, bit for bit)")
+
+    resumable: ClassVar[tuple[str, ...]] = ("max_invalid_fraction",)  # a stop rule: no math
 
     def validate(self) -> None:
         _check(len(self.rewards) > 0, "reward.rewards", "must list at least one reward")
         for i, spec in enumerate(self.rewards):
             _check(bool(spec.name), f"reward.rewards[{i}].name", "must not be empty")
             _check(math.isfinite(spec.weight), f"reward.rewards[{i}].weight", f"must be finite, got {spec.weight}")
+        for key in ("max_invalid_fraction", "skip_invalid_fraction"):
+            value = getattr(self, key)
+            _check(math.isfinite(value) and 0.0 <= value <= 1.0, f"reward.{key}", f"must be in [0, 1], got {value}")
 
 
 @dataclass

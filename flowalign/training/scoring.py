@@ -16,9 +16,9 @@ from torch import Tensor
 
 from flowalign.credit import BatchScores
 from flowalign.normalization import group_advantages
-from flowalign.rewards import combine_rewards, score_all
+from flowalign.rewards import RewardScores, combine_rewards, score_all
 
-__all__ = ["Scores", "score_iteration", "state_reward"]
+__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "score_iteration", "state_reward"]
 
 
 @dataclass
@@ -48,18 +48,79 @@ class Scores:
 
 
 @torch.no_grad()
-def score_iteration(trainer, batches) -> Scores:
-    """Decode, score, gather across processes, combine and group-normalise."""
+def _score_chunk(trainer, batch) -> tuple[Tensor, RewardScores]:
+    """One rollout chunk decoded and scored: what ``ChunkScoring`` runs on its worker thread."""
+    images = trainer.model.decode(batch.rollout.final).float()
+    metadata = batch.sample_metadata
+    return images, score_all(trainer.rewards, images, [m["prompt"] for m in metadata], metadata,
+                             group_ids=batch.sample_ids // trainer.config.data.group_size,
+                             latents=batch.rollout.final.float())
+
+
+class ChunkScoring:
+    """``reward.overlap``: each rollout chunk is decoded and scored on one worker thread as soon as it is grown, while
+    the next chunk rolls out; ``score_iteration`` then only joins the chunks' scores. Decoding is per chunk either
+    way, so the images are the same; a reward is called once per chunk instead of once per iteration, which gives
+    the same scores, bit for bit, for every reward that scores each image on its own (the toy rewards, a reward
+    server's, a judge's), and whole groups to a groupwise reward when chunks hold whole groups (checked at
+    start-up). The worker runs without gradients and without the rollout's autocast (both are per thread), like
+    the sequential scoring after the rollout. No draw of the rollout depends on it: the algorithm is unchanged."""
+
+    def __init__(self, trainer):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.trainer, self.pending = trainer, []
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunk-scoring")
+
+    def __call__(self, batch) -> None:
+        """Start decoding and scoring ``batch`` (a grown chunk with its ``sample_metadata``)."""
+        self.pending.append(self.pool.submit(_score_chunk, self.trainer, batch))
+
+    def results(self) -> list[tuple[Tensor, RewardScores]]:
+        """Every chunk's ``(images, scores)``, in order (waits for the last); a chunk's error is raised here."""
+        try:
+            return [future.result() for future in self.pending]
+        finally:
+            self.pool.shutdown(wait=True)
+
+    def __enter__(self) -> "ChunkScoring":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is not None:  # the rollout failed: drop the chunks not started, wait for the one running
+            for future in self.pending:
+                future.cancel()
+            self.pool.shutdown(wait=True)
+
+
+def _joined(chunks: list[tuple[Tensor, RewardScores]]) -> tuple[Tensor, RewardScores]:
+    """The chunks' images and scores as one batch's (``score_all`` on the whole batch returns the same layout)."""
+    first = chunks[0][1]
+    valid = torch.cat([scores.valid for _, scores in chunks])
+    return torch.cat([images for images, _ in chunks]), RewardScores(
+        names=first.names, weights=first.weights, raw=torch.cat([scores.raw for _, scores in chunks], dim=1),
+        valid=valid, num_invalid=int((~valid).sum()))
+
+
+@torch.no_grad()
+def score_iteration(trainer, batches, overlap: ChunkScoring | None = None) -> Scores:
+    """Decode, score, gather across processes, combine and group-normalise; with ``overlap``, join the scores its
+    worker computed during the rollout instead. More than ``reward.max_invalid_fraction`` of the iteration's samples
+    invalid (over all processes) is a RuntimeError."""
     config, accelerator = trainer.config, trainer.accelerator
-    finals = torch.cat([b.rollout.final for b in batches])
-    images = torch.cat([trainer.model.decode(b.rollout.final).float() for b in batches])
     ids = torch.cat([b.sample_ids for b in batches])
-    metadata = [m for b in batches for m in b.sample_metadata]
-    scores = score_all(trainer.rewards, images, [m["prompt"] for m in metadata], metadata,
-                       group_ids=ids // config.data.group_size, latents=finals.float())
+    if overlap is not None:
+        images, scores = _joined(overlap.results())
+    else:
+        finals = torch.cat([b.rollout.final for b in batches])
+        images = torch.cat([trainer.model.decode(b.rollout.final).float() for b in batches])
+        metadata = [m for b in batches for m in b.sample_metadata]
+        scores = score_all(trainer.rewards, images, [m["prompt"] for m in metadata], metadata,
+                           group_ids=ids // config.data.group_size, latents=finals.float())
     device = accelerator.device
     raw = accelerator.gather(scores.raw.T.contiguous().to(device)).T.cpu()
     valid = accelerator.gather(scores.valid.to(device)).cpu()
+    check_invalid_fraction(valid, config.reward.max_invalid_fraction, scores.names)
     group_ids = torch.arange(trainer.layout.global_samples) // config.data.group_size
     combined = combine_rewards(raw, scores.weights.cpu(), valid, group_ids, mode=config.reward.combine,
                                std=config.advantage.std)
@@ -77,6 +138,17 @@ def score_iteration(trainer, batches) -> Scores:
     display = (scores.weights[:, None] * scores.raw).sum(0).cpu()
     return Scores(advantages[ids], combined[ids], valid[ids], stats, images.cpu(), display, advantages,
                   names=list(scores.names), raw_all=raw, valid_all=valid)
+
+
+def check_invalid_fraction(valid: Tensor, limit: float, names) -> None:
+    """RuntimeError when more than ``limit`` of the iteration's samples (``valid`` over all processes) are invalid."""
+    invalid = int((~valid).sum())
+    if invalid > limit * len(valid):
+        raise RuntimeError(
+            f"{invalid} of the iteration's {len(valid)} samples ({invalid / len(valid):.0%}) have an invalid reward "
+            f"(NaN from {', '.join(names)}), more than reward.max_invalid_fraction = {limit:g}: the reward cannot be "
+            "trusted to train on. Look at the reward's warnings above (a reward server down or refusing, a judge "
+            "whose answers do not parse), fix it, and resume from the last checkpoint (train.resume=latest)")
 
 
 def state_reward(rewards):

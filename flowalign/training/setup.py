@@ -53,6 +53,12 @@ def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, C
                 f"reward {name!r} is groupwise (it scores whole groups), but each of the {layout.num_processes} "
                 f"processes holds {layout.samples_per_process} samples, not a multiple of data.group_size = "
                 f"{config.data.group_size}: change data.prompts_per_iteration or the number of processes")
+        if is_groupwise(fn) and layout is not None and config.reward.overlap and (
+                layout.rollout_batch_size % config.data.group_size):
+            raise SetupError(
+                f"reward.overlap scores each rollout chunk of {layout.rollout_batch_size} samples on its own, and "
+                f"reward {name!r} is groupwise: a chunk must hold whole groups of data.group_size = "
+                f"{config.data.group_size}: set sampling.batch_size to a multiple of it, or reward.overlap: false")
     return built
 
 

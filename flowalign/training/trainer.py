@@ -66,7 +66,7 @@ from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.policy import micro_batch, policy_output, unit_output
-from flowalign.training.scoring import score_iteration, state_reward
+from flowalign.training.scoring import ChunkScoring, score_iteration, state_reward
 from flowalign.training.setup import build_rewards, check_prompts_fit_model, check_prompts_fit_rewards, load_policy
 
 logger = logging.getLogger(__name__)
@@ -208,11 +208,12 @@ class GRPOTrainer:
         clock = time.perf_counter()
         prompts = self.prompts.prompts_for(iteration)
         self.model.transformer.eval()
-        with self.sampling_weights():
-            batches = self.rollout(iteration, prompts)
+        overlap = ChunkScoring(self) if self.config.reward.overlap else None  # reward.overlap: score during rollout
+        with self.sampling_weights(), overlap or nullcontext():
+            batches = self.rollout(iteration, prompts, on_chunk=overlap)
         timings = {"time/rollout": time.perf_counter() - clock}
         clock = time.perf_counter()
-        scores = score_iteration(self, batches)
+        scores = score_iteration(self, batches, overlap)
         self.last_advantages = scores.global_advantages
         steps, completion_nfe, credit_stats = [], 0, {}
         if self.parts.losses:  # credit for the transitions the loss terms train
@@ -227,7 +228,13 @@ class GRPOTrainer:
         prepared = self.prepare_update(context)
         rollout_nfe = sum(b.rollout.nfe for b in batches) * self.accelerator.num_processes
         completion_nfe = summed(self.accelerator, completion_nfe)
-        if scores.stats["zero_std_frac"] >= 1.0:
+        invalid = scores.stats["reward_invalid"] / self.layout.global_samples
+        if invalid > self.config.reward.skip_invalid_fraction:
+            warnings.warn(f"iteration {iteration}: {invalid:.0%} of the samples have an invalid reward, more than "
+                          f"reward.skip_invalid_fraction = {self.config.reward.skip_invalid_fraction:g}; skipping "
+                          "the update")
+            update = {"skipped": 1.0}
+        elif scores.stats["zero_std_frac"] >= 1.0:
             warnings.warn(f"iteration {iteration}: every group has zero reward variance; skipping the update")
             update = {"skipped": 1.0}
         else:
@@ -291,10 +298,11 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------------------------- rollout and credit
     @torch.no_grad()
-    def rollout(self, iteration: int, prompts: list[dict], schedule=None) -> list:
+    def rollout(self, iteration: int, prompts: list[dict], schedule=None, on_chunk=None) -> list:
         """This process's batches, grown by the rollout shape from prompts every process encodes in full (so the
         text encoders see the same batch whatever the process layout); ``schedule`` replaces the config's noise
-        schedule (DenseGRPO's calibration)."""
+        schedule (DenseGRPO's calibration); ``on_chunk(batch)`` is called with each batch as soon as it is grown
+        (``reward.overlap``: ``flowalign.training.scoring.ChunkScoring``)."""
         cfg, model = self.config, self.model
         levels = (schedule or self.schedule).levels(cfg.sampling.num_steps, progress=self.progress(iteration),
                                       generator=generator(cfg.train.seed, iteration, Purpose.WINDOW))
@@ -307,13 +315,16 @@ class GRPOTrainer:
         context = RolloutContext(model, cfg, iteration, sigmas, levels, hooks, prompts, fields)
         n = self.layout.samples_per_process
         ids = torch.arange(self.accelerator.process_index * n, (self.accelerator.process_index + 1) * n)
+        per_prompt, batches = cfg.samples_per_prompt(), []
         with self.accelerator.autocast(), use_backend(cfg.model.kernels):
-            batches = [self.parts.shape.grow(context, chunk, cond) for chunk in ids.split(self.layout.rollout_batch_size)]
+            for chunk in ids.split(self.layout.rollout_batch_size):
+                batch = self.parts.shape.grow(context, chunk, cond)
+                batch.metadata = [prompts[i] for i in batch.prompt_index.tolist()]
+                batch.sample_metadata = [prompts[int(j) // per_prompt] for j in batch.sample_ids]
+                batches.append(batch)
+                if on_chunk is not None:
+                    on_chunk(batch)
         self.iteration_cond = cond  # one row per prompt: what objectives on rollouts condition on
-        per_prompt = cfg.samples_per_prompt()
-        for batch in batches:
-            batch.metadata = [prompts[i] for i in batch.prompt_index.tolist()]
-            batch.sample_metadata = [prompts[int(j) // per_prompt] for j in batch.sample_ids]
         return batches
 
     def trained_steps(self, iteration: int, batches) -> list[int]:

@@ -1,0 +1,239 @@
+"""The reward server's wire format (protocol 1): JSON metadata with safetensors or PNG image payloads, never pickle.
+
+A score request is ``POST /v1/score`` with one of two bodies:
+
+* ``Content-Type: application/x-safetensors`` (``encoding: safetensors``, the default): a safetensors file holding one
+  tensor ``images`` ``[B, 3, H, W]`` (float32, float16, bfloat16, float64 in [0, 1], or uint8 read as ``k / 255``) and,
+  in its ``__metadata__``, the key ``flowalign`` whose value is the JSON request
+  ``{"rewards": [names], "prompts": [B strings], "metadata": [B objects], "group_ids": [B ints] (optional)}``. The
+  images arrive exactly as the client holds them, so a remote score equals the in-process one bit for bit.
+* ``Content-Type: application/json`` (``encoding: png``): the same JSON request with ``"images_png": [B base64 PNG
+  strings]`` (8-bit RGB, read as ``k / 255``): about a quarter of float32's bytes before compression, but quantised,
+  so scores are those of the 8-bit images.
+
+The answer is JSON ``{"protocol": 1, "scores": {name: [B numbers or null]}}``, each score the float32 value the reward
+returned (written as a JSON number it reads back exactly); ``null`` is a non-finite score (an invalid sample). An
+error is a 4xx or 5xx with ``{"error": message}``.
+
+Both parsers trust nothing: safetensors holds raw arrays and a JSON header (its format cannot run code, unlike
+pickle), the header is bounded by the body, and PNGs are decoded by Pillow with its decompression-bomb limit. Every
+mistake is a ``WireError`` with a message for the sender, which the server answers with 400 (or 413 for too many
+pixels).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["PROTOCOL", "SAFETENSORS", "ScoreRequest", "WireError", "decode_request", "decode_scores",
+           "encode_request", "encode_scores", "png_bytes", "read_png"]
+
+PROTOCOL = 1
+SAFETENSORS = "application/x-safetensors"
+JSON = "application/json"
+IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8)
+ENCODINGS = ("safetensors", "png")
+
+
+class WireError(ValueError):
+    """A request the server cannot read; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ScoreRequest:
+    """A decoded score request: ``images [B, 3, H, W]`` in [0, 1] (float; uint8 and PNG inputs divided by 255)."""
+
+    rewards: list[str]
+    images: Tensor
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: list[int] | None = field(default=None)
+
+    def __len__(self) -> int:
+        return int(self.images.shape[0])
+
+
+# ---------------------------------------------------------------------------------------------- the client's side
+def png_bytes(image: Tensor) -> bytes:
+    """One image ``[3, H, W]`` in [0, 1] as 8-bit RGB PNG bytes (rounded to the nearest level)."""
+    from PIL import Image
+
+    array = (image.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(array, mode="RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def encode_request(rewards: Sequence[str], images: Tensor, prompts: Sequence[str], metadata: Sequence[dict],
+                   *, encoding: str = "safetensors", group_ids: Sequence[int] | None = None) -> tuple[bytes, str]:
+    """``(body, content_type)`` of a score request (module docstring)."""
+    from safetensors.torch import save
+
+    header: dict[str, Any] = {"rewards": list(rewards), "prompts": list(prompts), "metadata": list(metadata)}
+    if group_ids is not None:
+        header["group_ids"] = [int(g) for g in group_ids]
+    if encoding == "safetensors":
+        tensor = images.detach().cpu().contiguous()
+        if tensor.dtype not in IMAGE_DTYPES:
+            tensor = tensor.float()
+        return save({"images": tensor}, metadata={"flowalign": json.dumps(header)}), SAFETENSORS
+    if encoding == "png":
+        header["images_png"] = [base64.b64encode(png_bytes(image)).decode("ascii") for image in images]
+        return json.dumps(header).encode("utf-8"), JSON
+    raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+
+
+def decode_scores(body: bytes, rewards: Sequence[str], batch: int) -> dict[str, Tensor]:
+    """The float32 scores ``[batch]`` of each of ``rewards`` in a server's answer; null reads as NaN. A malformed
+    answer is a ValueError."""
+    answer = json.loads(body.decode("utf-8"))
+    scores = answer.get("scores") if isinstance(answer, dict) else None
+    if not isinstance(scores, dict):
+        raise ValueError(f"the server's answer has no 'scores' object: {str(answer)[:200]}")
+    out = {}
+    for name in rewards:
+        values = scores.get(name)
+        if not isinstance(values, list) or len(values) != batch:
+            raise ValueError(f"the server's answer has {len(values) if isinstance(values, list) else 'no'} scores "
+                             f"for reward {name!r}, expected {batch}")
+        if not all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in values):
+            raise ValueError(f"the server's answer for reward {name!r} holds a non-numeric score")
+        out[name] = torch.tensor([math.nan if v is None else float(v) for v in values], dtype=torch.float32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the server's side
+def encode_scores(scores: dict[str, Tensor]) -> bytes:
+    """The JSON answer for float32 ``scores`` (non-finite values as null)."""
+    out = {name: [v if math.isfinite(v) else None for v in row.float().tolist()] for name, row in scores.items()}
+    return json.dumps({"protocol": PROTOCOL, "scores": out}).encode("utf-8")
+
+
+def _header(data: bytes) -> dict:
+    """The JSON header of a safetensors file (bounded by the body; WireError when it is not one)."""
+    if len(data) < 8:
+        raise WireError("the body is not a safetensors file: shorter than its 8-byte header length")
+    (length,) = struct.unpack("<Q", data[:8])
+    if length > len(data) - 8:
+        raise WireError(f"the body is not a safetensors file: its header claims {length} bytes, the body has "
+                        f"{len(data) - 8}")
+    try:
+        header = json.loads(data[8 : 8 + length].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise WireError("the body is not a safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise WireError("the body is not a safetensors file: its header is not a JSON object")
+    return header
+
+
+def _request_fields(header: Any) -> dict:
+    if not isinstance(header, dict):
+        raise WireError("the request must be a JSON object with rewards, prompts and metadata")
+    rewards, prompts = header.get("rewards"), header.get("prompts")
+    metadata = header.get("metadata")
+    if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
+        raise WireError("'rewards' must be a non-empty list of reward names")
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise WireError("'prompts' must be a list of strings, one per image")
+    if metadata is None:
+        metadata = [{} for _ in prompts]
+    if not isinstance(metadata, list) or not all(isinstance(m, dict) for m in metadata):
+        raise WireError("'metadata' must be a list of JSON objects, one per image")
+    group_ids = header.get("group_ids")
+    if group_ids is not None and (not isinstance(group_ids, list) or not all(
+            isinstance(g, int) and not isinstance(g, bool) for g in group_ids)):
+        raise WireError("'group_ids' must be a list of integers, one per image")
+    return {"rewards": rewards, "prompts": prompts, "metadata": metadata, "group_ids": group_ids}
+
+
+def _check_images(images: Tensor, fields: dict, max_pixels: int) -> Tensor:
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise WireError(f"'images' must be [B, 3, H, W], got shape {list(images.shape)}")
+    batch = int(images.shape[0])
+    if batch < 1:
+        raise WireError("the request holds no images")
+    if images.numel() > max_pixels * 3:
+        raise WireError(f"the request holds {images.numel() // 3} pixels, more than the server's limit {max_pixels}",
+                        status=413)
+    for name in ("prompts", "metadata", "group_ids"):
+        if fields[name] is not None and len(fields[name]) != batch:
+            raise WireError(f"got {batch} images and {len(fields[name])} {name}")
+    if images.dtype == torch.uint8:
+        images = images.float() / 255
+    elif images.dtype not in IMAGE_DTYPES:
+        raise WireError(f"'images' has dtype {images.dtype}; expected float32, float16, bfloat16, float64 or uint8")
+    return images
+
+
+def read_png(data: bytes) -> Tensor:
+    """An 8-bit PNG as ``[3, H, W]`` float32 in [0, 1] (WireError when it is not one)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            if image.format != "PNG":
+                raise WireError(f"an image is {image.format}, not PNG")
+            array = torch.from_numpy(__import__("numpy").asarray(image.convert("RGB")).copy())
+    except WireError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any decoder failure is the sender's malformed image
+        raise WireError(f"an image is not a readable PNG: {type(error).__name__}: {error}") from None
+    return array.permute(2, 0, 1).float() / 255
+
+
+def decode_request(body: bytes, content_type: str, *, max_pixels: int = 1 << 28) -> ScoreRequest:
+    """Parse a score request (module docstring); every mistake is a ``WireError``."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind == SAFETENSORS:
+        header = _header(body)
+        meta = header.get("__metadata__") or {}
+        if "flowalign" not in meta:
+            raise WireError("the safetensors body has no 'flowalign' request in its __metadata__")
+        try:
+            fields = _request_fields(json.loads(meta["flowalign"]))
+        except ValueError as error:
+            raise WireError(str(error) if isinstance(error, WireError) else "__metadata__['flowalign'] is not JSON") \
+                from None
+        if set(header) - {"__metadata__"} != {"images"}:
+            raise WireError(f"the safetensors body must hold exactly one tensor 'images', got "
+                            f"{sorted(set(header) - {'__metadata__'})}")
+        from safetensors.torch import load
+
+        try:
+            images = load(body)["images"]
+        except Exception as error:  # noqa: BLE001 - a malformed file is the sender's mistake
+            raise WireError(f"the safetensors body cannot be read: {error}") from None
+        images = _check_images(images, fields, max_pixels)
+    elif kind == JSON:
+        try:
+            parsed = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise WireError("the body is not JSON") from None
+        fields = _request_fields(parsed)
+        encoded = parsed.get("images_png")
+        if not isinstance(encoded, list) or not all(isinstance(item, str) for item in encoded) or not encoded:
+            raise WireError("'images_png' must be a non-empty list of base64 PNG strings")
+        try:
+            raw = [base64.b64decode(item, validate=True) for item in encoded]
+        except ValueError:
+            raise WireError("an entry of 'images_png' is not base64") from None
+        decoded = [read_png(item) for item in raw]
+        if len({tuple(image.shape) for image in decoded}) != 1:
+            raise WireError("the PNG images of one request must share one size")
+        images = _check_images(torch.stack(decoded), fields, max_pixels)
+    else:
+        raise WireError(f"Content-Type must be {SAFETENSORS} or {JSON}, got {content_type!r}", status=415)
+    return ScoreRequest(images=images, **fields)
