@@ -376,8 +376,15 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
     # the editing reward, the soft toy reward, brightness)
     assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "discriminator", "hps", "imagereward",
                                         "pickscore", "shell_lcc", "source_similarity", "toy_geneval_soft"]
+    # scorers without a gradient: the detector stack, JPEG sizes, the exact toy verifier, and the out-of-process ones
+    # (a reward server's scores and a VLM judge's answers come back as numbers)
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
-                                                           "jpeg_incompressibility", "toy_geneval"}
+                                                           "jpeg_incompressibility", "toy_geneval", "remote",
+                                                           "vlm_judge"}
+    from flowalign.remote.client import RemoteReward
+    from flowalign.remote.judge import VLMJudge
+
+    assert reward_class("remote") is RemoteReward and reward_class("vlm_judge") is VLMJudge
     with pytest.raises(ValueError, match="unknown reward 'nope'"):
         reward_class("nope")
 
