@@ -79,15 +79,20 @@ def grpo_transition_loss_reference(
     policy = clipped_policy_loss(log_prob - old_log_prob.detach().float(), advantages.detach().float(), clip_range)
     if weights is not None:
         policy = weights.detach().float() * policy
-    divergence = torch.zeros_like(log_prob)
-    if v_ref is not None:
-        if kl == "latent_mean":
-            ref_mean, _ = sde_mean_std(x_t, v_ref.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
-            divergence = latent_mean_kl(mean, ref_mean, std)
-        else:
-            divergence = velocity_mse_kl(v, v_ref.detach())
+    divergence = torch.zeros_like(log_prob) if v_ref is None else transition_kl(
+        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl)
     loss = policy + beta * divergence if beta > 0 else policy
     return TransitionLoss(loss, policy, log_prob, divergence)
+
+
+def transition_kl(x_t: Tensor, v: Tensor, v_ref: Tensor, mean: Tensor, std: Tensor, sigma: Tensor, sigma_next: Tensor,
+                  *, kind: str, noise_level: Tensor, kl: str) -> Tensor:
+    """Per-transition KL to the reference velocity ``v_ref``: between the transition means in latent space
+    (``latent_mean``, with the policy's ``mean`` and ``std`` of the step) or the velocity MSE (``velocity_mse``)."""
+    if kl == "latent_mean":
+        ref_mean, _ = sde_mean_std(x_t, v_ref.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
+        return latent_mean_kl(mean, ref_mean, std)
+    return velocity_mse_kl(v, v_ref.detach())
 
 
 def latent_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:

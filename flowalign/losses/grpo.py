@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
-from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, velocity_mse_kl
+from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, transition_kl, velocity_mse_kl
 
 __all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "latent_mean_kl", "step_reweight",
            "transition_grpo_loss", "velocity_mse_kl"]
@@ -214,13 +214,8 @@ def guard_transition_loss(
     if weights is not None:
         per = weights.detach().float() * per
     policy_loss = per.mean()
-    kl_rows = torch.zeros_like(per)
-    if v_ref is not None:
-        if kl == "latent_mean":
-            ref_mean, _ = sde_mean_std(x_t, v_ref.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
-            kl_rows = latent_mean_kl(mean, ref_mean, std)
-        else:
-            kl_rows = velocity_mse_kl(v, v_ref.detach())
+    kl_rows = torch.zeros_like(per) if v_ref is None else transition_kl(
+        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl)
     kl_mean = kl_rows.mean()
     loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
     stats = loss_stats(loss, policy_loss, kl_mean, log_ratio.detach(), clip_range)
