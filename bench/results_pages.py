@@ -97,6 +97,12 @@ def _guided_sets() -> str:
     return guided_sets.table(result["rows"], result["settings"]["candidates"], result["settings"]["embedding"])
 
 
+def _guided_compose() -> str:
+    import guided_compose
+
+    return guided_compose.table(_read("guided_compose.json")["rows"])
+
+
 def _rewards() -> str:
     import rewards
 
@@ -133,6 +139,7 @@ TABLES = {
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
     "guided_sets": ("guided_sampling.md", "guided_sets.json", _guided_sets),
+    "guided_compose": ("guided_sampling.md", "guided_compose.json", _guided_compose),
     "rewards": ("rewards.md", "rewards.json", _rewards),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
