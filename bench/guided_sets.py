@@ -185,15 +185,17 @@ def main() -> None:
                 done[(row["method"], row["label"])] = row
     rows = []
 
-    def record(method: str, label: str, budget: int, guide=None, **sampler):
+    def record(method: str, label: str, budget: int | None, guide=None, **sampler):
         if (method, label) in done:
             rows.append(done[(method, label)])
             print(f"{method} {label}: reused", flush=True)
             return
-        config = SampleConfig(guidance=method, budget=budget, steps=args.steps, seed=args.seed,
+        config = SampleConfig(guidance=method, budget=budget or 1, steps=args.steps, seed=args.seed,
                               candidates=args.candidates, batch_prompts=args.batch_prompts)
         if sampler:
             config.sampler = dataclasses.replace(config.sampler, **sampler)
+        if budget is None:  # a method that spends what its settings cost (SatisDive): exactly that budget
+            config.budget = budget = config.build_sampler().needed_nfe(config)
         config.validate()
         row = {"method": method, "label": label, "budget": budget, "sampler": dataclasses.asdict(config.sampler),
                **measure(model, metadata, config, reward_fn, embedding, guide)}
@@ -220,7 +222,7 @@ def main() -> None:
                                        (item.split("=", 1) for item in variant.split(",") if item)}}
             suffix = "".join(f" {key}={value}" for key, value in settings_of.items() if key != "gradient")
             for delta in args.satisdive_deltas:
-                record("satisdive", f"delta={delta:g}{suffix}", 10**6, guide, reward="toy_geneval_soft",
+                record("satisdive", f"delta={delta:g}{suffix}", None, guide, reward="toy_geneval_soft",
                        delta=delta, **settings_of)
 
     plain = next((r for r in rows if r["method"] == "bon" and r["label"] == f"N={k}"), None)
