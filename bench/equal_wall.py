@@ -6,16 +6,20 @@ times the default's (``time/total`` ratios measured in one ``bench/train_iterati
 ``flowalign train`` of the preset with its seed and ends with the default run's held-out evaluation (3,168 images,
 the same captions and seeds before and after), so each gain is paired against the base model; the table gives, per
 preset, the mean gain over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE),
-the seed SD, the per-seed gains and the mean training wall time.
+the seed SD, the per-seed gains and the mean training wall time. Each run is also evaluated on its own training
+prompts (``flowalign eval toy``, 16 images per prompt, its last checkpoint's EMA weights against the base model on
+the same seeds), and its collapse metrics (``collapse/*``: within-group diversity, saturated pixels, the held-out
+verifier's reward) are averaged over its last 10 iterations.
 
 Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` (ignored by git) and, once its evaluation is done, a small
-record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations
-and training wall time). A run with a record is skipped, so seeds measured in one checkout add up with those of later
+record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations,
+training wall time, the training-prompt gain and the collapse metrics at the end). A run with a record is skipped, so seeds measured in one checkout add up with those of later
 ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json`` from the records. The default is the embedded default config
 (``flowalign train`` with no file), named ``default``.
 
     python bench/equal_wall.py --presets default,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
     python bench/equal_wall.py --report
+    python bench/equal_wall.py --record ../other-checkout/bench/results/equal_wall/default-seed1   # one run's record
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from methods import seed_mean  # noqa: E402 - the benchmarks' shared SE over see
 
 DEFAULT_ITERATIONS = 330  # the embedded default config's train.iterations
 DEFAULT_COST_NAME = "flow_grpo_fast"  # the default run's sampling, as bench/train_iteration.py names it
+TRAIN_PROMPTS = REPO / "assets/prompts/train.jsonl"  # the embedded default's data.train_prompts
+TRAIN_PROMPT_IMAGES = 16  # per training prompt: 174 x 16 = 2,784 paired images
 COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0"]
 
 
@@ -76,16 +82,54 @@ def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]
     print(f"{preset} seed {seed}: done", flush=True)
 
 
+def _toy_eval(out_dir: Path, seed: int, lora: Path | None = None) -> list[dict]:
+    """``flowalign eval toy`` on the training prompts (``TRAIN_PROMPT_IMAGES`` each, ODE, evaluation seed
+    ``10000 + seed`` as the trainer's own evaluation), of the base model or of ``lora``'s EMA weights; its results."""
+    if not (out_dir / "results.json").exists():
+        command = [str(Path(sys.executable).with_name("flowalign")), "eval", "toy", "--prompts", str(TRAIN_PROMPTS),
+                   "--images-per-prompt", str(TRAIN_PROMPT_IMAGES), "--seed", str(10_000 + seed), "--out",
+                   str(out_dir), *(["--lora", str(lora)] if lora else [])]
+        subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    return json.loads((out_dir / "results.json").read_text())["results"]
+
+
+def train_prompt_gain(run: Path, out: Path, seed: int) -> dict | None:
+    """The paired gain on the training prompts: the run's last checkpoint (its EMA weights) against the base model on
+    the same seeds (``flowalign.evaluation.toy_eval.paired_difference``); None when the run kept no checkpoint. The
+    base model's results are shared by every run of the seed (``out/train-prompts-base-seed<k>/``)."""
+    from flowalign.evaluation.toy_eval import paired_difference
+
+    checkpoints = sorted(run.glob("checkpoint-*"))
+    if not checkpoints:
+        return None
+    base = _toy_eval(out / f"train-prompts-base-seed{seed}", seed)
+    after = _toy_eval(run / "eval-train-prompts", seed, checkpoints[-1])
+    return paired_difference(base, after)["overall"]
+
+
+def collapse_at_end(history: list[dict], last: int = 10) -> dict:
+    """The collapse metrics (``collapse/*``, ``flowalign.training.collapse``) averaged over the last ``last``
+    iterations that logged them; empty for a run that logged none."""
+    ends = {}
+    for key in sorted({k for m in history for k in m if k.startswith("collapse/")}):
+        values = [float(m[key]) for m in history if key in m][-last:]
+        ends[key] = sum(values) / len(values)
+    return ends
+
+
 def record(run: Path, out: Path) -> dict:
     """Write the finished run's record ``out/records/<run>.json``: its ``bench.json`` with the paired overall gain,
-    the per-tag gains and the training wall time (the three phases of every iteration, no evaluation)."""
+    the per-tag gains, the training wall time (the three phases of every iteration, no evaluation), the paired gain on
+    the training prompts and the collapse metrics at the end."""
     info = json.loads((run / "bench.json").read_text())
     paired = json.loads((run / "eval" / "before_after.json").read_text())["paired"]
     metrics = run / "metrics.jsonl"
     history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     train_s = sum(float(m.get(k, 0.0)) for m in history for k in ("time/rollout", "time/reward", "time/train"))
     entry = {**info, "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
-             "train_s": train_s}
+             "train_s": train_s, "train_prompts": train_prompt_gain(run, out, info["seed"]),
+             "collapse": collapse_at_end(history)}
     (out / "records").mkdir(exist_ok=True)
     (out / "records" / f"{run.name}.json").write_text(json.dumps(entry, indent=1) + "\n")
     return entry
@@ -111,21 +155,45 @@ def summarize(runs: list[dict]) -> dict:
         group = sorted(groups[preset], key=lambda r: r["seed"])
         gain, se, sd = seed_mean([r["overall"]["diff"] for r in group], [r["overall"]["se"] for r in group])
         walls = [r["train_s"] for r in group if r["train_s"]]
+        on_train = [r for r in group if r.get("train_prompts")]
+        ends = [r["collapse"] for r in group if r.get("collapse")]
         summary[preset] = {"iterations": group[0]["iterations"], "seeds": [r["seed"] for r in group], "gain": gain,
                            "se": se, "seed_sd": sd, "gains": [r["overall"]["diff"] for r in group],
-                           "train_s": sum(walls) / len(walls) if walls else None, "tags": [r["tags"] for r in group]}
+                           "train_s": sum(walls) / len(walls) if walls else None, "tags": [r["tags"] for r in group],
+                           "train_prompts": None if not on_train else {
+                               "seeds": [r["seed"] for r in on_train],
+                               "gain": sum(r["train_prompts"]["diff"] for r in on_train) / len(on_train),
+                               "gains": [r["train_prompts"]["diff"] for r in on_train]},
+                           "collapse": None if not ends else {
+                               "seeds": [r["seed"] for r in group if r.get("collapse")],
+                               **{key: sum(e[key] for e in ends) / len(ends) for key in ends[0]}}}
     return summary
+
+
+def _of_seeds(entry: dict | None, value: str, seeds: list[int]) -> str:
+    """A table cell: ``value``, naming the seeds it covers when that is not every seed of the row."""
+    if entry is None:
+        return ""
+    return value if entry["seeds"] == seeds else f"{value} (seed {', '.join(map(str, entry['seeds']))})"
 
 
 def table(summary: dict) -> str:
     """The summary as a Markdown table."""
     lines = ["| preset | iterations | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
-             "training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+             "training s (mean) | training-prompt gain | at the end: diversity / saturated / held-out verifier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for preset, row in summary.items():
         se, sd, wall = row["se"], row["seed_sd"], row["train_s"]
+        on_train, ends = row.get("train_prompts"), row.get("collapse")
+        held_out = next((v for k, v in (ends or {}).items() if k.startswith("collapse/held_out/")), None)
+        end_cell = "" if ends is None else (f"{ends.get('collapse/diversity', float('nan')):.3f} / "
+                                            f"{ends.get('collapse/saturated_frac', float('nan')):.3f} / "
+                                            f"{'' if held_out is None else f'{held_out:.3f}'}")
+        train_cell = _of_seeds(on_train, f"{on_train['gain']:+.3f}", row["seeds"]) if on_train else ""
         lines.append(f"| {preset} | {row['iterations']} | {len(row['seeds'])} | {row['gain']:+.3f} | {se:.3f} | "
                      f"{row['gain'] / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | "
-                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {'' if wall is None else f'{wall:.0f}'} |")
+                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {'' if wall is None else f'{wall:.0f}'} | "
+                     f"{train_cell} | {_of_seeds(ends, end_cell, row['seeds'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -148,10 +216,14 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--out", default=str(REPO / "bench/results/equal_wall"))
     parser.add_argument("--report", action="store_true")
+    parser.add_argument("--record", action="append", default=[], metavar="RUN_DIR",
+                        help="(re)write the record of a finished run folder (another checkout's too), then report")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if not args.report:
+    for run in args.record:
+        record(Path(run), out)
+    if not args.report and not args.record:
         fixed = {k: int(v) for k, v in (item.split("=", 1) for item in args.iterations)}
         cost = costs(Path(args.costs)) if Path(args.costs).exists() else {}
         jobs = []

@@ -13,8 +13,9 @@ channels at 0 or 1) and ``collapse/diversity`` (within-group ``toy_scene`` dista
   whose proxy rank disagrees most with the partial-credit verifier's (an auxiliary of weight 0), the reference reset
   every 16 iterations, and the diversity-weighted advantage.
 
-Writes ``<out>/hacking.json`` (every run's curves), ``hacking.md`` (first and last values) and ``hacking.png`` (the
-held-out verifier against iterations, one line per run).
+Writes ``<out>/hacking.json`` (every run's curves), ``hacking.md`` (the first and last iterations' means) and one
+plot per curve, one line per run, each a trailing mean of 5 iterations: ``hacking.png`` (the held-out verifier),
+``hacking_proxy.png``, ``hacking_diversity.png`` and ``hacking_saturated.png``.
 
     python bench/hacking.py [--iterations 60] [--runs plain kl gardo] [--out bench/results/hacking]
 """
@@ -36,6 +37,11 @@ from plot import line_plot  # noqa: E402 - bench/plot.py
 HELD_OUT = "collapse/held_out/toy_geneval"
 CURVES = ("reward", HELD_OUT, "collapse/saturated_frac", "collapse/diversity")
 COLORS = {"plain": (214, 39, 40), "kl": (255, 127, 14), "gardo": (31, 119, 180)}
+SMOOTH = 5
+# curve -> (PNG name suffix, axis label); hacking.png is the held-out verifier
+PLOTS = {HELD_OUT: ("", "held-out exact verifier (toy_geneval, binary) on the training samples"),
+         "reward": ("_proxy", "proxy reward"), "collapse/diversity": ("_diversity", "within-group diversity (toy_scene)"),
+         "collapse/saturated_frac": ("_saturated", "saturated pixel fraction")}
 COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0", "train.eval_at_end=false",
           "collapse.held_out=toy_geneval"]
 
@@ -60,7 +66,7 @@ def train(name: str, args, out: Path) -> list[dict]:
         configs, overrides = run_config(name, args.proxy, args.kl_beta)
         command = [str(Path(sys.executable).with_name("flowalign")), "train", *configs, *COMMON, *overrides,
                    f"train.iterations={args.iterations}", f"train.seed={args.seed}", f"train.out_dir={run}",
-                   "train.overwrite=true"]
+                   "train.overwrite=true", *args.set]
         start = time.perf_counter()
         with open(out / f"{name}.log", "w") as log:
             done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -71,11 +77,19 @@ def train(name: str, args, out: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
+    """The trailing mean over ``window`` iterations (each iteration's value is 64 samples of 4 prompts: noisy)."""
+    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+            for i in range(len(values))]
+
+
 def table(curves: dict[str, dict[str, list[float]]]) -> str:
-    lines = ["| run | iterations | proxy reward | held-out exact verifier | saturated pixels | diversity |",
+    lines = [f"Each cell: the mean of the first {SMOOTH} iterations -> the mean of the last {SMOOTH}.", "",
+             "| run | iterations | proxy reward | held-out exact verifier | saturated pixels | diversity |",
              "|---|---:|---|---|---|---|"]
     for name, curve in curves.items():
-        cells = [f"{curve[key][0]:.3f} -> {curve[key][-1]:.3f}" for key in CURVES]
+        cells = [f"{sum(curve[key][:SMOOTH]) / SMOOTH:.3f} -> {sum(curve[key][-SMOOTH:]) / SMOOTH:.3f}"
+                 for key in CURVES]
         lines.append(f"| {name} | {len(curve[CURVES[0]])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -87,6 +101,8 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", default=["plain", "kl", "gardo"])
     parser.add_argument("--kl-beta", type=float, default=0.04)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override for every run (e.g. optim.lr=2e-3 to hack sooner)")
     parser.add_argument("--out", default=str(REPO / "bench/results/hacking"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -98,9 +114,10 @@ def main() -> None:
     (out / "hacking.json").write_text(json.dumps({"settings": vars(args), "curves": curves}, indent=1))
     text = table(curves)
     (out / "hacking.md").write_text(text + "\n")
-    line_plot({name: list(enumerate(curve[HELD_OUT])) for name, curve in curves.items()}, out / "hacking.png",
-              x_label="iteration", y_label="held-out exact verifier (toy_geneval, binary) on the training samples",
-              colors=COLORS)
+    for key, (suffix, label) in PLOTS.items():
+        line_plot({name: list(enumerate(smooth(curve[key]))) for name, curve in curves.items()},
+                  out / f"hacking{suffix}.png", x_label="iteration",
+                  y_label=f"{label}, trailing mean of {SMOOTH} iterations", colors=COLORS)
     print(text)
 
 
