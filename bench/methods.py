@@ -29,11 +29,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
-           "tp_grpo", "euphonium", "register_grpo", "drl", "shell_lcc", "shell_lcc_objective", "soar", "sft")
+           "tp_grpo", "euphonium", "register_grpo", "drl", "shell_lcc", "shell_lcc_objective", "soar", "sft",
+           "diffusion_nft", "awm", "dpo", "grpo_guard", "gardo")
 # register_grpo reads outputs/registers/registers.pt (flowalign registers train); drl reads
 # outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator); shell_lcc and
 # shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign reward fit-manifold); soar and sft are
-# data objectives alone, their nfe counts every training forward (bench/soar.py compares them)
+# data objectives alone, their nfe counts every training forward (bench/soar.py compares them); diffusion_nft, awm and
+# dpo count their rollout and every training forward of their objectives (the policy's, the old or reference
+# policy's and the KL's)
 # Shared by every run: short logs, no checkpoints or grids, the run's own evaluation off (the bench evaluates).
 # EMA 0.9, not the default 0.99: a 16-100 iteration run would be evaluated mostly on its starting weights.
 COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",

@@ -193,7 +193,7 @@ def main() -> int:
     for name in stale_plots():
         stale.append(f"docs/results/img/{name}: differs from bench/results/{name}")
         if not args.check:
-            IMAGES.mkdir(parents=True, exist_ok=True)
+            (IMAGES / name).parent.mkdir(parents=True, exist_ok=True)
             (IMAGES / name).write_bytes((RESULTS / name).read_bytes())
     for line in stale:
         print(("stale: " if args.check else "updated: ") + line)
