@@ -103,6 +103,13 @@ def _guided_compose() -> str:
     return guided_compose.table(_read("guided_compose.json")["rows"])
 
 
+def _soar() -> str:
+    import soar
+
+    reports = [json.loads(path.read_text()) for path in sorted((RESULTS / "soar").glob("soar-seed*.json"))]
+    return "\n\n".join(soar.table(report) for report in reports)
+
+
 def _rewards() -> str:
     import rewards
 
@@ -137,6 +144,7 @@ TABLES = {
     "tree_rollout": ("methods.md", "tree_rollout.json", _tree),
     "vgpo_signal": ("methods.md", "vgpo_signal.json", _vgpo_signal),
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
+    "soar": ("methods.md", "soar/soar-seed*.json", _soar),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
     "guided_sets": ("guided_sampling.md", "guided_sets.json", _guided_sets),
     "guided_compose": ("guided_sampling.md", "guided_compose.json", _guided_compose),

@@ -120,13 +120,13 @@ def table(report: dict) -> str:
     for point in report["points"]:
         for g, entry in point["guidance"].items():
             gen, pg, gap = entry["geneval"], entry["probe_generated"], entry["probe_gap"]
-            lines.append(f"| {point['run']} | {point['iterations']} | {point['nfe']} | {g:g} | {gen['diff']:+.3f} ± "
+            lines.append(f"| {point['run']} | {point['iterations']} | {point['nfe']} | {float(g):g} | {gen['diff']:+.3f} ± "
                          f"{gen['se']:.3f} | {pg['before']:.4f} → {pg['after']:.4f} ({pg['diff']:+.4f} ± "
                          f"{pg['se']:.4f}) | {gap['before']:+.4f} → {gap['after']:+.4f} |")
     lines += ["", "| SOAR − SFT (paired) | guidance | GenEval diff ± SE |", "|---|---:|---|"]
     for name, by_guidance in report["soar_minus_sft"].items():
         for g, entry in by_guidance.items():
-            lines.append(f"| {name} | {g:g} | {entry['diff']:+.3f} ± {entry['se']:.3f} |")
+            lines.append(f"| {name} | {float(g):g} | {entry['diff']:+.3f} ± {entry['se']:.3f} |")
     return "\n".join(lines)
 
 
