@@ -29,7 +29,8 @@ RESULTS = BENCH / "results"
 PAGES = REPO / "docs/results"
 IMAGES = PAGES / "img"
 # The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
-PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png")
+PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png", "hacking/hacking.png",
+         "hacking/hacking_proxy.png", "hacking/hacking_diversity.png", "hacking/hacking_saturated.png")
 MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 
 
@@ -84,10 +85,26 @@ def _vgpo_signal() -> str:
     return vgpo_signal.table(_read("vgpo_signal.json"))
 
 
-def _equal_wall() -> str:
+def _equal_wall(presets: tuple[str, ...] | None = None) -> str:
+    """The equal-wall table, of ``presets`` only when given."""
     import equal_wall
 
-    return equal_wall.table(_read("equal_wall/equal_wall.json"))
+    summary = _read("equal_wall/equal_wall.json")
+    return equal_wall.table({k: v for k, v in summary.items() if presets is None or k in presets})
+
+
+def _methods_objectives() -> str:
+    """The equal-NFE curves of the default run's method (flow_grpo_fast) and the forward-process objectives."""
+    import methods
+
+    keep = ("flow_grpo_fast", *OBJECTIVES)
+    return methods.curve_table([r for r in methods.load_runs(RESULTS / "methods") if r["preset"] in keep])
+
+
+def _hacking() -> str:
+    import hacking
+
+    return hacking.table(_read("hacking/hacking.json")["curves"])
 
 
 def _guided_sets() -> str:
@@ -108,6 +125,12 @@ def _soar() -> str:
 
     reports = [json.loads(path.read_text()) for path in sorted((RESULTS / "soar").glob("soar-seed*.json"))]
     return "\n\n".join(soar.table(report) for report in reports)
+
+
+def _shell_lcc() -> str:
+    import shell_lcc
+
+    return shell_lcc.table(_read("shell_lcc/shell_lcc.json")["runs"])
 
 
 def _rewards() -> str:
@@ -132,6 +155,7 @@ GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "g
           "guided_fk_rgs_confirm_40", "guided_rgs_high", "guided_rgs_mid", "guided_rgs_confirm", "guided_rgs_scale2",
           "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium",
           "guided_fk_reference")
+OBJECTIVES = ("diffusion_nft", "awm", "dpo")  # the forward-process objectives of docs/results/objectives.md
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
@@ -145,6 +169,11 @@ TABLES = {
     "vgpo_signal": ("methods.md", "vgpo_signal.json", _vgpo_signal),
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     "soar": ("methods.md", "soar/soar-seed*.json", _soar),
+    "shell_lcc": ("methods.md", "shell_lcc/shell_lcc.json", _shell_lcc),
+    "objectives_equal_wall": ("objectives.md", "equal_wall/equal_wall.json",
+                              lambda: _equal_wall(("default", *OBJECTIVES))),
+    "objectives_equal_nfe": ("objectives.md", "methods/*-seed*.json", _methods_objectives),
+    "hacking": ("objectives.md", "hacking/hacking.json", _hacking),
     **{name: ("guided_sampling.md", f"{name}.json", lambda name=name: _guided(f"{name}.json")) for name in GUIDED},
     "guided_sets": ("guided_sampling.md", "guided_sets.json", _guided_sets),
     "guided_compose": ("guided_sampling.md", "guided_compose.json", _guided_compose),

@@ -23,8 +23,6 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"plain": ("shell_lcc_objective", ["objectives.shell_lcc.variant=distance"]),
         "band": ("shell_lcc_objective", ["objectives.shell_lcc.variant=band"]),
@@ -44,6 +42,8 @@ def fit(out: Path, args) -> Path:
 
 
 def measure(model, metadata, manifold, kwargs) -> dict:
+    import torch
+
     from flowalign.evaluation.toy_eval import evaluate
     from flowalign.toy.statistics import image_statistics
 
