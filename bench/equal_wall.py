@@ -15,9 +15,12 @@ Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` (ignored by git) and
 record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations,
 training wall time, the training-prompt gain and the collapse metrics at the end). A run with a record is skipped, so seeds measured in one checkout add up with those of later
 ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json`` from the records. The default is the embedded default config
-(``flowalign train`` with no file), named ``default``.
+(``flowalign train`` with no file), named ``default``. ``--match-ema`` gives each run the EMA decay that averages the
+same share of its iterations as the default's 0.99 does of 330 (``matched_ema``); keep such runs in their own
+``--out``, since a preset's rows are pooled over its records.
 
     python bench/equal_wall.py --presets default,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
+    python bench/equal_wall.py --presets diffusion_nft --seeds 0 --match-ema --out bench/results/equal_wall_ema
     python bench/equal_wall.py --report
     python bench/equal_wall.py --record ../other-checkout/bench/results/equal_wall/default-seed1   # one run's record
 """
@@ -39,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from methods import seed_mean  # noqa: E402 - the benchmarks' shared SE over seeds
 
 DEFAULT_ITERATIONS = 330  # the embedded default config's train.iterations
+DEFAULT_EMA = 0.99  # the embedded default config's optim.ema_decay
 DEFAULT_COST_NAME = "flow_grpo_fast"  # the default run's sampling, as bench/train_iteration.py names it
 TRAIN_PROMPTS = REPO / "assets/prompts/train.jsonl"  # the embedded default's data.train_prompts
 TRAIN_PROMPT_IMAGES = 16  # per training prompt: 174 x 16 = 2,784 paired images
@@ -62,6 +66,13 @@ def iterations_for(preset: str, cost: dict[str, float], fixed: dict[str, int]) -
                          f"bench/train_iteration.py --presets {DEFAULT_COST_NAME} {preset}, or give "
                          f"--iterations {preset}=N")
     return max(1, round(DEFAULT_ITERATIONS * cost[DEFAULT_COST_NAME] / cost[preset]))
+
+
+def matched_ema(iterations: int, decay: float = DEFAULT_EMA) -> float:
+    """The EMA decay that averages the same share of a run of ``iterations`` as ``decay`` does of the default's 330:
+    ``decay ** (330 / iterations)`` (0.99 over 330 iterations keeps ``0.99^330 = 0.04`` of the start; over 85 it would
+    keep 0.43, so a preset with fewer, costlier iterations would be evaluated mostly on its starting weights)."""
+    return decay ** (DEFAULT_ITERATIONS / iterations)
 
 
 def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]) -> None:
@@ -215,6 +226,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (one core each)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--out", default=str(REPO / "bench/results/equal_wall"))
+    parser.add_argument("--match-ema", action="store_true",
+                        help="optim.ema_decay = 0.99 ** (330 / iterations) per run (matched_ema); recorded in the run's "
+                             "command")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--record", action="append", default=[], metavar="RUN_DIR",
                         help="(re)write the record of a finished run folder (another checkout's too), then report")
@@ -235,7 +249,9 @@ def main() -> None:
                     continue
                 jobs.append((preset, seed, iterations_for(preset, cost, fixed)))
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for future in [pool.submit(run_one, p, s, n, out, args.set) for p, s, n in jobs]:
+            for future in [pool.submit(run_one, p, s, n, out,
+                                       [*([f"optim.ema_decay={matched_ema(n):.6g}"] if args.match_ema else []),
+                                        *args.set]) for p, s, n in jobs]:
                 future.result()
     print(report(out))
 
