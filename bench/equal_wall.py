@@ -13,9 +13,10 @@ verifier's reward) are averaged over its last 10 iterations.
 
 Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` (ignored by git) and, once its evaluation is done, a small
 record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations,
-training wall time, the training-prompt gain and the collapse metrics at the end). A run with a record is skipped, so seeds measured in one checkout add up with those of later
-ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and ``.json`` from the records. The default is the embedded default config
-(``flowalign train`` with no file), named ``default``. ``--match-ema`` gives each run the EMA decay that averages the
+training wall time, the training-prompt gain and the collapse metrics at the end). A run with a record is skipped, so
+seeds measured in one checkout add up with those of later ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and
+``.json`` from the records. The default is the embedded default config (``flowalign train`` with no file), named
+``default``. ``--match-ema`` gives each run the EMA decay that averages the
 same share of its iterations as the default's 0.99 does of 330 (``matched_ema``); keep such runs in their own
 ``--out``, since a preset's rows are pooled over its records.
 
@@ -68,6 +69,11 @@ def iterations_for(preset: str, cost: dict[str, float], fixed: dict[str, int]) -
     return max(1, round(DEFAULT_ITERATIONS * cost[DEFAULT_COST_NAME] / cost[preset]))
 
 
+def _one_thread() -> dict[str, str]:
+    """The environment for a child run: one intra-op thread unless ``OMP_NUM_THREADS`` says otherwise."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def matched_ema(iterations: int, decay: float = DEFAULT_EMA) -> float:
     """The EMA decay that averages the same share of a run of ``iterations`` as ``decay`` does of the default's 330:
     ``decay ** (330 / iterations)`` (0.99 over 330 iterations keeps ``0.99^330 = 0.04`` of the start; over 85 it would
@@ -84,7 +90,7 @@ def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]
     start = time.perf_counter()
     with open(out / f"{preset}-seed{seed}.log", "w") as log:
         done = subprocess.run(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                              env=_one_thread())
     if done.returncode != 0:
         raise SystemExit(f"{preset} seed {seed} failed (exit {done.returncode}): see {out / f'{preset}-seed{seed}.log'}")
     (run / "bench.json").write_text(json.dumps({"preset": preset, "seed": seed, "iterations": iterations,
@@ -101,7 +107,7 @@ def _toy_eval(out_dir: Path, seed: int, lora: Path | None = None) -> list[dict]:
                    "--images-per-prompt", str(TRAIN_PROMPT_IMAGES), "--seed", str(10_000 + seed), "--out",
                    str(out_dir), *(["--lora", str(lora)] if lora else [])]
         subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+                       env=_one_thread())
     return json.loads((out_dir / "results.json").read_text())["results"]
 
 
@@ -227,8 +233,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--out", default=str(REPO / "bench/results/equal_wall"))
     parser.add_argument("--match-ema", action="store_true",
-                        help="optim.ema_decay = 0.99 ** (330 / iterations) per run (matched_ema); recorded in the run's "
-                             "command")
+                        help="optim.ema_decay = 0.99 ** (330 / iterations) per run (matched_ema); recorded in "
+                             "the run's command")
     parser.add_argument("--report", action="store_true")
     parser.add_argument("--record", action="append", default=[], metavar="RUN_DIR",
                         help="(re)write the record of a finished run folder (another checkout's too), then report")

@@ -190,11 +190,12 @@ def main() -> None:
             rows.append(done[(method, label)])
             print(f"{method} {label}: reused", flush=True)
             return
-        config = SampleConfig(guidance=method, budget=budget or 1, steps=args.steps, seed=args.seed,
+        # budget None: the method spends what its settings cost (SatisDive), set below once the sampler is known
+        config = SampleConfig(guidance=method, budget=1 if budget is None else budget, steps=args.steps, seed=args.seed,
                               candidates=args.candidates, batch_prompts=args.batch_prompts)
         if sampler:
             config.sampler = dataclasses.replace(config.sampler, **sampler)
-        if budget is None:  # a method that spends what its settings cost (SatisDive): exactly that budget
+        if budget is None:
             config.budget = budget = config.build_sampler().needed_nfe(config)
         config.validate()
         row = {"method": method, "label": label, "budget": budget, "sampler": dataclasses.asdict(config.sampler),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -40,7 +41,8 @@ COLORS = {"plain": (214, 39, 40), "kl": (255, 127, 14), "gardo": (31, 119, 180)}
 SMOOTH = 5
 # curve -> (PNG name suffix, axis label); hacking.png is the held-out verifier
 PLOTS = {HELD_OUT: ("", "held-out exact verifier (toy_geneval, binary) on the training samples"),
-         "reward": ("_proxy", "proxy reward"), "collapse/diversity": ("_diversity", "within-group diversity (toy_scene)"),
+         "reward": ("_proxy", "proxy reward"),
+         "collapse/diversity": ("_diversity", "within-group diversity (toy_scene)"),
          "collapse/saturated_frac": ("_saturated", "saturated pixel fraction")}
 COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0", "train.eval_at_end=false",
           "collapse.held_out=toy_geneval"]
@@ -79,8 +81,7 @@ def train(name: str, args, out: Path) -> list[dict]:
 
 def smooth(values: list[float], window: int = SMOOTH) -> list[float]:
     """The trailing mean over ``window`` iterations (each iteration's value is 64 samples of 4 prompts: noisy)."""
-    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
-            for i in range(len(values))]
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
 def table(curves: dict[str, dict[str, list[float]]]) -> str:
@@ -88,7 +89,7 @@ def table(curves: dict[str, dict[str, list[float]]]) -> str:
              "| run | iterations | proxy reward | held-out exact verifier | saturated pixels | diversity |",
              "|---|---:|---|---|---|---|"]
     for name, curve in curves.items():
-        cells = [f"{sum(curve[key][:SMOOTH]) / SMOOTH:.3f} -> {sum(curve[key][-SMOOTH:]) / SMOOTH:.3f}"
+        cells = [f"{statistics.fmean(curve[key][:SMOOTH]):.3f} -> {statistics.fmean(curve[key][-SMOOTH:]):.3f}"
                  for key in CURVES]
         lines.append(f"| {name} | {len(curve[CURVES[0]])} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
