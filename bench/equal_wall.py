@@ -161,20 +161,33 @@ def finished(out: Path) -> list[dict]:
     return [json.loads(path.read_text()) for path in sorted((out / "records").glob("*-seed*.json"))]
 
 
+def ema_decay(run: dict) -> float:
+    """The EMA decay a run trained with: its command's ``optim.ema_decay=`` override (``--match-ema``), else the
+    default's (no method preset sets its own)."""
+    overrides = [arg.split("=", 1)[1] for arg in run.get("command", []) if arg.startswith("optim.ema_decay=")]
+    return float(overrides[-1]) if overrides else DEFAULT_EMA
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Per preset (the default first): iterations, seeds, the mean gain with its SE and seed SD, the per-seed gains
-    and per-tag gains, and the mean training wall time (the three phases of every iteration, no evaluation)."""
+    """Per preset (the default first): iterations, EMA decay, seeds, the mean gain with its SE and seed SD, the
+    per-seed gains and per-tag gains, and the mean training wall time (the three phases of every iteration, no
+    evaluation). A preset's records must share one EMA decay: runs with and without ``--match-ema`` are not pooled."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
         groups.setdefault(run["preset"], []).append(run)
     summary = {}
     for preset in sorted(groups, key=lambda p: (p != "default", p)):
         group = sorted(groups[preset], key=lambda r: r["seed"])
+        decays = {round(ema_decay(r), 6) for r in group}
+        if len(decays) > 1:
+            raise SystemExit(f"{preset}: records with different EMA decays {sorted(decays)} in one --out; keep "
+                             f"--match-ema runs in their own --out")
         gain, se, sd = seed_mean([r["overall"]["diff"] for r in group], [r["overall"]["se"] for r in group])
         walls = [r["train_s"] for r in group if r["train_s"]]
         on_train = [r for r in group if r.get("train_prompts")]
         ends = [r["collapse"] for r in group if r.get("collapse")]
-        summary[preset] = {"iterations": group[0]["iterations"], "seeds": [r["seed"] for r in group], "gain": gain,
+        summary[preset] = {"iterations": group[0]["iterations"], "ema_decay": decays.pop(),
+                           "seeds": [r["seed"] for r in group], "gain": gain,
                            "se": se, "seed_sd": sd, "gains": [r["overall"]["diff"] for r in group],
                            "train_s": sum(walls) / len(walls) if walls else None, "tags": [r["tags"] for r in group],
                            "train_prompts": None if not on_train else {
@@ -196,9 +209,9 @@ def _of_seeds(entry: dict | None, value: str, seeds: list[int]) -> str:
 
 def table(summary: dict) -> str:
     """The summary as a Markdown table."""
-    lines = ["| preset | iterations | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
+    lines = ["| preset | iterations | EMA | seeds | gain (mean over seeds) | SE | z | seed SD | per-seed gains | "
              "training s (mean) | training-prompt gain | at the end: diversity / saturated / held-out verifier |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for preset, row in summary.items():
         se, sd, wall = row["se"], row["seed_sd"], row["train_s"]
         on_train, ends = row.get("train_prompts"), row.get("collapse")
@@ -207,7 +220,8 @@ def table(summary: dict) -> str:
                                             f"{ends.get('collapse/saturated_frac', float('nan')):.3f} / "
                                             f"{'' if held_out is None else f'{held_out:.3f}'}")
         train_cell = _of_seeds(on_train, f"{on_train['gain']:+.3f}", row["seeds"]) if on_train else ""
-        lines.append(f"| {preset} | {row['iterations']} | {len(row['seeds'])} | {row['gain']:+.3f} | {se:.3f} | "
+        lines.append(f"| {preset} | {row['iterations']} | {row.get('ema_decay', DEFAULT_EMA):.3g} | "
+                     f"{len(row['seeds'])} | {row['gain']:+.3f} | {se:.3f} | "
                      f"{row['gain'] / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | "
                      f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {'' if wall is None else f'{wall:.0f}'} | "
                      f"{train_cell} | {_of_seeds(ends, end_cell, row['seeds'])} |")

@@ -85,11 +85,11 @@ def _vgpo_signal() -> str:
     return vgpo_signal.table(_read("vgpo_signal.json"))
 
 
-def _equal_wall(presets: tuple[str, ...] | None = None) -> str:
-    """The equal-wall table, of ``presets`` only when given."""
+def _equal_wall(presets: tuple[str, ...] | None = None, path: str = "equal_wall/equal_wall.json") -> str:
+    """The equal-wall table of ``path``, of ``presets`` only when given."""
     import equal_wall
 
-    summary = _read("equal_wall/equal_wall.json")
+    summary = _read(path)
     return equal_wall.table({k: v for k, v in summary.items() if presets is None or k in presets})
 
 
