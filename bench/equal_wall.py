@@ -171,17 +171,18 @@ def ema_decay(run: dict) -> float:
 def summarize(runs: list[dict]) -> dict:
     """Per preset (the default first): iterations, EMA decay, seeds, the mean gain with its SE and seed SD, the
     per-seed gains and per-tag gains, and the mean training wall time (the three phases of every iteration, no
-    evaluation). A preset's records must share one EMA decay: runs with and without ``--match-ema`` are not pooled."""
+    evaluation). A preset's records must share one EMA decay and one iteration budget: runs with and without
+    ``--match-ema``, or at different ``--iterations``, are not pooled."""
     groups: dict[str, list[dict]] = {}
     for run in runs:
         groups.setdefault(run["preset"], []).append(run)
     summary = {}
     for preset in sorted(groups, key=lambda p: (p != "default", p)):
         group = sorted(groups[preset], key=lambda r: r["seed"])
-        decays = {round(ema_decay(r), 6) for r in group}
-        if len(decays) > 1:
-            raise SystemExit(f"{preset}: records with different EMA decays {sorted(decays)} in one --out; keep "
-                             f"--match-ema runs in their own --out")
+        decays, budgets = {round(ema_decay(r), 6) for r in group}, {r["iterations"] for r in group}
+        if len(decays) > 1 or len(budgets) > 1:
+            raise SystemExit(f"{preset}: records with different EMA decays {sorted(decays)} or iterations "
+                             f"{sorted(budgets)} in one --out; give each setting its own --out")
         gain, se, sd = seed_mean([r["overall"]["diff"] for r in group], [r["overall"]["se"] for r in group])
         walls = [r["train_s"] for r in group if r["train_s"]]
         on_train = [r for r in group if r.get("train_prompts")]
