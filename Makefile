@@ -1,5 +1,5 @@
 # Two commands do all the set-up on a fresh machine (see README):
-#   make train   -- the default run: GRPO on the embedded toy world (flowalign train)
+#   make train   -- the default run on the embedded toy world (flowalign train: configs/default.yaml)
 #   make test    -- install into .venv and run the whole test suite
 # and `make docs` builds the documentation site into site/ (mkdocs build --strict).
 PYTHON ?= python3

@@ -1,8 +1,10 @@
-"""Method presets against the default run at the default run's wall-time budget, several training seeds each.
+"""Method presets at one wall-time budget, several training seeds each: the toy world's 15-minute budget, which is
+Flow-GRPO-Fast's 330 iterations (the default run until DiffusionNFT replaced it, and the reference every budget is
+counted from).
 
 Wall time is what a busy machine changes, so the budget is set in iterations: a preset whose iteration costs ``r``
-times the default's (``time/total`` ratios measured in one ``bench/train_iteration.py`` run, ``--costs``) trains
-``round(default_iterations / r)`` iterations (``--iterations PRESET=N`` fixes one by hand). Every run is a plain
+times Flow-GRPO-Fast's (``time/total`` ratios measured in one ``bench/train_iteration.py`` run, ``--costs``) trains
+``round(330 / r)`` iterations (``--iterations PRESET=N`` fixes one by hand). Every run is a plain
 ``flowalign train`` of the preset with its seed and ends with the default run's held-out evaluation (3,168 images,
 the same captions and seeds before and after), so each gain is paired against the base model; the table gives, per
 preset, the mean gain over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE),
@@ -15,12 +17,13 @@ Runs are resumable: each writes ``<out>/<preset>-seed<k>/`` (ignored by git) and
 record ``<out>/records/<preset>-seed<k>.json`` (kept in the repository: the paired gain, per-tag gains, iterations,
 training wall time, the training-prompt gain and the collapse metrics at the end). A run with a record is skipped, so
 seeds measured in one checkout add up with those of later ones; ``--report`` only rebuilds ``<out>/equal_wall.md`` and
-``.json`` from the records. The default is the embedded default config (``flowalign train`` with no file), named
-``default``. ``--match-ema`` gives each run the EMA decay that averages the
-same share of its iterations as the default's 0.99 does of 330 (``matched_ema``); keep such runs in their own
-``--out``, since a preset's rows are pooled over its records.
+``.json`` from the records. ``default`` is the default run (``flowalign train`` with no file: ``configs/default.yaml``,
+its own iterations and EMA). ``--match-ema`` gives each run the EMA decay that averages the same share of its
+iterations as Flow-GRPO-Fast's 0.99 does of 330 (``matched_ema``); keep such runs in their own ``--out``, since a
+preset's rows are pooled over its records. Records made before the default changed name Flow-GRPO-Fast's runs
+``flow_grpo_fast`` (the same config; their command has no config file).
 
-    python bench/equal_wall.py --presets default,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
+    python bench/equal_wall.py --presets flow_grpo_fast,vgpo --seeds 0,1,2 [--jobs 2] [--costs bench/results/X.json]
     python bench/equal_wall.py --presets diffusion_nft --seeds 0 --match-ema --out bench/results/equal_wall_ema
     python bench/equal_wall.py --report
     python bench/equal_wall.py --record ../other-checkout/bench/results/equal_wall/default-seed1   # one run's record
@@ -38,14 +41,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from methods import seed_mean  # noqa: E402 - the benchmarks' shared SE over seeds
 
-DEFAULT_ITERATIONS = 330  # the embedded default config's train.iterations
-DEFAULT_EMA = 0.99  # the embedded default config's optim.ema_decay
-DEFAULT_COST_NAME = "flow_grpo_fast"  # the default run's sampling, as bench/train_iteration.py names it
-TRAIN_PROMPTS = REPO / "assets/prompts/train.jsonl"  # the embedded default's data.train_prompts
+REFERENCE = "flow_grpo_fast"  # the budget's reference: its preset and its name in bench/train_iteration.py
+REFERENCE_ITERATIONS = 330  # Flow-GRPO-Fast's train.iterations (TrainConfig's default): the 15-minute budget
+REFERENCE_EMA = 0.99  # TrainConfig's optim.ema_decay, which every method preset keeps
+DEFAULT_RUN = REPO / "configs/default.yaml"  # ``default``: flowalign train with no config file
+TRAIN_PROMPTS = REPO / "assets/prompts/train.jsonl"  # the toy world's data.train_prompts
 TRAIN_PROMPT_IMAGES = 16  # per training prompt: 174 x 16 = 2,784 paired images
 COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0"]
 
@@ -57,16 +63,26 @@ def costs(path: Path) -> dict[str, float]:
 
 
 def iterations_for(preset: str, cost: dict[str, float], fixed: dict[str, int]) -> int:
-    """The preset's iterations at the default run's wall time."""
+    """The preset's iterations at the budget (the default run: its own)."""
     if preset in fixed:
         return fixed[preset]
     if preset == "default":
-        return DEFAULT_ITERATIONS
-    if preset not in cost or DEFAULT_COST_NAME not in cost:
-        raise SystemExit(f"no measured cost for {preset!r} (or {DEFAULT_COST_NAME!r}) in --costs: run "
-                         f"bench/train_iteration.py --presets {DEFAULT_COST_NAME} {preset}, or give "
+        return int(default_run()["train"]["iterations"])
+    if preset == REFERENCE:
+        return REFERENCE_ITERATIONS
+    if preset not in cost or REFERENCE not in cost:
+        raise SystemExit(f"no measured cost for {preset!r} (or {REFERENCE!r}) in --costs: run "
+                         f"bench/train_iteration.py --presets {REFERENCE} {preset}, or give "
                          f"--iterations {preset}=N")
-    return max(1, round(DEFAULT_ITERATIONS * cost[DEFAULT_COST_NAME] / cost[preset]))
+    return max(1, round(REFERENCE_ITERATIONS * cost[REFERENCE] / cost[preset]))
+
+
+def default_run() -> dict:
+    """The default run's config (``configs/default.yaml`` over TrainConfig), as nested dicts."""
+    from flowalign.config import load_config, to_dict
+    from flowalign.training.config import TrainConfig
+
+    return to_dict(load_config(TrainConfig, DEFAULT_RUN))
 
 
 def _one_thread() -> dict[str, str]:
@@ -74,11 +90,11 @@ def _one_thread() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def matched_ema(iterations: int, decay: float = DEFAULT_EMA) -> float:
-    """The EMA decay that averages the same share of a run of ``iterations`` as ``decay`` does of the default's 330:
+def matched_ema(iterations: int, decay: float = REFERENCE_EMA) -> float:
+    """The EMA decay that averages the same share of a run of ``iterations`` as ``decay`` does of Flow-GRPO-Fast's 330:
     ``decay ** (330 / iterations)`` (0.99 over 330 iterations keeps ``0.99^330 = 0.04`` of the start; over 85 it would
     keep 0.43, so a preset with fewer, costlier iterations would be evaluated mostly on its starting weights)."""
-    return decay ** (DEFAULT_ITERATIONS / iterations)
+    return decay ** (REFERENCE_ITERATIONS / iterations)
 
 
 def run_one(preset: str, seed: int, iterations: int, out: Path, extra: list[str]) -> None:
@@ -136,7 +152,8 @@ def collapse_at_end(history: list[dict], last: int = 10) -> dict:
 
 
 def record(run: Path, out: Path) -> dict:
-    """Write the finished run's record ``out/records/<run>.json``: its ``bench.json`` with the paired overall gain,
+    """Write the finished run's record ``out/records/<run>.json``: its ``bench.json`` with the EMA decay of its saved
+    config, the paired overall gain,
     the per-tag gains, the training wall time (the three phases of every iteration, no evaluation), the paired gain on
     the training prompts and the collapse metrics at the end."""
     info = json.loads((run / "bench.json").read_text())
@@ -144,7 +161,9 @@ def record(run: Path, out: Path) -> dict:
     metrics = run / "metrics.jsonl"
     history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     train_s = sum(float(m.get(k, 0.0)) for m in history for k in ("time/rollout", "time/reward", "time/train"))
-    entry = {**info, "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
+    config = yaml.safe_load((run / "config.yaml").read_text()) if (run / "config.yaml").exists() else {}
+    entry = {**info, **({"ema_decay": config["optim"]["ema_decay"]} if config else {}),
+             "overall": paired["overall"], "tags": {t: v["diff"] for t, v in paired["tags"].items()},
              "train_s": train_s, "train_prompts": train_prompt_gain(run, out, info["seed"]),
              "collapse": collapse_at_end(history)}
     (out / "records").mkdir(exist_ok=True)
@@ -162,10 +181,12 @@ def finished(out: Path) -> list[dict]:
 
 
 def ema_decay(run: dict) -> float:
-    """The EMA decay a run trained with: its command's ``optim.ema_decay=`` override (``--match-ema``), else the
-    default's (no method preset sets its own)."""
+    """The EMA decay a run trained with: as recorded from its config, else (older records) its command's
+    ``optim.ema_decay=`` override (``--match-ema``), else TrainConfig's, which every method preset keeps."""
+    if "ema_decay" in run:
+        return float(run["ema_decay"])
     overrides = [arg.split("=", 1)[1] for arg in run.get("command", []) if arg.startswith("optim.ema_decay=")]
-    return float(overrides[-1]) if overrides else DEFAULT_EMA
+    return float(overrides[-1]) if overrides else REFERENCE_EMA
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -177,7 +198,7 @@ def summarize(runs: list[dict]) -> dict:
     for run in runs:
         groups.setdefault(run["preset"], []).append(run)
     summary = {}
-    for preset in sorted(groups, key=lambda p: (p != "default", p)):
+    for preset in sorted(groups, key=lambda p: (p != "default", p != REFERENCE, p)):
         group = sorted(groups[preset], key=lambda r: r["seed"])
         decays, budgets = {round(ema_decay(r), 6) for r in group}, {r["iterations"] for r in group}
         if len(decays) > 1 or len(budgets) > 1:
@@ -221,7 +242,7 @@ def table(summary: dict) -> str:
                                             f"{ends.get('collapse/saturated_frac', float('nan')):.3f} / "
                                             f"{'' if held_out is None else f'{held_out:.3f}'}")
         train_cell = _of_seeds(on_train, f"{on_train['gain']:+.3f}", row["seeds"]) if on_train else ""
-        lines.append(f"| {preset} | {row['iterations']} | {row.get('ema_decay', DEFAULT_EMA):.3g} | "
+        lines.append(f"| {preset} | {row['iterations']} | {row.get('ema_decay', REFERENCE_EMA):.3g} | "
                      f"{len(row['seeds'])} | {row['gain']:+.3f} | {se:.3f} | "
                      f"{row['gain'] / se if se else float('nan'):.1f} | {'' if sd is None else f'{sd:.3f}'} | "
                      f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {'' if wall is None else f'{wall:.0f}'} | "

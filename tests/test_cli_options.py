@@ -236,6 +236,27 @@ def test_train_keeps_its_positional_config_overrides_and_resume(tmp_path):
     assert (args.options.rounds, args.options.eps2, args.options.out) == (3, 0.02, str(tmp_path / "c.yaml"))
 
 
+def test_train_without_a_config_is_the_default_run_and_a_config_replaces_it(monkeypatch, tmp_path):
+    """``flowalign train [KEY=VALUE ...]`` builds on ``configs/default.yaml`` (DiffusionNFT for 108 iterations with
+    the matched EMA 0.99 ** (330 / 108)); a named config builds on TrainConfig's own defaults (Flow-GRPO-Fast's)."""
+    from flowalign.config import ConfigError, diff_configs, load_config, to_dict
+    from flowalign.training.config import TrainConfig
+
+    monkeypatch.chdir(REPO)
+    _, default = parse_command(["train"])
+    nft = load_config(TrainConfig, REPO / "configs/methods/diffusion_nft.yaml",
+                      ["train.iterations=108", "optim.ema_decay=0.969757"])
+    assert diff_configs(to_dict(default), to_dict(nft)) == []
+    assert abs(default.optim.ema_decay - 0.99 ** (330 / 108)) < 1e-6 and list(default.objectives) == ["diffusion_nft"]
+    _, seeded = parse_command(["train", "train.seed=3"])
+    assert diff_configs(to_dict(default), to_dict(seeded)) == ["train.seed: 0 != 3"]
+    _, fast = parse_command(["train", str(REPO / "configs/methods/flow_grpo_fast.yaml")])
+    assert diff_configs(to_dict(fast), to_dict(TrainConfig())) == [] and fast.train.iterations == 330
+    monkeypatch.chdir(tmp_path)  # no configs/default.yaml here: said before anything loads
+    with pytest.raises(ConfigError, match=r"configs/default.yaml.*run from the repository root"):
+        parse_command(["train", "train.seed=3"])
+
+
 def test_every_documented_train_command_line_loads_its_config(monkeypatch):
     """``flowalign train ...`` lines of README.md and the docs (presets, model presets, overrides) pass every config
     check, as the command runs them before any model loads; lines naming a file the reader writes are left out."""

@@ -99,7 +99,8 @@ def trained(tmp_path_factory):
         "train.eval_images_per_prompt": EVAL["images_per_prompt"], "train.eval_steps": EVAL["steps"],
         "train.out_dir": root / "run",
     }
-    status, output = run_in_terminal([str(BIN / "flowalign"), "train", *(f"{k}={v}" for k, v in settings.items())],
+    status, output = run_in_terminal([str(BIN / "flowalign"), "train", str(REPO / "configs/methods/flow_grpo_fast.yaml"),
+                                      *(f"{k}={v}" for k, v in settings.items())],
                                      cwd=root)
     assert status == 0, output[-3000:]
     checkpoint = root / "run" / "checkpoint-000002"

@@ -21,7 +21,7 @@ from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import GRPOTrainer
 
-from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
+from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def free_port() -> int:
 def launch(model, out, *, nproc=2, **extra) -> None:
     """``torchrun --standalone --nproc_per_node nproc`` of ``flowalign train`` on CPU (gloo)."""
     done = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "flowalign.cli", "train",
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc), "-m", "flowalign.cli", *TRAIN_CLI,
          *settings(model, out, **extra)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=600)
@@ -217,7 +217,7 @@ def test_two_nodes_rendezvous_on_the_loopback_and_train_as_two_processes(tiny_mo
     node do."""
     port = free_port()
     command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-test", "-m", "flowalign.cli", "train",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-test", "-m", "flowalign.cli", *TRAIN_CLI,
                *settings(tiny_model, tmp_path / "nodes")]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -255,7 +255,7 @@ def test_nodes_launched_with_different_configs_are_refused_naming_the_key(tiny_m
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(
         [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-mismatch", "-m", "flowalign.cli", "train",
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-mismatch", "-m", "flowalign.cli", *TRAIN_CLI,
          *settings(tiny_model, tmp_path / "run", **{"optim.lr": lr})],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for lr in (3e-3, 1e-3)]
     outputs = [node.communicate(timeout=300) for node in nodes]

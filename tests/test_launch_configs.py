@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from test_fsdp2 import free_port, lora, relative_difference, settings, train_here
-from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
+from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def test_the_shipped_launch_config_trains_on_two_cpu_processes(launch, tiny_mode
     machines = int(yaml.safe_load(launch.read_text()).get("num_machines", 1))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     command = [str(BIN / "accelerate"), "launch", "--config_file", str(launch), "--num_processes", "2"]
-    train = ["-m", "flowalign.cli", "train", *settings(tiny_model, tmp_path / "run", **{"distributed.engine": engine})]
+    train = ["-m", "flowalign.cli", *TRAIN_CLI, *settings(tiny_model, tmp_path / "run", **{"distributed.engine": engine})]
     if machines == 1:
         runs = [subprocess.Popen(command + train, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
     else:

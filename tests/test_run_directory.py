@@ -15,7 +15,7 @@ from flowalign.errors import SetupError
 from flowalign.rewards import REWARDS, register_reward
 from flowalign.training.run_directory import holds_run, trim_metrics
 
-from test_trainer import final_checkpoint, make_trainer, overrides, tiny_model  # noqa: F401 - the fixture
+from test_trainer import TRAIN_CLI, final_checkpoint, make_trainer, overrides, tiny_model  # noqa: F401 - the fixture
 
 
 def _snapshot(run):
@@ -145,12 +145,12 @@ def _failing_at_iteration(n):
 def test_a_failure_after_set_up_is_no_user_error(tiny_model, tmp_path):
     register_reward("fails_on_second_call", lambda: _failing_at_iteration(2))
     try:
-        argv = ["train", *overrides(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: fails_on_second_call}]"})]
+        argv = [*TRAIN_CLI, *overrides(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: fails_on_second_call}]"})]
         with pytest.raises(ValueError, match="returned a tensor of dtype torch.complex64") as raised:  # propagates: traceback, exit status 1
             main(argv)
         assert not isinstance(raised.value, SetupError)
         with pytest.raises(SystemExit) as refused:  # a set-up error of the same command: exit 2, no traceback
-            main(["train", *overrides(tmp_path / "no-model", tmp_path / "fresh")])
+            main([*TRAIN_CLI, *overrides(tmp_path / "no-model", tmp_path / "fresh")])
         assert refused.value.code == 2
     finally:
         REWARDS.unregister("fails_on_second_call")
@@ -165,7 +165,7 @@ def test_the_command_line_shows_the_traceback_of_a_failure_after_set_up(tiny_mod
     )
     args = overrides(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: fails_on_second_call}]"})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, "-c", script, "train", *args], env=env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", script, *TRAIN_CLI, *args], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" in result.stderr and "returned a tensor of dtype torch.complex64" in result.stderr
@@ -198,6 +198,6 @@ def test_resuming_a_checkpoint_whose_optimizer_file_carries_code_is_a_user_error
     make_trainer(tiny_model, run, **{"train.iterations": 1}).train()
     torch.save({"state": CodePayload(marker)}, final_checkpoint(run) / "optimizer.pt")
     with pytest.raises(SystemExit) as refused:
-        main(["train", *overrides(tiny_model, run, **{"train.iterations": 2, "train.resume": "latest"})])
+        main([*TRAIN_CLI, *overrides(tiny_model, run, **{"train.iterations": 2, "train.resume": "latest"})])
     assert refused.value.code == 2 and not marker.exists()
     assert f"refusing to load '{final_checkpoint(run) / 'optimizer.pt'}'" in capsys.readouterr().err

@@ -24,6 +24,9 @@ from flowalign.training.trainer import GRPOTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# `flowalign train` with these tests' overrides: the Flow-GRPO-Fast preset (TrainConfig's own defaults, what the
+# in-process runs build on) named first, since a command line without a config builds on the default run instead.
+TRAIN_CLI = ("train", str(REPO / "configs/methods/flow_grpo_fast.yaml"))
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +260,9 @@ def test_bad_configs_fail_before_any_model_loads(tmp_path):
 
 def run_cli(args, env_extra=None, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run([str(BIN / "flowalign"), "train", *args], env=env, capture_output=True, text=True, **kwargs)
+    command = list(TRAIN_CLI) if args and "=" in args[0] else ["train"]
+    return subprocess.run([str(BIN / "flowalign"), *command, *args], env=env, capture_output=True, text=True,
+                          **kwargs)
 
 
 def test_cli_reports_bad_config_with_exit_code_2(tmp_path):
@@ -274,7 +279,7 @@ def _one_vs_two_processes(tiny_model, tmp_path, **extra):
     one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", "train",
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", *TRAIN_CLI,
          *overrides(tiny_model, tmp_path / "two", **settings)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
     )
@@ -367,7 +372,7 @@ def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny
 def test_sigterm_finishes_the_iteration_checkpoints_and_exits_zero(tiny_model, tmp_path):
     run = tmp_path / "run"
     args = overrides(tiny_model, run, **{"train.iterations": 200, "train.checkpoint_every": 0})
-    process = subprocess.Popen([str(BIN / "flowalign"), "train", *args], stdout=subprocess.PIPE,
+    process = subprocess.Popen([str(BIN / "flowalign"), *TRAIN_CLI, *args], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not (run / "metrics.jsonl").exists() and time.time() < deadline:

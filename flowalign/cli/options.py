@@ -2,7 +2,8 @@
 
 Every configurable command (``train``, ``calibrate``, ``sample``, ``eval ...``, ``registers train``, ``toy ...``) is
 ``flowalign COMMAND [CONFIG] [key=value ...] [--option VALUE ...]`` and is built by ``flowalign.config.load_config``
-from its dataclass: the YAML file ``CONFIG`` (with ``base:``), then the overrides. An option is sugar for an override:
+from its dataclass: the YAML file ``CONFIG`` (with ``base:``; ``train`` without one reads ``configs/default.yaml``,
+the default run), then the overrides. An option is sugar for an override:
 ``--steps 4``, ``--steps=4`` and ``steps=4`` are the same setting, and ``--a.b value`` works for any dotted key. So
 every option is declared once, as the dataclass field (``flowalign.settings.option``: its help, and the flag when it
 is not ``--<field-name>``), and ``--help`` is generated from the fields: help, type, default.
@@ -29,6 +30,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import re
 import types
 import typing
@@ -229,13 +231,16 @@ class ConfigCommand:
 
     ``flags``: generate ``cls``'s options (``train`` has only dotted ones); ``options``: a second dataclass whose
     options the command also takes (``calibrate``: rounds, eps1, eps2, out), built from those options alone and
-    passed as ``args.options``; ``aliases``: extra options naming one dotted key each (``train --resume``)."""
+    passed as ``args.options``; ``aliases``: extra options naming one dotted key each (``train --resume``);
+    ``default_config``: the YAML a command line without a CONFIG builds on, relative to the working directory (``train``:
+    ``configs/default.yaml``, the default run), where the schema's own defaults are the base of every config file."""
 
     cls: type | str  # a class, or "module:Name"
     run: Callable[[Any, argparse.Namespace], None]
     flags: bool = True
     options: type | str | None = None
     aliases: dict[str, tuple[str, str]] = field(default_factory=dict)  # option -> (key, help)
+    default_config: str | None = None
 
     def schema(self) -> type:
         return _resolve(self.cls)
@@ -288,7 +293,8 @@ def load_from_args(command: ConfigCommand, args: argparse.Namespace) -> Any:
         own = [o for o in flag_overrides if o.partition("=")[0] in keys]
         args.options = load_command_config(options, [], own, sources, flags)
         flag_overrides = [o for o in flag_overrides if o not in own]
-    return load_command_config(command.schema(), args.items, flag_overrides, sources, flags)
+    return load_command_config(command.schema(), args.items, flag_overrides, sources, flags,
+                               default_config=command.default_config)
 
 
 def _handler(command: ConfigCommand) -> Callable[[argparse.Namespace], None]:
@@ -330,12 +336,19 @@ def _component_first(overrides: Sequence[str], cls: type) -> list[str]:
 
 
 def load_command_config(cls: type, items: Sequence[str], flag_overrides: Sequence[str],
-                        sources: dict[str, str] | None = None, flags: dict[str, Flag] | None = None) -> Any:
+                        sources: dict[str, str] | None = None, flags: dict[str, Flag] | None = None, *,
+                        default_config: str | None = None) -> Any:
     """``load_config(cls, CONFIG, overrides)`` for a command line (module docstring); its ConfigErrors name the
-    options as typed."""
+    options as typed. Without a CONFIG, ``default_config`` (when given) is the config file."""
     from flowalign.config import ConfigError, load_config
 
     path, item_overrides = config_and_overrides(items)
+    if path is None and default_config is not None:
+        if not Path(default_config).is_file():
+            raise ConfigError(f"no CONFIG given and the default run's config {default_config!r} is not in "
+                              f"{os.getcwd()}: run from the repository root, or name a config first (e.g. "
+                              "configs/methods/flow_grpo_fast.yaml or configs/models/sd35_medium.yaml)")
+        path = default_config
     overrides = _component_first([*flag_overrides, *item_overrides], cls)
     try:
         return load_config(cls, path, overrides)

@@ -1,7 +1,10 @@
-"""``flowalign train`` (GRPO fine-tuning) and ``flowalign calibrate`` (DenseGRPO's per-step noise calibration).
+"""``flowalign train`` (RL fine-tuning) and ``flowalign calibrate`` (DenseGRPO's per-step noise calibration).
 
 Both take ``[CONFIG] [key=value ...]`` for a ``TrainConfig`` (``--a.b VALUE`` is the override ``a.b=VALUE``);
 ``train --resume CHECKPOINT|latest`` is ``train.resume``. ``calibrate``'s own options are ``CalibrateOptions``.
+``train`` without a CONFIG reads ``configs/default.yaml`` (``DEFAULT_RUN``), the default run: the best method
+measured at the toy world's 15-minute budget (``docs/results/default_run.md``). A CONFIG builds on ``TrainConfig``'s
+own defaults, which are Flow-GRPO-Fast's settings.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from flowalign.settings import at_least, finite, option
 
 from .options import ConfigCommand, add_config_command
 
-__all__ = ["CalibrateOptions", "add_calibrate", "add_train"]
+__all__ = ["DEFAULT_RUN", "CalibrateOptions", "add_calibrate", "add_train"]
 
+DEFAULT_RUN = "configs/default.yaml"  # relative to the working directory, like the toy world's assets/
 
 
 @dataclass
@@ -78,10 +82,12 @@ def add_train(commands) -> None:
     add_config_command(
         commands, "train", ConfigCommand("flowalign.training.config:TrainConfig", _run_train, flags=False,
                                          aliases={"--resume": ("train.resume", "continue a run: a checkpoint or "
-                                                                               "'latest'")}),
-        help="GRPO fine-tuning; with no config, the toy-world default run",
-        description="Fine-tune with GRPO. CONFIG is a YAML file (optional); KEY=VALUE overrides use dotted keys, "
-        "e.g. optim.lr=3e-4 sampling.noise_level=0.9.",
+                                                                               "'latest'")},
+                                         default_config=DEFAULT_RUN),
+        help="RL fine-tuning; with no config, the toy-world default run (configs/default.yaml)",
+        description="Fine-tune with a method preset. CONFIG is a YAML file (optional: without one, "
+        f"{DEFAULT_RUN}, the default run); KEY=VALUE overrides use dotted keys, e.g. optim.lr=3e-4 "
+        "train.seed=1.",
     )
 
 
