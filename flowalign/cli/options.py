@@ -312,15 +312,20 @@ def _handler(command: ConfigCommand) -> Callable[[argparse.Namespace], None]:
 # ------------------------------------------------------------------------------------------------ loading
 
 
-def config_and_overrides(items: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``[CONFIG] [KEY=VALUE ...]`` -> (config path or None, overrides); a named config must exist."""
+def config_and_overrides(items: Sequence[str], default: str | None = None) -> tuple[str | None, list[str]]:
+    """``[CONFIG] [KEY=VALUE ...]`` -> (config path, overrides). A named config must exist; without one, ``default``
+    (the command's default run, relative to the working directory) is the config, and must exist too."""
     from flowalign.config import ConfigError
 
-    path, overrides = None, list(items)
+    path, overrides = default, list(items)
     if overrides and "=" not in overrides[0]:
         path = overrides.pop(0)
         if not Path(path).is_file():
             raise ConfigError(f"config file {path!r} does not exist")
+    elif default is not None and not Path(default).is_file():
+        raise ConfigError(f"no CONFIG given and the default run's config {default!r} is not in {os.getcwd()}: run "
+                          "from the repository root, or name a config first (e.g. "
+                          "configs/methods/flow_grpo_fast.yaml or configs/models/sd35_medium.yaml)")
     stray = [item for item in overrides if "=" not in item]
     if stray:
         raise ConfigError(f"expected key=value after the config file, got {stray[0]!r} (only the first item may be a "
@@ -342,13 +347,7 @@ def load_command_config(cls: type, items: Sequence[str], flag_overrides: Sequenc
     options as typed. Without a CONFIG, ``default_config`` (when given) is the config file."""
     from flowalign.config import ConfigError, load_config
 
-    path, item_overrides = config_and_overrides(items)
-    if path is None and default_config is not None:
-        if not Path(default_config).is_file():
-            raise ConfigError(f"no CONFIG given and the default run's config {default_config!r} is not in "
-                              f"{os.getcwd()}: run from the repository root, or name a config first (e.g. "
-                              "configs/methods/flow_grpo_fast.yaml or configs/models/sd35_medium.yaml)")
-        path = default_config
+    path, item_overrides = config_and_overrides(items, default_config)
     overrides = _component_first([*flag_overrides, *item_overrides], cls)
     try:
         return load_config(cls, path, overrides)
