@@ -192,13 +192,11 @@ def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to
     saved = lora(tmp_path / "two", 2)
     assert all(torch.equal(whole[name], saved["transformer." + name.replace(".default", "")]) for name in whole)
     train_here(tiny_model, tmp_path / "one")
-    # 2 -> 1: resume the 2-process run's first checkpoint on one process
-    launch(tiny_model, tmp_path / "two-to-one", **{"train.iterations": 1})
-    train_here(tiny_model, tmp_path / "two-to-one", **{"train.resume": "latest"})
+    # 2 -> 1: the 2-process run's first checkpoint resumed on one process (into a run directory of its own)
+    train_here(tiny_model, tmp_path / "two-to-one", **{"train.resume": str(tmp_path / "two" / "checkpoint-000001")})
     assert relative_difference(lora(tmp_path / "two-to-one", 2), lora(tmp_path / "two", 2)) < 1e-3
     # 1 -> 2
-    train_here(tiny_model, tmp_path / "one-to-two", **{"train.iterations": 1})
-    launch(tiny_model, tmp_path / "one-to-two", **{"train.resume": "latest"})
+    launch(tiny_model, tmp_path / "one-to-two", **{"train.resume": str(tmp_path / "one" / "checkpoint-000001")})
     assert relative_difference(lora(tmp_path / "one-to-two", 2), lora(tmp_path / "one", 2)) < 1e-3
     # and the weights a resume loads are the checkpoint's, bitwise
     trainer = GRPOTrainer(load_config(TrainConfig, None, settings(

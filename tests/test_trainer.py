@@ -93,27 +93,23 @@ def test_first_ratio_is_exactly_one_and_metrics_are_logged(tiny_model, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_short_run_on_the_toy_model_raises_the_reward(tmp_path):
-    """12 iterations on the shipped toy model, two seeds: the mean reward of the last 4 iterations beats the first 4.
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_short_run_on_the_toy_model_raises_the_reward(seed, tmp_path):
+    """8 iterations on the shipped toy model: the mean reward of the last 3 iterations beats the first 3.
 
-    Brightness is dense and prompt-free, so a dozen iterations move it clearly (measured: +0.019 for both seeds,
-    against an iteration-to-iteration spread of about 0.01).
+    Brightness is dense and prompt-free, so a few iterations at a high learning rate move it clearly (measured on
+    seeds 0, 1 and 2: +0.055, +0.058 and +0.111, against an iteration-to-iteration spread of about 0.02).
     """
-    for seed in (0, 1):
-        config = load_config(TrainConfig, None, [
-            "reward.rewards=[{name: brightness}]", "data.prompts_per_iteration=2", "data.group_size=8",
-            "optim.lr=1e-2", "model.lora_rank=8", "model.lora_alpha=16", "train.iterations=12", f"train.seed={seed}",
-            "optim.ema_decay=0", *[f"{k}={v}" for k, v in EVERY_STEP.items()],
-            "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
-            f"train.out_dir={tmp_path / str(seed)}", f"model.path={REPO / 'assets/toy-sd3'}",
-            f"data.train_prompts={REPO / 'assets/prompts/train.jsonl'}",
-        ])
-        rewards = [m["reward"] for m in GRPOTrainer(config).train()]
-        assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.008, rewards
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+    config = load_config(TrainConfig, None, [
+        "reward.rewards=[{name: brightness}]", "data.prompts_per_iteration=2", "data.group_size=8",
+        "optim.lr=2e-2", "model.lora_rank=8", "model.lora_alpha=16", "train.iterations=8", f"train.seed={seed}",
+        "optim.ema_decay=0", *[f"{k}={v}" for k, v in EVERY_STEP.items()],
+        "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
+        f"train.out_dir={tmp_path}", f"model.path={REPO / 'assets/toy-sd3'}",
+        f"data.train_prompts={REPO / 'assets/prompts/train.jsonl'}",
+    ])
+    rewards = [m["reward"] for m in GRPOTrainer(config).train()]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.025, rewards
 
 
 def test_resume_matches_an_uninterrupted_run(tiny_model, tmp_path):
