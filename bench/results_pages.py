@@ -107,7 +107,7 @@ def _methods_objectives() -> str:
     forward-process objectives."""
     import methods
 
-    keep = ("flow_grpo_fast", TRAINING_SIDE_NFE, TRAINING_SIDE_WALL, *OBJECTIVES)
+    keep = ("flow_grpo_fast", *TRAINING_SIDE, *OBJECTIVES)
     return methods.curve_table([r for r in methods.load_runs(RESULTS / "methods") if r["preset"] in keep])
 
 
@@ -166,9 +166,9 @@ GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "g
           "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium",
           "guided_fk_reference")
 OBJECTIVES = ("diffusion_nft", "awm", "dpo")  # the forward-process objectives of docs/results/objectives.md
-# The training-side methods objectives.md compares them with: the one that gained most at the wall budget
-# (equal_wall/) and the one that gained most at equal NFEs (methods/).
-TRAINING_SIDE_WALL, TRAINING_SIDE_NFE = "shell_lcc", "tp_grpo"
+# The training-side methods objectives.md compares them with, in both of its tables: the two that gained most at the
+# wall budget (equal_wall/: DRL, Shell-LCC) and the one that gained most at equal NFEs (methods/: TP-GRPO).
+TRAINING_SIDE = ("drl", "shell_lcc", "tp_grpo")
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
@@ -184,7 +184,7 @@ TABLES = {
     "soar": ("methods.md", "soar/soar-seed*.json", _soar),
     "shell_lcc": ("methods.md", "shell_lcc/shell_lcc.json", _shell_lcc),
     "objectives_equal_wall": ("objectives.md", "equal_wall/equal_wall.json",
-                              lambda: _equal_wall(("flow_grpo_fast", TRAINING_SIDE_WALL, *OBJECTIVES))),
+                              lambda: _equal_wall(("flow_grpo_fast", *TRAINING_SIDE, *OBJECTIVES))),
     "objectives_equal_wall_matched": ("objectives.md", "equal_wall{,_matched}/equal_wall.json", _equal_wall_matched),
     "objectives_equal_nfe": ("objectives.md", "methods/*-seed*.json", _methods_objectives),
     "hacking": ("objectives.md", "hacking/hacking.json", _hacking),
