@@ -166,9 +166,9 @@ GUIDED = ("guided", "guided_bon160", "guided_fk_add", "guided_fk_confirm_40", "g
           "guided_rgs_soft", "guided_rgs_soft_confirm", "guided_rgs_soft_full", "guided_euphonium",
           "guided_fk_reference")
 OBJECTIVES = ("diffusion_nft", "awm", "dpo")  # the forward-process objectives of docs/results/objectives.md
-# The training-side methods objectives.md compares them with, in both of its tables: the two that gained most at the
-# wall budget (equal_wall/: DRL, Shell-LCC) and the one that gained most at equal NFEs (methods/: TP-GRPO).
-TRAINING_SIDE = ("drl", "shell_lcc", "tp_grpo")
+# The training-side methods objectives.md compares them with, in both of its tables: the three that gained most at
+# the wall budget (equal_wall/: DRL, VGPO, Shell-LCC) and the one that gained most at equal NFEs (methods/: TP-GRPO).
+TRAINING_SIDE = ("drl", "vgpo", "shell_lcc", "tp_grpo")
 # NAME: (page, the table's source under bench/results/, a function rendering it)
 TABLES = {
     "train_iteration": ("methods.md", "train_iteration.json", lambda: _cost("train_iteration.json")),
