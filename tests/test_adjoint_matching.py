@@ -17,8 +17,12 @@ from flowalign.objectives.adjoint_matching import (
     memoryless_step,
     sample_memoryless,
     stratified_steps,
-    uniform_sigmas,
 )
+
+
+def grid(steps: int) -> torch.Tensor:
+    """The paper's K uniform steps from noise to data."""
+    return torch.linspace(1, 0, steps + 1, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("sigma,expected", [
@@ -61,7 +65,7 @@ def test_the_local_linear_sampler_keeps_the_gaussian_marginal_better_than_euler(
     noise = torch.randn(400_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     final = {}
     for integrator in ("local_linear", "euler"):
-        states = sample_memoryless(gaussian_velocity(1.5, 0.5), noise, uniform_sigmas(100),
+        states = sample_memoryless(gaussian_velocity(1.5, 0.5), noise, grid(100),
                                    generator=torch.Generator().manual_seed(1), integrator=integrator)
         assert len(states) == 101
         final[integrator] = states[-1]
@@ -75,7 +79,7 @@ def test_the_lean_adjoint_of_a_linear_velocity_uses_its_transposed_matrix():
     or ``a' - dt (2 A^T a' + a' / u')`` (Euler)."""
     A = torch.tensor([[0.3, -1.2], [0.5, 0.8]], dtype=torch.float64)
     c = torch.tensor([0.1, -0.2], dtype=torch.float64)
-    sigmas = uniform_sigmas(10)
+    sigmas = grid(10)
     states = [torch.randn(3, 2, generator=torch.Generator().manual_seed(k), dtype=torch.float64) for k in range(11)]
     terminal = torch.randn(3, 2, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
     for integrator in ("local_linear", "euler"):
@@ -102,7 +106,7 @@ def test_the_lean_adjoint_converges_to_the_pathwise_gradient_of_the_noise_free_s
 
     errors = {"local_linear": [], "euler": []}
     for steps in (50, 200):
-        sigmas = uniform_sigmas(steps)
+        sigmas = grid(steps)
         start = torch.tensor([0.4], dtype=torch.float64, requires_grad=True)
         states = [start]
         for k in range(steps):
@@ -163,4 +167,4 @@ def test_bad_input_names_the_integrator_and_the_states():
     with pytest.raises(ValueError, match="integrator must be one of"):
         lean_adjoint_step(x, x, 0.5, 0.4, delta=0.1, integrator="rk4")
     with pytest.raises(ValueError, match="3 states for 11 sigmas"):
-        lean_adjoints([x, x, x], uniform_sigmas(10), x, lambda y, s: y, delta=0.1)
+        lean_adjoints([x, x, x], grid(10), x, lambda y, s: y, delta=0.1)

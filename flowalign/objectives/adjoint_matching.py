@@ -33,12 +33,19 @@ from typing import Callable, Literal
 import torch
 from torch import Tensor
 
+from flowalign.samplers.sde import check_sigmas
+
 Integrator = Literal["local_linear", "euler"]
 INTEGRATORS: tuple[str, ...] = ("local_linear", "euler")
 
 
 def _u(sigma: Tensor | float, delta: float) -> Tensor:
     return 1.0 - torch.as_tensor(sigma, dtype=torch.float64) + delta
+
+
+def _check_integrator(integrator: str) -> None:
+    if integrator not in INTEGRATORS:
+        raise ValueError(f"integrator must be one of {INTEGRATORS}, got {integrator!r}")
 
 
 def local_linear_coefficients(sigma: float | Tensor, sigma_next: float | Tensor, *, delta: float,
@@ -59,17 +66,14 @@ def diffusion_coefficient(sigma: float | Tensor, *, delta: float, eps: float) ->
 def memoryless_step(x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, noise: Tensor, *,
                     delta: float, eps: float, integrator: Integrator = "local_linear") -> Tensor:
     """One step of the memoryless SDE from ``sigma`` to ``sigma_next`` with the standard normal ``noise``."""
+    _check_integrator(integrator)
     if integrator == "local_linear":
         phi, omega, variance = local_linear_coefficients(sigma, sigma_next, delta=delta, eps=eps)
         out = phi * x.double() - omega * v.double() + variance.clamp_min(0).sqrt() * noise.double()
-    elif integrator == "euler":
-        dt = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
-        u = _u(sigma, delta)
-        drift = -2 * v.double() - x.double() / u
-        out = x.double() + drift * dt + torch.sqrt(2 * (torch.as_tensor(sigma, dtype=torch.float64) + eps) * dt / u) \
-            * noise.double()
     else:
-        raise ValueError(f"integrator must be one of {INTEGRATORS}, got {integrator!r}")
+        dt = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
+        drift = -2 * v.double() - x.double() / _u(sigma, delta)
+        out = x.double() + drift * dt + diffusion_coefficient(sigma, delta=delta, eps=eps) * dt.sqrt() * noise.double()
     return out.to(x.dtype)
 
 
@@ -77,39 +81,31 @@ def lean_adjoint_step(adjoint_next: Tensor, vjp_next: Tensor, sigma: float | Ten
                       delta: float, eps: float = 0.0, integrator: Integrator = "local_linear") -> Tensor:
     """The lean adjoint one step back, ``a_k`` from ``a_{k+1}`` and ``J^T a_{k+1}`` (the base velocity's
     vector-Jacobian product at ``(X_{k+1}, sigma_next)``); ``eps`` is not used (the adjoint has no noise term)."""
+    _check_integrator(integrator)
     dt = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
     a, jta = adjoint_next.double(), vjp_next.double()
     if integrator == "local_linear":
         phi = local_linear_coefficients(sigma, sigma_next, delta=delta, eps=eps)[0]
         out = phi * (a - 2 * dt * jta)
-    elif integrator == "euler":
-        out = a - dt * (2 * jta + a / _u(sigma_next, delta))
     else:
-        raise ValueError(f"integrator must be one of {INTEGRATORS}, got {integrator!r}")
+        out = a - dt * (2 * jta + a / _u(sigma_next, delta))
     return out.to(adjoint_next.dtype)
-
-
-def velocity_vjp(velocity: Callable[[Tensor], Tensor], x: Tensor, cotangent: Tensor) -> Tensor:
-    """``(d velocity / d x)(x)^T cotangent`` by one reverse pass (no graph kept)."""
-    with torch.enable_grad():
-        x = x.detach().requires_grad_(True)
-        (grad,) = torch.autograd.grad(velocity(x), x, grad_outputs=cotangent)
-    return grad.detach()
 
 
 def lean_adjoints(states: list[Tensor], sigmas: Tensor, terminal_adjoint: Tensor,
                   velocity: Callable[[Tensor, Tensor], Tensor], *, delta: float, eps: float = 0.0,
                   integrator: Integrator = "local_linear") -> list[Tensor]:
     """Every ``a_k`` of a trajectory ``states`` (``X_0 .. X_K`` on ``sigmas``, ``K + 1`` of each), backwards from
-    ``terminal_adjoint`` (``-lambda grad r(X_K)``); ``velocity(x, sigma)`` is the base model's."""
+    ``terminal_adjoint`` (``-lambda grad r(X_K)``); ``velocity(x, sigma)`` is the base model's, whose
+    vector-Jacobian products ``torch.autograd.functional.vjp`` takes (one reverse pass per step, no graph kept)."""
     if len(states) != len(sigmas):
         raise ValueError(f"{len(states)} states for {len(sigmas)} sigmas: give X_0 .. X_K on sigma_0 .. sigma_K")
-    adjoints = [terminal_adjoint]
+    backwards = [terminal_adjoint]
     for k in range(len(sigmas) - 2, -1, -1):
-        vjp = velocity_vjp(lambda x, s=sigmas[k + 1]: velocity(x, s), states[k + 1], adjoints[0])
-        adjoints.insert(0, lean_adjoint_step(adjoints[0], vjp, sigmas[k], sigmas[k + 1], delta=delta, eps=eps,
-                                             integrator=integrator))
-    return adjoints
+        _, vjp = torch.autograd.functional.vjp(lambda x, s=sigmas[k + 1]: velocity(x, s), states[k + 1], backwards[-1])
+        backwards.append(lean_adjoint_step(backwards[-1], vjp, sigmas[k], sigmas[k + 1], delta=delta, eps=eps,
+                                           integrator=integrator))
+    return backwards[::-1]
 
 
 def adjoint_matching_loss(v_theta: Tensor, v_base: Tensor, adjoint: Tensor, sigma: float | Tensor, *, delta: float,
@@ -155,17 +151,13 @@ class OutlierClip:
         return losses.detach() <= self.tau
 
 
-def uniform_sigmas(num_steps: int) -> Tensor:
-    """The paper's grid: ``K`` uniform steps from noise to data, ``sigma_k = 1 - k / K`` (float64)."""
-    return 1 - torch.arange(num_steps + 1, dtype=torch.float64) / num_steps
-
-
 def sample_memoryless(velocity: Callable[[Tensor, Tensor], Tensor], x: Tensor, sigmas: Tensor, *,
                       generator: torch.Generator | None = None, delta: float | None = None, eps: float | None = None,
                       integrator: Integrator = "local_linear") -> list[Tensor]:
-    """A trajectory ``X_0 .. X_K`` of the memoryless SDE from the noise ``x``, the last step one deterministic
-    denoising call ``X_K = X_{K-1} - sigma_{K-1} v`` (the paper's Alg. 2); ``delta`` and ``eps`` default to the first
-    step's size."""
+    """A trajectory ``X_0 .. X_K`` of the memoryless SDE from the noise ``x`` on ``sigmas`` (the paper's grid:
+    ``torch.linspace(1, 0, K + 1)``), the last step one deterministic denoising call ``X_K = X_{K-1} - sigma_{K-1} v``
+    (the paper's Alg. 2); ``delta`` and ``eps`` default to the first step's size."""
+    check_sigmas(sigmas)
     step = float(sigmas[0] - sigmas[1])
     delta = step if delta is None else delta
     eps = step if eps is None else eps
@@ -182,5 +174,4 @@ def sample_memoryless(velocity: Callable[[Tensor, Tensor], Tensor], x: Tensor, s
 
 
 __all__ = ["INTEGRATORS", "OutlierClip", "adjoint_matching_loss", "diffusion_coefficient", "lean_adjoint_step",
-           "lean_adjoints", "local_linear_coefficients", "memoryless_step", "sample_memoryless", "stratified_steps",
-           "uniform_sigmas", "velocity_vjp"]
+           "lean_adjoints", "local_linear_coefficients", "memoryless_step", "sample_memoryless", "stratified_steps"]
