@@ -11,6 +11,11 @@ before and after.
     python bench/drl.py --out bench/results/drl [--iterations 40] [--images-per-prompt 4] [--seed 0]
     python bench/drl.py --out /tmp/drl-smoke --tiny      # a few seconds' check that the pipeline runs end to end
     python bench/drl.py --out bench/results/drl --reuse-discriminator   # step 1 from an earlier run's checkpoint
+    python bench/drl.py --out bench/results/drl_adjoint --preset drl_adjoint --iterations 240 \
+        --discriminator bench/results/drl/discriminator.safetensors      # the same discriminator as the drl run
+
+``--preset drl_adjoint`` runs stage 2 as the paper does (adjoint matching, an objective on the discriminator's
+gradient) instead of GRPO on its logit.
 
 Writes ``<out>/drl.json`` and prints a markdown table.
 """
@@ -28,7 +33,16 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TINY_DISC = ["max_steps=10", "batch_size=16", "buffer_batches=1", "epochs=5", "validate_every=5", "sample_steps=4",
              "data=toy:1", "val_fraction=0.1", "lr=1e-2"]
-TINY_RUN = ["data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8"]
+TINY_RUN = {"drl": ["data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8"],
+            "drl_adjoint": ["objectives.adjoint_matching.batch_size=2",
+                            "objectives.adjoint_matching.units_per_iteration=1"]}
+
+
+def reward_overrides(preset: str, checkpoint: Path) -> list[str]:
+    """The run's reward: the discriminator's logit in GRPO (drl), or the gradient adjoint matching follows."""
+    if preset == "drl_adjoint":
+        return [f"objectives.adjoint_matching.reward_kwargs.path={checkpoint}"]
+    return ["reward.rewards=[{name: discriminator, kwargs: {path: " + str(checkpoint) + "}}]"]
 
 
 def render_held_out(metadata: list[dict], per_prompt: int, size: int) -> torch.Tensor:
@@ -54,7 +68,19 @@ def measure(model, reward, metadata, renders, *, images_per_prompt: int, seed: i
     data = torch.cat([reward.features(renders[i:i + 64].to(reward.device)).cpu() for i in range(0, len(renders), 64)])
     logits = reward(images, prompts, [{}] * len(prompts))
     return {"fd": frechet_distance(data, feats), "logit": float(logits.mean()), "overall": summary["overall"],
-            "results": results}
+            "results": results, "images": images}
+
+
+def save_samples(path: Path, metadata: list[dict], renders, before, after, *, per_prompt: int, prompts: int = 8):
+    """A grid of the first ``prompts`` held-out prompts, one column each: an exact render, the base model's first
+    sample and the trained model's first sample (the same seed)."""
+    from flowalign.evaluation.images import save_grid
+
+    first = [p * per_prompt for p in range(prompts)]
+    render_rows = [p * max(2, per_prompt) for p in range(prompts)]
+    images = torch.cat([renders[render_rows], before["images"][first].float(), after["images"][first].float()])
+    captions = [f"data: {metadata[p]['prompt']}" for p in range(prompts)] + ["base"] * prompts + ["trained"] * prompts
+    save_grid(images, captions, path, columns=prompts)
 
 
 def main() -> None:
@@ -64,7 +90,11 @@ def main() -> None:
     parser.add_argument("--images-per-prompt", type=int, default=4)
     parser.add_argument("--eval-prompts", type=int, default=None, help="first N held-out prompts (default: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", choices=sorted(TINY_RUN), default="drl", help="stage 2: GRPO on the logit (drl) "
+                        "or adjoint matching on its gradient (drl_adjoint)")
     parser.add_argument("--disc", action="append", default=[], help="train-discriminator setting key=value")
+    parser.add_argument("--discriminator", type=Path, default=None,
+                        help="a discriminator trained earlier (its .json beside it) instead of training one")
     parser.add_argument("--set", action="append", default=[], help="drl preset override key=value")
     parser.add_argument("--tiny", action="store_true", help="tiny settings: checks that it runs, measures nothing")
     parser.add_argument("--reuse-discriminator", action="store_true",
@@ -82,12 +112,14 @@ def main() -> None:
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint = out / "discriminator.safetensors"
+    checkpoint = args.discriminator or out / "discriminator.safetensors"
     disc_settings = [f"model={REPO / 'assets/toy-sd3'}", "image_size=32", f"seed={args.seed}", f"out={checkpoint}",
                      *(TINY_DISC if args.tiny else []), *args.disc]
     clock = time.perf_counter()
     sidecar = checkpoint.with_suffix(".json")
-    if args.reuse_discriminator and checkpoint.is_file() and sidecar.is_file():  # trained by an earlier run
+    if args.discriminator is not None and not (checkpoint.is_file() and sidecar.is_file()):
+        raise SystemExit(f"--discriminator {checkpoint}: no such checkpoint with its .json beside it")
+    if (args.reuse_discriminator or args.discriminator) and checkpoint.is_file() and sidecar.is_file():  # made before
         disc = json.loads(sidecar.read_text())
         print(f"reusing {checkpoint} (validation accuracy {disc['val_accuracy']:.3f})", flush=True)
     else:
@@ -97,9 +129,8 @@ def main() -> None:
     overrides = [f"model.path={REPO / 'assets/toy-sd3'}", "sampling.image_size=32", f"train.iterations={iterations}",
                  f"train.seed={args.seed}", f"train.out_dir={out / 'run'}", "train.tracker=none",
                  "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
-                 "reward.rewards=[{name: discriminator, kwargs: {path: " + str(checkpoint) + "}}]",
-                 *(TINY_RUN if args.tiny else []), *args.set]
-    trainer = GRPOTrainer(load_config(TrainConfig, REPO / "configs/methods/drl.yaml", overrides))
+                 *reward_overrides(args.preset, checkpoint), *(TINY_RUN[args.preset] if args.tiny else []), *args.set]
+    trainer = GRPOTrainer(load_config(TrainConfig, REPO / f"configs/methods/{args.preset}.yaml", overrides))
     reward = DiscriminatorReward(str(checkpoint), device=trainer.model.device)
     bind_reward_model(reward, trainer.model)  # a text-conditioned discriminator embeds the prompts with the run's model
     metadata = load_metadata(default_prompts_path())[: (2 if args.tiny else args.eval_prompts)]
@@ -116,10 +147,12 @@ def main() -> None:
     with trainer.ema_weights():
         after = measure(trainer.model, reward, metadata, renders, **kwargs)
     paired = paired_difference(before["results"], after["results"])["overall"]
+    save_samples(out / "samples.png", metadata, renders, before, after, per_prompt=per_prompt,
+                 prompts=min(8, len(metadata)))
     summary = {
         "tiny": args.tiny, "discriminator": {k: disc[k] for k in ("val_accuracy", "val_loss", "selected_step", "steps")},
         "discriminator_s": disc_s, "train_s": train_s, "iterations": iterations, "eval_prompts": len(metadata),
-        "images_per_prompt": per_prompt,
+        "images_per_prompt": per_prompt, "preset": args.preset,
         "before": {k: before[k] for k in ("fd", "logit", "overall")},
         "after": {k: after[k] for k in ("fd", "logit", "overall")}, "geneval_gain": paired,
         "disc_settings": disc_settings, "overrides": overrides,
@@ -127,7 +160,7 @@ def main() -> None:
     (out / "drl.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
     print(f"| | feature FD to data | mean logit | toy-GenEval |\n|---|---:|---:|---:|\n"
           f"| base | {before['fd']:.3f} | {before['logit']:+.3f} | {before['overall']} |\n"
-          f"| drl ({iterations} it.) | {after['fd']:.3f} | {after['logit']:+.3f} | {after['overall']} |\n\n"
+          f"| {args.preset} ({iterations} it.) | {after['fd']:.3f} | {after['logit']:+.3f} | {after['overall']} |\n\n"
           f"toy-GenEval gain {paired['diff']:+.3f} ± {paired['se']:.3f}; discriminator validation accuracy "
           f"{disc['val_accuracy']:.3f} ({disc_s:.0f} s), training {train_s:.0f} s")
 

@@ -94,6 +94,7 @@ SMALL_RUN_SHAPE = {
     "euphonium": {"credit.process_reward": "brightness"},  # a differentiable process reward that needs no segmenter
     "soar": {"objectives.soar.batch_size": 1, "objectives.soar.units_per_iteration": 2},
     "sft": {"objectives.flow_matching.batch_size": 1, "objectives.flow_matching.units_per_iteration": 2},
+    "drl_adjoint": {"objectives.adjoint_matching.batch_size": 1, "objectives.adjoint_matching.units_per_iteration": 2},
     # GARDO ranks its proxy against auxiliary rewards that need no segmenter: brightness against JPEG (in)compressibility
     "gardo": {"reward.rewards": "[{name: brightness}, {name: jpeg_compressibility, weight: 0.0}, "
                                 "{name: jpeg_incompressibility, weight: 0.0}]",

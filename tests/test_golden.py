@@ -29,7 +29,7 @@ from golden_runs import (
 @pytest.fixture(scope="module")
 def golden_models(tmp_path_factory):
     """The tiny SD3 and FLUX pipelines (seed 0), a register checkpoint (seed 0) for register_grpo and a discriminator
-    checkpoint (seed 0) for drl."""
+    checkpoint (seed 0) for drl and drl_adjoint."""
     from diffusers import SD3Transformer2DModel
 
     from flowalign.reward_models.registers import LatentRegisters
@@ -84,6 +84,8 @@ def _run(name, golden_models, out, extra=None):
     if name == "drl":  # scored by an (untrained, seed 0) discriminator made for the tiny SD3
         spec = "[{name: discriminator, kwargs: {path: " + str(golden_models["discriminator"]) + "}}]"
         extra = {**extra, "reward.rewards": spec}
+    if name == "drl_adjoint":  # adjoint matching on the same discriminator's gradient
+        extra = {**extra, "objectives.adjoint_matching.reward_kwargs": f"{{path: {golden_models['discriminator']}}}"}
     return run_golden(name, model, out, extra=extra, registers=registers)
 
 

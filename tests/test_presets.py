@@ -42,7 +42,7 @@ def small_run(model_path, out, **extra):
 def test_the_expected_presets_ship():
     assert {p.stem for p in METHODS} == {"flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo",
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
-                                         "register_grpo", "vgpo", "euphonium", "drl", "shell_lcc",
+                                         "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
                                          "grpo_guard", "gardo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
@@ -76,8 +76,10 @@ EXPECTED = {
     "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
-# and 6 auxiliary points (7) per pair; SFT: 1.
-OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1}
+# and 6 auxiliary points (7) per pair; SFT: 1; adjoint matching (units of 1 trajectory of K = 10 steps): 10 policy
+# forwards and 9 base forwards for the adjoint, then the policy and the reference at 4 trained steps in each of the
+# preset's 2 epochs.
+OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1, "drl_adjoint": 2 * (10 + 9 + 2 * 2 * 4)}
 # Objectives on rollouts (no loss term): NFEs of one iteration, the rollout's 2 x 2 x 10 plus the objective's passes
 # per trained row. DiffusionNFT: 9 levels per sample, each evaluated by the policy, theta_old and the reference (KL);
 # AWM: 6 levels, the policy, the reference and theta_ema; DPO: 9 draws per pair, its 2 rows by the policy and the
@@ -121,6 +123,12 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert not config.loss and list(config.objectives) == [preset.stem]
         assert_rollout_objective_run(preset.stem, GRPOTrainer(config).train())
         return
+    if preset.stem == "drl_adjoint":  # a discriminator made for the tiny model, its units of 1 trajectory
+        from flowalign.reward_models.discriminator import untrained_discriminator
+
+        checkpoint = untrained_discriminator(tiny_paths["sd3"], tmp_path / "d.safetensors", image_size=32, width=16)
+        extra["objectives.adjoint_matching.reward_kwargs"] = "{path: " + str(checkpoint) + "}"
+        extra["objectives.adjoint_matching.batch_size"] = 1
     if preset.stem in OBJECTIVE_ONLY:  # no rollout: 2 iterations of the objective alone
         config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
         history = GRPOTrainer(config).train()

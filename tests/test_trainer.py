@@ -343,19 +343,28 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
 
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
 # r from global-std advantages, AWM's strata shared per unit of 2 samples and its theta_ema, online DPO's pairs per
-# group (each process holds one) and its reference copy, refreshed every 3 optimizer steps.
+# group (each process holds one) and its reference copy, refreshed every 3 optimizer steps. With them two objectives on
+# keyed data units, 6 each over the 3 minibatches (unit_keys): flow matching on the toy scenes, and adjoint matching
+# (trajectories, lean adjoints on the reference, and the outlier threshold moved through every unit's quantile).
 FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "advantage.std": "global",
                    "objectives.diffusion_nft.batch_size": 2, "objectives.awm.train_sigmas": 3,
                    "objectives.awm.batch_size": 2, "objectives.dpo.ref_update_steps": 3,
-                   "objectives.dpo.sample_with_reference": "false"}
+                   "objectives.dpo.sample_with_reference": "false",
+                   "objectives.flow_matching.data": "toy", "objectives.flow_matching.batch_size": 1,
+                   "objectives.flow_matching.units_per_iteration": 6,
+                   "objectives.adjoint_matching.reward": "brightness", "objectives.adjoint_matching.reward_kwargs": "{}",
+                   "objectives.adjoint_matching.batch_size": 1, "objectives.adjoint_matching.units_per_iteration": 6}
 
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny_model, tmp_path):
     """Each process re-noises its own samples with draws keyed by sample, unit and group, DPO pairs whole groups on
-    their process, and the policy copies move alike: the run, copies included, does not depend on the process count."""
+    their process, the data units are keyed alike, and the policy copies move alike: the run, copies and the adjoint
+    matching threshold included, does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **FORWARD_PROCESS)
     _assert_same_run(a, b)
+    taus = [[h["adjoint_matching/tau"] for h in json.loads((c / "state.json").read_text())["history"]] for c in (a, b)]
+    assert taus[0] == pytest.approx(taus[1], rel=1e-3) and all(t > 0 for t in taus[0]), taus  # all-reduce rounding
     ca, cb = load_file(str(a / "copies.safetensors")), load_file(str(b / "copies.safetensors"))
     assert sorted({k.split("/")[0] for k in ca}) == ["kl_ema", "old", "ref"] and ca.keys() == cb.keys()
     difference = max((ca[k] - cb[k]).abs().max().item() for k in ca)

@@ -4,9 +4,10 @@ Shell-LCC) or on the iteration's rollouts (the forward-process objectives Diffus
 An ``Objective`` is registered in ``OBJECTIVES`` with its settings (``objectives: {flow_matching: {data: ...}}``, several
 may be on). Each iteration it makes this process's ``DataUnit``s (``units(iteration, context)``): latents ``x`` the
 policy is evaluated at, their noise levels and conditioning rows, and whatever its loss needs; every draw is keyed by
-``(seed, iteration, unit)`` (``context.generator``), so a 2-process run makes the same units as a 1-process run. The
-trainer evaluates the policy (and the reference, when ``needs_reference``) once per unit and calls ``loss(unit,
-policy)``, a ``PolicyOutput`` as the loss terms get.
+``(seed, iteration, unit)`` (``context.generator``) and the units are numbered by ``unit_keys``, so a 2-process run
+makes the same units as a 1-process run and trains the same ones in each minibatch. The trainer evaluates the policy
+(and the reference, when ``needs_reference``) once per unit and calls ``loss(unit, policy)``, a ``PolicyOutput`` as
+the loss terms get.
 
 Objectives on rollouts (``trains_on_rollouts = True``) train on the final samples of the iteration's rollout and their
 rewards, not on its transitions: the trainer rolls out (with the component's ``sampling_policy``, any sampler, no
@@ -35,7 +36,7 @@ from flowalign.registry import Registry
 from flowalign.seeding import Purpose, generator
 
 __all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOutput", "RolloutSamples", "process_slice",
-           "register_objective"]
+           "register_objective", "unit_keys"]
 
 OBJECTIVES: Registry = Registry("objective")
 register_objective = OBJECTIVES.register
@@ -128,6 +129,28 @@ def process_slice(count: int, process_index: int, num_processes: int, *, what: s
     return range(process_index * share, (process_index + 1) * share)
 
 
+def unit_keys(count: int, context: ObjectiveContext, *, what: str = "units_per_iteration") -> list[int]:
+    """The keys (global numbers) of the data units this process makes, in its order, for ``count`` units an iteration.
+
+    The trainer gives minibatch ``m`` the ``m``-th of ``optim.minibatches`` (``M``) equal shares of each process's
+    units, so the units are numbered minibatch-major, then by process, then in order: with ``c = count / (P M)``,
+    process ``p``'s ``j``-th unit is ``(j // c) P c + p c + j % c``. Minibatch ``m`` then trains units
+    ``[m count / M, (m + 1) count / M)`` on any number of processes ``P``; one process makes ``range(count)``, and with
+    ``M = 1`` process ``p`` makes its contiguous ``process_slice``. ``count`` must be a multiple of ``P`` (``P M`` when
+    ``P > 1``)."""
+    process_slice(count, context.process_index, context.num_processes, what=what)
+    processes = context.num_processes
+    minibatches = int(getattr(getattr(context.config, "optim", None), "minibatches", 1))
+    if processes == 1:
+        return list(range(count))
+    if count % (processes * minibatches):
+        raise ValueError(f"{what} = {count} must be a multiple of the processes times optim.minibatches "
+                         f"({processes} x {minibatches}) so every minibatch trains the same units on any number of "
+                         "processes")
+    per = count // (processes * minibatches)
+    return [m * processes * per + context.process_index * per + i for m in range(minibatches) for i in range(per)]
+
+
 class Objective(Component):
     """A loss on data units (module docstring)."""
 
@@ -150,4 +173,5 @@ class Objective(Component):
 
 
 # The built-in objectives register themselves on import.
-from flowalign.objectives import awm, diffusion_nft, dpo, flow_matching, shell_lcc, soar  # noqa: E402,F401
+from flowalign.objectives import (  # noqa: E402,F401
+    adjoint_matching, awm, diffusion_nft, dpo, flow_matching, shell_lcc, soar)

@@ -1,177 +1,262 @@
-"""Adjoint matching on the memoryless SDE, as DRL trains with it (Beltran-Velez et al. 2026, "The Reward Was in Your
-Data All Along", arXiv 2606.19162, Alg. 2 and App. F–G; adjoint matching itself: Domingo-Enrich et al. 2025). No
-public code exists; this follows the paper's equations as ``../shared/METHODS.md`` §3 transcribes them.
+"""Adjoint matching, DRL's stage 2 (Beltran-Velez et al. 2026, arXiv 2606.19162, Alg. 2; Domingo-Enrich et al. 2025):
+fine-tune toward ``p_base exp(lambda r)`` for a differentiable reward ``r`` (DRL: the discriminator's logit) by
+regressing the policy's control onto the lean adjoint of the memoryless SDE. The math is
+``flowalign.losses.adjoint_matching``; no public code exists, so this follows the paper's equations
+(``../shared/METHODS.md`` §3).
 
-The paper's time ``t`` runs from noise (0) to data (1); flowalign's sigma is ``s = 1 - t`` and its velocity
-``v = dx/ds`` is minus the paper's, so every formula below is the paper's with ``t = 1 - s`` and ``v -> -v``.
-With offsets ``delta`` and ``eps`` (the paper: both one step, ``1 / K``) and ``u = 1 - s + delta``:
+Each data unit is ``B`` trajectories, every draw from the generator keyed ``(seed, iteration, unit, OBJECTIVE)`` in
+this order (so any process layout makes the same units): the prompts (uniform over the training prompts), the
+initial noise, the ``K - 1`` noise draws of the memoryless SDE, the stratified steps. Then, stop-gradient:
 
-* **Memoryless SDE.** ``dX = (2 v_paper - X / u) dt + sqrt(2 (1 - t + eps) / u) dB``; without the offsets this is
-  ``sde_step(kind="flow_grpo", noise_level=sqrt(2))`` (METHODS.md §3, Identity 2).
-* **Local-linear step** (Eq. 35) from ``s`` to ``s'``: ``Phi = u / u'``, ``Omega = u' (1 - Phi^2)``,
-  ``V = (1 + delta + eps)(1 - Phi^2) - (2/3)(u' - Phi^2 u)``, and ``X' = Phi X - Omega v(X, s) + sqrt(V) xi``.
-* **Euler–Maruyama with offsets** (Eq. 34), ``dt = s - s'``:
-  ``X' = X + (-2 v - X / u) dt + sqrt(2 (s + eps) dt / u) xi``.
-* **Lean adjoint** (Eqs. 37–38), backwards from ``a_K = -lambda grad r(X_K)`` with the *base* velocity's
-  vector-Jacobian product ``J^T a = (d v_base / d x)(X', s')^T a'``: local-linear ``a = Phi (a' - 2 dt J^T a')``,
-  Euler ``a = a' - dt (2 J^T a' + a' / u')``.
-* **Loss** at the trained steps ``S``: ``L = 1/(2|S|) sum_k ||(2 / sigma_k)(v_theta - v_base)(X_k, s_k) - sigma_k a_k||^2``
-  with ``sigma_k = sqrt(2 (s_k + eps) / u_k)`` (the diffusion coefficient), the norm summed over a sample's
-  dimensions; the trainer averages it over samples. At the optimum ``v_theta - v_base = sigma^2 a / 2``: the
-  memoryless SDE's optimal control toward ``p_base exp(lambda r)``.
-* **Stratified steps**: a fraction (0.4) of the ``K`` steps, half drawn below ``t = 0.6`` and half at or above it.
-* **Outlier clipping**: per-sample losses above ``tau_n = rho tau_{n-1} + (1 - rho) min(q_alpha, c tau_{n-1})`` are
-  masked, ``q_alpha`` the batch's alpha-quantile (alpha 0.9, rho 0.9, spike cap c 5; the first batch starts the
-  threshold at its own quantile).
+1. ``X_0 .. X_K`` from the memoryless SDE with the **current policy**'s conditional velocity (no CFG) on the uniform
+   grid ``s_k = 1 - k / K`` (local-linear or Euler steps, offsets ``delta = eps = 1 / K``; the last step one
+   deterministic denoising call).
+2. ``a_K = -lambda grad_x r(X_K)``: the reward of the decoded ``X_K`` (a latent reward reads ``X_K`` itself).
+3. The lean adjoints ``a_k`` backwards with the **base** velocity's vector-Jacobian products (LoRA off).
+4. A stratified 40% of the steps, half below ``t = 0.6`` and half at or above it (the same steps for the unit's
+   trajectories).
+
+The unit's rows are the states ``X_k`` at the trained steps (sample-major), which the trainer evaluates with the
+policy and the reference (LoRA off). The loss of a sample is the mean over its trained steps of
+``1/2 ||(2 / sigma_k)(v_theta - v_base) - sigma_k a_k||^2`` (summed over the latent's dimensions); a unit's loss is
+``weight * sum_b keep_b l_b / B``: the samples above the outlier threshold ``tau`` count as zero.
+
+**Outlier clipping, one iteration behind.** The paper updates ``tau`` with each batch's 0.9-quantile and masks that
+batch. Here each unit's quantile is taken at its first loss of the iteration, and after the update ``tau`` moves
+through every unit's quantile in unit order (gathered over the processes), so the threshold an iteration masks with
+is the one after the previous iteration's units: it is the same for any process layout and any
+``optim.minibatches``, and it is the checkpointed state (the first iteration masks nothing).
+
+Forward passes per sample, in ``DataUnit.nfe``: ``K`` policy forwards for the trajectory and ``K - 1`` base forwards
+for the vector-Jacobian products (each with its backward pass, not counted), plus the trainer's 2 per trained row
+(policy and reference). The paper's buffer (trajectories reused for 5 epochs) is ``optim.inner_epochs``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from flowalign.samplers.sde import check_sigmas
+from flowalign.components import ComponentConfig
+from flowalign.errors import SetupError
+from flowalign.losses.adjoint_matching import (
+    INTEGRATORS,
+    OutlierClip,
+    adjoint_matching_loss,
+    lean_adjoints,
+    sample_memoryless,
+    stratified_steps,
+)
+from flowalign.models.base import as_image_size
+from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.seeding import Purpose
+from flowalign.settings import check, finite, option
 
-Integrator = Literal["local_linear", "euler"]
-INTEGRATORS: tuple[str, ...] = ("local_linear", "euler")
+__all__ = ["AdjointMatching", "AdjointMatchingConfig"]
 
-
-def _u(sigma: Tensor | float, delta: float) -> Tensor:
-    return 1.0 - torch.as_tensor(sigma, dtype=torch.float64) + delta
-
-
-def _check_integrator(integrator: str) -> None:
-    if integrator not in INTEGRATORS:
-        raise ValueError(f"integrator must be one of {INTEGRATORS}, got {integrator!r}")
-
-
-def local_linear_coefficients(sigma: float | Tensor, sigma_next: float | Tensor, *, delta: float,
-                              eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``(Phi, Omega, V)`` of the local-linear step from ``sigma`` to ``sigma_next`` (Eq. 35), in float64."""
-    u, u_next = _u(sigma, delta), _u(sigma_next, delta)
-    phi = u / u_next
-    omega = u_next * (1 - phi ** 2)
-    variance = (1 + delta + eps) * (1 - phi ** 2) - 2.0 / 3.0 * (u_next - phi ** 2 * u)
-    return phi, omega, variance
-
-
-def diffusion_coefficient(sigma: float | Tensor, *, delta: float, eps: float) -> Tensor:
-    """``sigma_k = sqrt(2 (s + eps) / u)``, the memoryless SDE's noise scale with the paper's offsets."""
-    return torch.sqrt(2 * (torch.as_tensor(sigma, dtype=torch.float64) + eps) / _u(sigma, delta))
-
-
-def memoryless_step(x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, noise: Tensor, *,
-                    delta: float, eps: float, integrator: Integrator = "local_linear") -> Tensor:
-    """One step of the memoryless SDE from ``sigma`` to ``sigma_next`` with the standard normal ``noise``."""
-    _check_integrator(integrator)
-    if integrator == "local_linear":
-        phi, omega, variance = local_linear_coefficients(sigma, sigma_next, delta=delta, eps=eps)
-        out = phi * x.double() - omega * v.double() + variance.clamp_min(0).sqrt() * noise.double()
-    else:
-        dt = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
-        drift = -2 * v.double() - x.double() / _u(sigma, delta)
-        out = x.double() + drift * dt + diffusion_coefficient(sigma, delta=delta, eps=eps) * dt.sqrt() * noise.double()
-    return out.to(x.dtype)
-
-
-def lean_adjoint_step(adjoint_next: Tensor, vjp_next: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, *,
-                      delta: float, eps: float = 0.0, integrator: Integrator = "local_linear") -> Tensor:
-    """The lean adjoint one step back, ``a_k`` from ``a_{k+1}`` and ``J^T a_{k+1}`` (the base velocity's
-    vector-Jacobian product at ``(X_{k+1}, sigma_next)``); ``eps`` is not used (the adjoint has no noise term)."""
-    _check_integrator(integrator)
-    dt = torch.as_tensor(sigma, dtype=torch.float64) - torch.as_tensor(sigma_next, dtype=torch.float64)
-    a, jta = adjoint_next.double(), vjp_next.double()
-    if integrator == "local_linear":
-        phi = local_linear_coefficients(sigma, sigma_next, delta=delta, eps=eps)[0]
-        out = phi * (a - 2 * dt * jta)
-    else:
-        out = a - dt * (2 * jta + a / _u(sigma_next, delta))
-    return out.to(adjoint_next.dtype)
-
-
-def lean_adjoints(states: list[Tensor], sigmas: Tensor, terminal_adjoint: Tensor,
-                  velocity: Callable[[Tensor, Tensor], Tensor], *, delta: float, eps: float = 0.0,
-                  integrator: Integrator = "local_linear") -> list[Tensor]:
-    """Every ``a_k`` of a trajectory ``states`` (``X_0 .. X_K`` on ``sigmas``, ``K + 1`` of each), backwards from
-    ``terminal_adjoint`` (``-lambda grad r(X_K)``); ``velocity(x, sigma)`` is the base model's, whose
-    vector-Jacobian products ``torch.autograd.functional.vjp`` takes (one reverse pass per step, no graph kept)."""
-    if len(states) != len(sigmas):
-        raise ValueError(f"{len(states)} states for {len(sigmas)} sigmas: give X_0 .. X_K on sigma_0 .. sigma_K")
-    backwards = [terminal_adjoint]
-    for k in range(len(sigmas) - 2, -1, -1):
-        _, vjp = torch.autograd.functional.vjp(lambda x, s=sigmas[k + 1]: velocity(x, s), states[k + 1], backwards[-1])
-        backwards.append(lean_adjoint_step(backwards[-1], vjp, sigmas[k], sigmas[k + 1], delta=delta, eps=eps,
-                                           integrator=integrator))
-    return backwards[::-1]
-
-
-def adjoint_matching_loss(v_theta: Tensor, v_base: Tensor, adjoint: Tensor, sigma: float | Tensor, *, delta: float,
-                          eps: float) -> Tensor:
-    """Per-sample ``1/2 ||(2 / sigma_k)(v_theta - v_base) - sigma_k a_k||^2`` at one step (summed over a sample's
-    dimensions; float32 out). Average it over the trained steps and the samples."""
-    scale = diffusion_coefficient(sigma, delta=delta, eps=eps).float()
-    residual = (2 / scale) * (v_theta.float() - v_base.float()) - scale * adjoint.float()
-    return 0.5 * residual.pow(2).flatten(1).sum(1)
-
-
-def stratified_steps(num_steps: int, *, fraction: float = 0.4, split: float = 0.6,
-                     generator: torch.Generator | None = None) -> Tensor:
-    """The trained step indices: ``round(fraction K)`` of the ``K`` steps, half with ``t_k < split`` (``sigma > 1 -
-    split``) and half at or above it, each half drawn without replacement; sorted."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    t = torch.arange(num_steps, dtype=torch.float64) / num_steps
-    low, high = torch.nonzero(t < split).flatten(), torch.nonzero(t >= split).flatten()
-    total = max(1, round(fraction * num_steps))
-    take_low = min(len(low), total // 2 + total % 2)
-    take_high = min(len(high), total - take_low)
-    picked = [pool[torch.randperm(len(pool), generator=generator)[:n]]
-              for pool, n in ((low, take_low), (high, take_high))]
-    return torch.sort(torch.cat(picked)).values
+OBJECTIVE = int(Purpose.OBJECTIVE)
 
 
 @dataclass
-class OutlierClip:
-    """Adaptive clipping of per-sample losses (App. G): ``tau_n = rho tau_{n-1} + (1 - rho) min(q_alpha, c
-    tau_{n-1})``; ``mask`` keeps the losses at or under ``tau_n``. ``tau`` is None until the first batch (which
-    sets it to its own quantile); it is the state a checkpoint keeps."""
+class AdjointMatchingConfig(ComponentConfig):
+    reward: str = option("discriminator", "the differentiable reward r whose tilt p_base exp(lambda r) is the target "
+                                          "(DRL: the discriminator's logit)")
+    reward_kwargs: dict[str, Any] = option({"path": "outputs/discriminator/discriminator.safetensors"},
+                                           "keyword arguments for the reward's constructor")
+    reward_scale: float = option(10.0, "lambda: the terminal adjoint is -lambda grad r (the paper's 10; 1 is the "
+                                       "value at which the tilt is the data distribution)")
+    num_steps: int | None = option(None, "K, the memoryless SDE's uniform steps; null = sampling.num_steps")
+    integrator: Literal["local_linear", "euler"] = option(
+        "local_linear", "the SDE's step: local_linear (the paper's Eq. 35) or euler (Euler-Maruyama with offsets)")
+    delta: float | None = option(None, "the time offset u = 1 - sigma + delta; null = one step, 1 / K")
+    eps: float | None = option(None, "the noise offset of the diffusion coefficient; null = one step, 1 / K")
+    step_fraction: float = option(0.4, "the share of the K steps trained per trajectory (stratified)")
+    step_split: float = option(0.6, "the paper time t = 1 - sigma splitting the stratified steps in halves")
+    clip: bool = option(True, "mask per-sample losses above the adaptive outlier threshold tau")
+    clip_quantile: float = option(0.9, "alpha: the quantile tau follows")
+    clip_decay: float = option(0.9, "rho: the threshold's EMA decay")
+    clip_cap: float = option(5.0, "c: a quantile counts at most c tau (spikes)")
+    weight: float = option(1.0, "weight of this objective's loss")
+    batch_size: int = option(4, "trajectories per data unit")
+    units_per_iteration: int = option(1, "data units per iteration, split over the processes (a multiple of their "
+                                         "number)")
+    image_size: int | None = option(None, "latent size in pixels; null = sampling.image_size, else the model's default")
 
-    alpha: float = 0.9
-    rho: float = 0.9
-    cap: float = 5.0
-    tau: float | None = None
-
-    def mask(self, losses: Tensor) -> Tensor:
-        quantile = float(torch.quantile(losses.detach().double(), self.alpha))
-        self.tau = quantile if self.tau is None else self.rho * self.tau + (1 - self.rho) * min(quantile,
-                                                                                                 self.cap * self.tau)
-        return losses.detach() <= self.tau
-
-
-def sample_memoryless(velocity: Callable[[Tensor, Tensor], Tensor], x: Tensor, sigmas: Tensor, *,
-                      generator: torch.Generator | None = None, delta: float | None = None, eps: float | None = None,
-                      integrator: Integrator = "local_linear") -> list[Tensor]:
-    """A trajectory ``X_0 .. X_K`` of the memoryless SDE from the noise ``x`` on ``sigmas`` (the paper's grid:
-    ``torch.linspace(1, 0, K + 1)``), the last step one deterministic denoising call ``X_K = X_{K-1} - sigma_{K-1} v``
-    (the paper's Alg. 2); ``delta`` and ``eps`` default to the first step's size."""
-    check_sigmas(sigmas)
-    step = float(sigmas[0] - sigmas[1])
-    delta = step if delta is None else delta
-    eps = step if eps is None else eps
-    states = [x]
-    for k in range(len(sigmas) - 1):
-        v = velocity(states[-1], sigmas[k])
-        if k == len(sigmas) - 2:
-            states.append((states[-1].double() - float(sigmas[k]) * v.double()).to(x.dtype))
-            break
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-        states.append(memoryless_step(states[-1], v, sigmas[k], sigmas[k + 1], noise, delta=delta, eps=eps,
-                                      integrator=integrator))
-    return states
+    def validate(self) -> None:
+        check(isinstance(self.reward, str) and bool(self.reward), "reward",
+              "must name a registered differentiable reward (DRL: discriminator)")
+        finite("reward_scale", self.reward_scale, 0.0, strict=True)
+        for key in ("batch_size", "units_per_iteration"):
+            value = getattr(self, key)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, key,
+                  f"must be an integer >= 1, got {value!r}")
+        check(self.num_steps is None or (isinstance(self.num_steps, int) and self.num_steps >= 2), "num_steps",
+              f"must be an integer >= 2 or null, got {self.num_steps!r}")
+        check(self.integrator in INTEGRATORS, "integrator",
+              f"must be one of {', '.join(INTEGRATORS)}, got {self.integrator!r}")
+        for key in ("delta", "eps"):
+            if getattr(self, key) is not None:
+                finite(key, getattr(self, key), 0.0, strict=key == "delta")
+        check(0.0 < self.step_fraction <= 1.0, "step_fraction", f"must be in (0, 1], got {self.step_fraction!r}")
+        check(0.0 < self.step_split < 1.0, "step_split", f"must be in (0, 1), got {self.step_split!r}")
+        check(0.0 < self.clip_quantile < 1.0, "clip_quantile", f"must be in (0, 1), got {self.clip_quantile!r}")
+        check(0.0 <= self.clip_decay < 1.0, "clip_decay", f"must be in [0, 1), got {self.clip_decay!r}")
+        finite("clip_cap", self.clip_cap, 1.0)
+        finite("weight", self.weight, 0.0, strict=True)
+        check(self.image_size is None or (isinstance(self.image_size, int) and self.image_size >= 1), "image_size",
+              f"must be a positive integer or null, got {self.image_size!r}")
 
 
-__all__ = ["INTEGRATORS", "OutlierClip", "adjoint_matching_loss", "diffusion_coefficient", "lean_adjoint_step",
-           "lean_adjoints", "local_linear_coefficients", "memoryless_step", "sample_memoryless", "stratified_steps"]
+@register_objective("adjoint_matching", config=AdjointMatchingConfig)
+class AdjointMatching(Objective):
+    """Adjoint matching on the memoryless SDE toward ``p_base exp(lambda r)`` (module docstring)."""
+
+    config: AdjointMatchingConfig
+    needs_reference = True  # v_base at the trained states
+
+    def __init__(self, config=None):
+        super().__init__(config)
+        self.clip = OutlierClip(self.config.clip_quantile, self.config.clip_decay, self.config.clip_cap)
+        self.quantiles: dict[int, float] = {}  # this iteration's first quantile of each of this process's units
+        self.accelerator = None  # set_up: the gather of the quantiles
+        self.steps, self.run_image_size = self.config.num_steps, None  # set_up: K and sampling.image_size
+
+    @property
+    def key(self) -> str:
+        return f"objectives.{self.name or 'adjoint_matching'}"
+
+    def check(self, config) -> None:
+        check(self.config.num_steps is not None or config.sampling.num_steps >= 2, "sampling.num_steps",
+              f"= {config.sampling.num_steps}: adjoint matching needs K >= 2 steps; set {self.key}.num_steps")
+
+    def start_up(self) -> None:
+        from flowalign.rewards import build_differentiable_reward, require_differentiable_reward
+
+        try:  # refused on its class, before anything is built
+            require_differentiable_reward(self.config.reward, f"{self.key}.reward")
+        except ValueError as error:
+            raise SetupError(f"{error}; adjoint matching needs the reward's gradient (e.g. discriminator, "
+                             "toy_geneval_soft, shell_lcc)") from None
+        self.reward_model = None
+        self.build_reward = lambda: build_differentiable_reward(self.config.reward, f"{self.key}.reward",
+                                                                **self.config.reward_kwargs)
+
+    def check_model(self, model_path: str | None) -> None:
+        from flowalign.rewards import check_reward_run
+
+        try:  # a fitted reward (a discriminator, a manifold) was made for this model and image size
+            check_reward_run(self.config.reward, self.config.reward_kwargs, key=f"{self.key}.reward_kwargs",
+                             model=model_path)
+        except (FileNotFoundError, ValueError) as error:
+            raise SetupError(str(error)) from error
+
+    def set_up(self, parts) -> None:
+        from flowalign.data.prompts import load_prompts
+        from flowalign.rewards import bind_reward_model, check_reward_run
+
+        config = parts.config
+        self.steps = config.sampling.num_steps if self.config.num_steps is None else self.config.num_steps
+        self.run_image_size = config.sampling.image_size
+        try:  # and the run's image size, before the reward is built
+            check_reward_run(self.config.reward, self.config.reward_kwargs, key=f"{self.key}.reward_kwargs",
+                             model=None, image_size=self.config.image_size or self.run_image_size)
+        except (FileNotFoundError, ValueError) as error:
+            raise SetupError(str(error)) from error
+        self.reward_model = self.build_reward()
+        bind_reward_model(self.reward_model, parts.model)
+        self.accelerator = parts.accelerator
+        self.prompts = list(load_prompts(config.data.train_prompts))
+
+    # --- the units ----------------------------------------------------------------------------------------------------
+    def grid(self) -> tuple[Tensor, float, float]:
+        """The uniform grid ``sigma_k = 1 - k / K`` and the offsets ``(delta, eps)``."""
+        sigmas = torch.linspace(1.0, 0.0, self.steps + 1)
+        step = 1.0 / self.steps
+        cfg = self.config
+        return sigmas, (step if cfg.delta is None else cfg.delta), (step if cfg.eps is None else cfg.eps)
+
+    def image_size(self, context: ObjectiveContext) -> tuple[int, int]:
+        size = self.config.image_size if self.config.image_size is not None else self.run_image_size
+        return as_image_size(size, context.model.default_image_size)
+
+    def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
+        return [self.unit(iteration, u, context) for u in unit_keys(self.config.units_per_iteration, context)]
+
+    @torch.no_grad()
+    def unit(self, iteration: int, index: int, context: ObjectiveContext) -> DataUnit:
+        """Unit ``index``: ``B`` trajectories with their lean adjoints at the stratified steps (module docstring)."""
+        from flowalign.rewards import score_latents
+
+        cfg, model = self.config, context.model
+        device = context.device if context.device is not None else model.device
+        draws = context.generator(index, OBJECTIVE)
+        rows = torch.randint(len(self.prompts), (cfg.batch_size,), generator=draws)
+        entries = [self.prompts[int(r)] for r in rows]
+        prompts = [entry["prompt"] for entry in entries]
+        metadata = [dict(entry) for entry in entries]  # a prompt's entry is its metadata
+        noise = model.prepare_noise(cfg.batch_size, self.image_size(context), generator=draws, dtype=torch.float32)
+        cond = model.encode(prompts)
+        sigmas, delta, eps = self.grid()
+
+        def velocity(x: Tensor, sigma: Tensor) -> Tensor:
+            return model.velocity(x, sigma.to(device), cond, 1.0).float()
+
+        states = sample_memoryless(velocity, noise.to(device), sigmas, generator=draws, delta=delta, eps=eps,
+                                   integrator=cfg.integrator)
+        steps = stratified_steps(self.steps, fraction=cfg.step_fraction, split=cfg.step_split, generator=draws)
+        with torch.enable_grad():
+            final = states[-1].detach().float().requires_grad_(True)
+            scores = score_latents(self.reward_model, final, model.decode, prompts, metadata, differentiable=True)
+            (gradient,) = torch.autograd.grad(scores.sum(), final)
+        with model.reference():
+            adjoints = lean_adjoints(states, sigmas, -cfg.reward_scale * gradient, velocity, delta=delta, eps=eps,
+                                     integrator=cfg.integrator)
+        picked = steps.tolist()
+        x = torch.stack([states[k] for k in picked], dim=1).flatten(0, 1)  # sample-major rows
+        adjoint = torch.stack([adjoints[k] for k in picked], dim=1).flatten(0, 1)
+        samples = torch.arange(cfg.batch_size).repeat_interleave(len(picked))
+        return DataUnit(
+            x=x.float(), sigma=sigmas[steps].repeat(cfg.batch_size).to(device), cond=cond.index(samples.to(device)),
+            data={"adjoint": adjoint.float(), "samples": cfg.batch_size, "index": index, "steps": steps,
+                  "reward": scores.detach().float().cpu(), "prompt_rows": rows, "delta": delta, "eps": eps},
+            nfe=cfg.batch_size * (2 * self.steps - 1))
+
+    # --- the loss -----------------------------------------------------------------------------------------------------
+    def loss(self, unit: DataUnit, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
+        data, samples = unit.data, unit.data["samples"]
+        if policy.v_ref is None:
+            raise ValueError("adjoint_matching: the unit was evaluated without the reference velocity")
+        per_row = adjoint_matching_loss(policy.v, policy.v_ref, data["adjoint"], unit.sigma, delta=data["delta"],
+                                        eps=data["eps"])
+        per_sample = per_row.view(samples, -1).mean(dim=1)
+        self.quantiles.setdefault(int(data["index"]), self.clip.quantile(per_sample))
+        keep = (per_sample.detach() <= self.clip.tau if self.config.clip and self.clip.tau is not None
+                else torch.ones_like(per_sample, dtype=torch.bool))
+        loss = self.config.weight * (per_sample * keep).sum() / samples
+        control = (policy.v.detach().float() - policy.v_ref.float()).pow(2).flatten(1).sum(1).mean()
+        return loss, {"loss": float(loss.detach()), "am_loss": float(per_sample.detach().mean()),
+                      "kept": float(keep.float().mean()), "reward": float(data["reward"].mean()),
+                      "adjoint_norm": float(data["adjoint"].flatten(1).norm(dim=1).mean()),
+                      "control_sq": float(control)}
+
+    # --- the threshold, after the update ------------------------------------------------------------------------------
+    def after_update(self, context, metrics: dict[str, float]) -> dict[str, float]:
+        """Move ``tau`` through every unit's quantile of this iteration, in unit order over the processes."""
+        pairs = torch.tensor(sorted(self.quantiles.items()), dtype=torch.float64).view(-1, 2)  # (unit key, quantile)
+        self.quantiles = {}
+        if self.accelerator is not None and self.accelerator.num_processes > 1:
+            pairs = self.accelerator.gather(pairs.to(self.accelerator.device)).cpu()
+        for _, quantile in sorted(pairs.tolist()):
+            self.clip.update(quantile)
+        return {"adjoint_matching/tau": float("nan") if self.clip.tau is None else self.clip.tau}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.clip.tau}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        tau = state.get("tau")
+        self.clip.tau = None if tau is None or (isinstance(tau, float) and math.isnan(tau)) else float(tau)

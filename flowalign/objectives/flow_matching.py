@@ -14,7 +14,8 @@ For a unit of ``B`` pairs, with clean latents ``x0 = encode_images(image)`` (the
 Every draw is keyed, so any process layout gives the same units: unit ``u`` of iteration ``i`` takes the pairs at
 positions ``(i U + u) B + k`` (``k < B``) of a stream that visits the dataset in a fresh keyed permutation each epoch,
 and draws its ``sigma`` (then its noise) from the generator keyed ``(seed, i, u, OBJECTIVE)``. Process ``p`` of ``P``
-takes the contiguous slice ``u in [p U/P, (p+1) U/P)``.
+makes the units ``unit_keys`` gives it (its contiguous slice ``u in [p U/P, (p+1) U/P)`` when ``optim.minibatches`` is
+1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from flowalign.components import ComponentConfig
 from flowalign.data.images import ImageCaptionDataset, ToySceneDataset, check_image_dataset, open_image_dataset
 from flowalign.errors import SetupError
 from flowalign.models.base import as_image_size
-from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, process_slice, register_objective
+from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
 from flowalign.seeding import Purpose, numpy_rng
 from flowalign.settings import check, finite, option
 
@@ -157,9 +158,8 @@ class FlowMatching(Objective):
 
     # --- the objective ------------------------------------------------------------------------------------------------
     def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
-        """This process's slice of the iteration's ``units_per_iteration`` units."""
-        share = process_slice(self.config.units_per_iteration, context.process_index, context.num_processes)
-        return [self.unit(iteration, u, context) for u in share]
+        """This process's share of the iteration's ``units_per_iteration`` units (``unit_keys``)."""
+        return [self.unit(iteration, u, context) for u in unit_keys(self.config.units_per_iteration, context)]
 
     @torch.no_grad()
     def unit(self, iteration: int, index: int, context: ObjectiveContext) -> DataUnit:

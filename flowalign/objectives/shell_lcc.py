@@ -26,7 +26,7 @@ from torch import Tensor
 from flowalign.components import ComponentConfig
 from flowalign.errors import SetupError
 from flowalign.models.base import as_image_size
-from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, process_slice, register_objective
+from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
 
@@ -123,8 +123,7 @@ class ShellLCCObjective(Objective):
         return as_image_size(size, context.model.default_image_size)
 
     def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
-        share = process_slice(self.config.units_per_iteration, context.process_index, context.num_processes)
-        return [self.unit(iteration, u, context) for u in share]
+        return [self.unit(iteration, u, context) for u in unit_keys(self.config.units_per_iteration, context)]
 
     @torch.no_grad()
     def unit(self, iteration: int, index: int, context: ObjectiveContext) -> DataUnit:

@@ -47,7 +47,7 @@ from flowalign.losses.soar import (
     table_sigma,
     training_table,
 )
-from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, process_slice, register_objective
+from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, register_objective, unit_keys
 from flowalign.objectives.flow_matching import DataObjectiveConfig, FlowMatching
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
@@ -127,9 +127,9 @@ class Soar(FlowMatching):
     # --- the objective ------------------------------------------------------------------------------------------------
     def units(self, iteration: int, context: ObjectiveContext) -> list[DataUnit]:
         count = self.config.units_per_iteration
-        share = process_slice(count, context.process_index, context.num_processes)
+        keys = unit_keys(count, context)
         total = sum(self.unit_count(context, u) for u in range(count))  # every process's units: the global counts
-        return [self.unit(iteration, u, context, scale=count / max(total, 1.0)) for u in share]
+        return [self.unit(iteration, u, context, scale=count / max(total, 1.0)) for u in keys]
 
     @torch.no_grad()
     def unit(self, iteration: int, index: int, context: ObjectiveContext, *, scale: float = 1.0) -> DataUnit:
