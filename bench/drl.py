@@ -57,7 +57,8 @@ def render_held_out(metadata: list[dict], per_prompt: int, size: int) -> torch.T
 
 @torch.no_grad()
 def measure(model, reward, metadata, renders, *, images_per_prompt: int, seed: int, size: int) -> dict:
-    """FD to the renders in the discriminator's feature space, the samples' mean logit and toy-GenEval."""
+    """FD to the renders in the discriminator's feature space and in pooled pixels, the samples' mean logit and
+    toy-GenEval."""
     from flowalign.evaluation.frechet import frechet_distance
     from flowalign.evaluation.toy_eval import evaluate
 
@@ -67,8 +68,29 @@ def measure(model, reward, metadata, renders, *, images_per_prompt: int, seed: i
     feats = torch.cat([reward.features(images[i:i + 64].to(reward.device)).cpu() for i in range(0, len(images), 64)])
     data = torch.cat([reward.features(renders[i:i + 64].to(reward.device)).cpu() for i in range(0, len(renders), 64)])
     logits = reward(images, prompts, [{}] * len(prompts))
-    return {"fd": frechet_distance(data, feats), "logit": float(logits.mean()), "overall": summary["overall"],
-            "results": results, "images": images}
+    return {"fd": frechet_distance(data, feats), "pixel_fd": frechet_distance(pooled(renders), pooled(images)),
+            "logit": float(logits.mean()), "overall": summary["overall"], "results": results, "images": images}
+
+
+def pooled(images: torch.Tensor) -> torch.Tensor:
+    """A feature space the discriminator never saw: the images average-pooled to 4 x 4 RGB (48 numbers)."""
+    return torch.nn.functional.adaptive_avg_pool2d(images.float(), 4).flatten(1).double()
+
+
+def table(records: list[tuple[str, dict]]) -> str:
+    """The markdown table of ``(run name, drl.json record)`` rows: before -> after in both feature spaces, the logit,
+    the mean pixel change and the paired toy-GenEval gain."""
+    lines = ["| run | seed | iterations | training s | feature FD to data | pixel FD to data | mean logit "
+             "| mean pixel change | toy-GenEval gain |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in records:
+        b, a, g = r["before"], r["after"], r["geneval_gain"]
+        seed = next(int(o.split("=")[1]) for o in r["overrides"] if o.startswith("train.seed="))
+        pixel = f"{b['pixel_fd']:.4f} → {a['pixel_fd']:.4f}" if "pixel_fd" in b else "not measured"
+        change = f"{r['pixel_change']:.4f}" if "pixel_change" in r else "not measured"
+        lines.append(f"| {name} | {seed} | {r['iterations']} | {r['train_s']:.0f} | {b['fd']:.3f} → {a['fd']:.3f} "
+                     f"| {pixel} | {b['logit']:+.2f} → {a['logit']:+.2f} | {change} "
+                     f"| {g['diff']:+.3f} ± {g['se']:.3f} |")
+    return "\n".join(lines)
 
 
 def save_samples(path: Path, metadata: list[dict], renders, before, after, *, per_prompt: int, prompts: int = 8):
@@ -95,6 +117,8 @@ def main() -> None:
     parser.add_argument("--disc", action="append", default=[], help="train-discriminator setting key=value")
     parser.add_argument("--discriminator", type=Path, default=None,
                         help="a discriminator trained earlier (its .json beside it) instead of training one")
+    parser.add_argument("--evaluate", type=Path, default=None,
+                        help="measure the final checkpoint of an earlier run (its EMA weights) instead of training")
     parser.add_argument("--set", action="append", default=[], help="drl preset override key=value")
     parser.add_argument("--tiny", action="store_true", help="tiny settings: checks that it runs, measures nothing")
     parser.add_argument("--reuse-discriminator", action="store_true",
@@ -126,8 +150,9 @@ def main() -> None:
         disc = train_discriminator(load_config(DiscriminatorTrainConfig, None, disc_settings))
     disc_s = time.perf_counter() - clock
     iterations = 2 if args.tiny else args.iterations
+    resume = [f"train.resume={args.evaluate}"] if args.evaluate else []  # nothing left to train: measured as it is
     overrides = [f"model.path={REPO / 'assets/toy-sd3'}", "sampling.image_size=32", f"train.iterations={iterations}",
-                 f"train.seed={args.seed}", f"train.out_dir={out / 'run'}", "train.tracker=none",
+                 f"train.seed={args.seed}", f"train.out_dir={out / ('evaluated' if args.evaluate else 'run')}", *resume, "train.tracker=none",
                  "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
                  *reward_overrides(args.preset, checkpoint), *(TINY_RUN[args.preset] if args.tiny else []), *args.set]
     trainer = GRPOTrainer(load_config(TrainConfig, REPO / f"configs/methods/{args.preset}.yaml", overrides))
@@ -143,6 +168,8 @@ def main() -> None:
     clock = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - clock
+    if args.evaluate and (out / "drl.json").is_file():  # the training's wall time, from the run's own record
+        train_s = json.loads((out / "drl.json").read_text()).get("train_s", train_s)
     trainer.model.transformer.eval()
     with trainer.ema_weights():
         after = measure(trainer.model, reward, metadata, renders, **kwargs)
@@ -153,14 +180,17 @@ def main() -> None:
         "tiny": args.tiny, "discriminator": {k: disc[k] for k in ("val_accuracy", "val_loss", "selected_step", "steps")},
         "discriminator_s": disc_s, "train_s": train_s, "iterations": iterations, "eval_prompts": len(metadata),
         "images_per_prompt": per_prompt, "preset": args.preset,
-        "before": {k: before[k] for k in ("fd", "logit", "overall")},
-        "after": {k: after[k] for k in ("fd", "logit", "overall")}, "geneval_gain": paired,
+        "before": {k: before[k] for k in ("fd", "pixel_fd", "logit", "overall")},
+        "after": {k: after[k] for k in ("fd", "pixel_fd", "logit", "overall")}, "geneval_gain": paired,
+        "pixel_change": float((after["images"].float() - before["images"].float()).abs().mean()),
+        "evaluated": str(args.evaluate) if args.evaluate else None,
         "disc_settings": disc_settings, "overrides": overrides,
     }
     (out / "drl.json").write_text(json.dumps(summary, indent=1, default=float) + "\n")
-    print(f"| | feature FD to data | mean logit | toy-GenEval |\n|---|---:|---:|---:|\n"
-          f"| base | {before['fd']:.3f} | {before['logit']:+.3f} | {before['overall']} |\n"
-          f"| {args.preset} ({iterations} it.) | {after['fd']:.3f} | {after['logit']:+.3f} | {after['overall']} |\n\n"
+    print(f"| | feature FD to data | pixel FD to data | mean logit | toy-GenEval |\n|---|---:|---:|---:|---:|\n"
+          f"| base | {before['fd']:.3f} | {before['pixel_fd']:.4f} | {before['logit']:+.3f} | {before['overall']} |\n"
+          f"| {args.preset} ({iterations} it.) | {after['fd']:.3f} | {after['pixel_fd']:.4f} | {after['logit']:+.3f} "
+          f"| {after['overall']} |\n\nmean pixel change {summary['pixel_change']:.4f}; "
           f"toy-GenEval gain {paired['diff']:+.3f} ± {paired['se']:.3f}; discriminator validation accuracy "
           f"{disc['val_accuracy']:.3f} ({disc_s:.0f} s), training {train_s:.0f} s")
 

@@ -30,7 +30,8 @@ PAGES = REPO / "docs/results"
 IMAGES = PAGES / "img"
 # The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
 PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png", "hacking/hacking.png",
-         "hacking/hacking_proxy.png", "hacking/hacking_diversity.png", "hacking/hacking_saturated.png")
+         "hacking/hacking_proxy.png", "hacking/hacking_diversity.png", "hacking/hacking_saturated.png",
+         "drl/samples.png", "drl_adjoint/samples.png")
 MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 
 
@@ -143,6 +144,15 @@ def _shell_lcc() -> str:
     return shell_lcc.table(_read("shell_lcc/shell_lcc.json")["runs"])
 
 
+def _drl_stage2() -> str:
+    import drl
+
+    runs = [("drl (GRPO)", "drl/drl.json"), ("drl_adjoint", "drl_adjoint/drl.json"),
+            ("drl_adjoint", "drl_adjoint/seed1/drl.json"), ("drl_adjoint", "drl_adjoint/seed2/drl.json"),
+            ("drl_adjoint, lambda 1", "drl_adjoint/lambda1/drl.json")]
+    return drl.table([(name, _read(path)) for name, path in runs if (RESULTS / path).is_file()])
+
+
 def _rewards() -> str:
     import rewards
 
@@ -183,6 +193,9 @@ TABLES = {
     "equal_wall": ("methods.md", "equal_wall/equal_wall.json", _equal_wall),
     "soar": ("methods.md", "soar/soar-seed*.json", _soar),
     "shell_lcc": ("methods.md", "shell_lcc/shell_lcc.json", _shell_lcc),
+    "drl_stage2": ("methods.md", "drl{,_adjoint}/**/drl.json", _drl_stage2),
+    "train_iteration_adjoint": ("methods.md", "train_iteration_adjoint.json",
+                                lambda: _cost("train_iteration_adjoint.json")),
     "objectives_equal_wall": ("objectives.md", "equal_wall/equal_wall.json",
                               lambda: _equal_wall(("flow_grpo_fast", *TRAINING_SIDE, *OBJECTIVES))),
     "objectives_equal_wall_matched": ("objectives.md", "equal_wall{,_matched}/equal_wall.json", _equal_wall_matched),

@@ -110,9 +110,9 @@ class ObjectiveContext:
         return generator(self.seed, self.iteration, int(key), int(purpose))
 
     def shard(self, items: list) -> list:
-        """This process's contiguous share of ``items`` (their count must split evenly over the processes)."""
-        share = process_slice(len(items), self.process_index, self.num_processes, what="the data units")
-        return items[share.start:share.stop]
+        """This process's share of ``items``, the iteration's units in key order (``unit_keys``: its contiguous slice
+        with one minibatch; their count must split evenly over the processes, and the minibatches with several)."""
+        return [items[k] for k in unit_keys(len(items), self, what="the data units")]
 
 
 def process_slice(count: int, process_index: int, num_processes: int, *, what: str = "units_per_iteration") -> range:

@@ -134,39 +134,37 @@ class AdjointMatching(Objective):
               f"= {config.sampling.num_steps}: adjoint matching needs K >= 2 steps; set {self.key}.num_steps")
 
     def start_up(self) -> None:
-        from flowalign.rewards import build_differentiable_reward, require_differentiable_reward
+        from flowalign.rewards import require_differentiable_reward
 
         try:  # refused on its class, before anything is built
             require_differentiable_reward(self.config.reward, f"{self.key}.reward")
         except ValueError as error:
             raise SetupError(f"{error}; adjoint matching needs the reward's gradient (e.g. discriminator, "
                              "toy_geneval_soft, shell_lcc)") from None
-        self.reward_model = None
-        self.build_reward = lambda: build_differentiable_reward(self.config.reward, f"{self.key}.reward",
-                                                                **self.config.reward_kwargs)
 
-    def check_model(self, model_path: str | None) -> None:
+    def check_reward(self, *, model: str | None = None, image_size=None) -> None:
+        """A fitted reward (a discriminator, a manifold) was made for this model and image size (its ``check_run``)."""
         from flowalign.rewards import check_reward_run
 
-        try:  # a fitted reward (a discriminator, a manifold) was made for this model and image size
+        try:
             check_reward_run(self.config.reward, self.config.reward_kwargs, key=f"{self.key}.reward_kwargs",
-                             model=model_path)
+                             model=model, image_size=image_size)
         except (FileNotFoundError, ValueError) as error:
             raise SetupError(str(error)) from error
 
+    def check_model(self, model_path: str | None) -> None:
+        self.check_reward(model=model_path)
+
     def set_up(self, parts) -> None:
         from flowalign.data.prompts import load_prompts
-        from flowalign.rewards import bind_reward_model, check_reward_run
+        from flowalign.rewards import bind_reward_model, build_differentiable_reward
 
         config = parts.config
         self.steps = config.sampling.num_steps if self.config.num_steps is None else self.config.num_steps
         self.run_image_size = config.sampling.image_size
-        try:  # and the run's image size, before the reward is built
-            check_reward_run(self.config.reward, self.config.reward_kwargs, key=f"{self.key}.reward_kwargs",
-                             model=None, image_size=self.config.image_size or self.run_image_size)
-        except (FileNotFoundError, ValueError) as error:
-            raise SetupError(str(error)) from error
-        self.reward_model = self.build_reward()
+        self.check_reward(image_size=self.config.image_size or self.run_image_size)  # known once the run is set up
+        self.reward_model = build_differentiable_reward(self.config.reward, f"{self.key}.reward",
+                                                        **self.config.reward_kwargs)
         bind_reward_model(self.reward_model, parts.model)
         self.accelerator = parts.accelerator
         self.prompts = list(load_prompts(config.data.train_prompts))
