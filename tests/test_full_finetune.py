@@ -124,10 +124,12 @@ def preset_extra(preset, model_path, tmp_path) -> dict:
         transformer = SD3Transformer2DModel.from_pretrained(model_path / "transformer")
         path = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "registers.pt")
         return {"credit.registers": str(path)}
-    if preset == "drl":
+    if preset in ("drl", "drl_adjoint"):
         from flowalign.reward_models.discriminator import untrained_discriminator
 
         path = untrained_discriminator(model_path, tmp_path / "discriminator.safetensors", image_size=32, width=16)
+        if preset == "drl_adjoint":  # adjoint matching on its gradient, the full fine-tune's frozen copy the base
+            return {"objectives.adjoint_matching.reward_kwargs": "{path: " + str(path) + "}"}
         return {"reward.rewards": "[{name: discriminator, kwargs: {path: " + str(path) + "}}]"}
     if preset in ("shell_lcc", "shell_lcc_objective"):
         from test_golden import shell_lcc_settings
