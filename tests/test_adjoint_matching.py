@@ -302,9 +302,11 @@ def test_the_threshold_moves_after_the_update_through_every_units_quantile_in_ke
 
 
 def test_unit_keys_give_every_minibatch_the_same_units_on_any_process_count():
+    from flowalign.config import ConfigError
     from flowalign.objectives import ObjectiveContext, unit_keys
 
-    config = load_config(TrainConfig, PRESET, ["optim.minibatches=3"])
+    config = load_config(TrainConfig, PRESET, ["optim.minibatches=3",
+                                               "objectives.adjoint_matching.units_per_iteration=4"])
 
     def keys(p, n, count=6):
         return unit_keys(count, ObjectiveContext(None, config, 0, 0, p, n))
@@ -317,6 +319,10 @@ def test_unit_keys_give_every_minibatch_the_same_units_on_any_process_count():
         keys(0, 2, count=4)
     one = ObjectiveContext(None, load_config(TrainConfig, PRESET, []), 0, 0, 1, 2)
     assert unit_keys(4, one) == [2, 3]  # one minibatch: the contiguous slice
+    with pytest.raises(ConfigError, match=r"objectives\.adjoint_matching\.units_per_iteration = 4 must be a multiple "
+                                          r"of the processes times optim\.minibatches \(2 x 3\)"):
+        config.check_batch(2)  # the batch arithmetic, before any model loads
+    config.check_batch(1)
 
 
 def test_the_drl_adjoint_preset_resumes_bitwise_with_its_threshold(tiny_sd3, tmp_path):

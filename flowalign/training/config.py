@@ -667,6 +667,13 @@ class TrainConfig:
                 "chunk holds whole prompts",
             )
         for name, objective in parts.objectives.items():
+            count = getattr(objective.config, "units_per_iteration", None)
+            if not objective.trains_on_rollouts and isinstance(count, int) and num_processes > 1:
+                share = num_processes * self.optim.minibatches  # flowalign.objectives.unit_keys
+                _check(count % share == 0, f"objectives.{name}.units_per_iteration",
+                       f"= {count} must be a multiple of the processes times optim.minibatches ({num_processes} x "
+                       f"{self.optim.minibatches}) so every minibatch trains the same units on any number of "
+                       "processes: make it a multiple of " + str(share))
             per_unit = objective.samples_per_unit(self) if objective.trains_on_rollouts else None
             if per_unit:
                 _check(local % per_unit == 0, f"objectives.{name}.{objective.unit_setting}",
