@@ -14,10 +14,26 @@ Never install this folder as a top-level ``kernels`` package: transformers and d
 ``kernels`` hub package under that import name (docs/contributing/architecture.md#installed-names).
 """
 
-from .backend import BACKENDS, ENV_VAR, requested_backend, resolve_backend, use_backend
-from .dispatch import grpo_transition_loss, sde_transition
-from .loss_reference import KL_FORMS, TransitionLoss, clipped_policy_loss, grpo_transition_loss_reference
-from .sde_reference import StepOutput, sde_step_reference
+if __name__ == "kernels":
+    # Imported as a top-level ``kernels``: the repository root is on sys.path (``python -m ...`` run from it), and
+    # that name belongs to the Hugging Face hub package transformers and diffusers import. Hand the name over to it.
+    import importlib as _importlib
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _saved = list(_sys.path)
+    _sys.path[:] = [entry for entry in _sys.path if _os.path.abspath(entry or _os.curdir) != _root]
+    del _sys.modules["kernels"]
+    try:
+        _importlib.import_module("kernels")  # the installed hub package, or ModuleNotFoundError as without this folder
+    finally:
+        _sys.path[:] = _saved
+else:
+    from .backend import BACKENDS, ENV_VAR, requested_backend, resolve_backend, use_backend
+    from .dispatch import grpo_transition_loss, sde_transition
+    from .loss_reference import KL_FORMS, TransitionLoss, clipped_policy_loss, grpo_transition_loss_reference
+    from .sde_reference import StepOutput, sde_step_reference
 
 __all__ = [
     "BACKENDS",
