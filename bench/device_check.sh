@@ -6,7 +6,7 @@
 # 1. flowalign (editable, no dependencies) into that machine's python; wheels in .whl/, if any, first (an offline
 #    machine without diffusers, say).
 # 2. tests/test_kernels.py with the kernels compiled for real on CUDA tensors (on CPU it needs the interpreter).
-# 3. bench/kernels.py: Triton against eager torch and torch.compile with bf16 latents (and fp32, without compile).
+# 3. bench/kernel_speed.py: Triton against eager torch and torch.compile with bf16 latents (and fp32, without compile).
 # 4. bench/mixed_precision.py: does training re-score a rollout with the stored log-probs, in fp32 and bf16?
 # 5. bench/train_iteration.py: every method preset for two iterations on CUDA in bf16 (time split, peak memory).
 # 6. A run with EMA on CUDA, stopped after one iteration and resumed for a second (the resumed EMA must sit on its
@@ -50,10 +50,10 @@ stage 60 "install flowalign" "$PY" -m pip install -q --no-index --no-deps --no-b
 stage "${GPU_SCALE_LIMIT:-480}" "GPU-scale Flow-GRPO iteration, SD3.5-Medium-sized, bf16, 512 px" "$PY" \
   bench/gpu_scale.py --out "$OUT/gpu_scale.json"
 stage 120 "kernel tests on CUDA" "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs
-stage 120 "kernel benchmark, bf16" "$PY" bench/kernels.py --dtype bf16 --out "$OUT/kernels_bf16.json"
+stage 120 "kernel benchmark, bf16" "$PY" bench/kernel_speed.py --dtype bf16 --out "$OUT/kernels_bf16.json"
 stage 200 "trainer log-probs in fp32 and bf16" "$PY" bench/mixed_precision.py --iterations 2 \
   --out "$OUT/mixed_precision.json"
-stage 60 "kernel benchmark, fp32" "$PY" bench/kernels.py --dtype fp32 --no-compile --profile \
+stage 60 "kernel benchmark, fp32" "$PY" bench/kernel_speed.py --dtype fp32 --no-compile --profile \
   --out "$OUT/kernels_fp32.json"
 stage "${PRESETS_LIMIT:-150}" "every method preset on CUDA, bf16" "$PY" bench/train_iteration.py --iterations 2 \
   --out "$OUT/train_iteration.json" model.mixed_precision=bf16

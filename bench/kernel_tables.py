@@ -1,6 +1,6 @@
-"""Markdown tables of ``bench/kernels.py``'s JSON reports, without torch (``bench/results_pages.py`` uses them too).
+"""Markdown tables of ``bench/kernel_speed.py``'s JSON reports, without torch (``bench/results_pages.py`` uses them too).
 
-kernels.py keeps its own folder off ``sys.path`` and imports torch at once, so its formatters live here.
+kernel_speed.py imports torch at once, so its formatters live here.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The generated tables of docs/results/ equal what the benchmarks' JSON gives (``bench/results_pages.py``).
 
-The script runs in a process of its own: it puts bench/ on sys.path, whose kernels.py must not shadow the Hugging Face
-``kernels`` package in this process. It only reads JSON and PNG files, so these tests take about a second.
+The script runs in a process of its own (it puts bench/ on sys.path). It only reads JSON and PNG files, so these tests take about a second.
 """
 
 import shutil

@@ -10,7 +10,7 @@ in one run on one machine (docs/contributing/architecture.md#invariants).
 On a machine without CUDA it runs only the correctness check of the kernels under Triton's interpreter (it restarts
 itself with TRITON_INTERPRET=1) and writes that instead.
 
-    python bench/kernels.py [--repeats 50] [--dtype bf16] [--out bench/results/kernels.json]
+    python bench/kernel_speed.py [--repeats 50] [--dtype bf16] [--out bench/results/kernels.json]
 """
 
 from __future__ import annotations
@@ -22,13 +22,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from kernel_tables import check_table, gpu_table  # from this file's folder, before it leaves sys.path below
+from kernel_tables import check_table, gpu_table  # from this file's folder
 
-# This file is named kernels.py: keep its folder off sys.path, so that nothing in this process finds it as a top-level
-# `kernels` module (transformers and diffusers probe for the Hugging Face `kernels` package by that name;
-# docs/contributing/architecture.md#installed-names).
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
+# Not named kernels.py: this folder is on sys.path, and a top-level `kernels` module would shadow the Hugging Face
+# `kernels` package transformers and diffusers import (docs/contributing/architecture.md#installed-names).
 import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
