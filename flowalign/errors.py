@@ -15,11 +15,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
-__all__ = ["SetupError", "setup_phase"]
+__all__ = ["RunFailed", "SetupError", "setup_phase"]
 
 
 class SetupError(ValueError):
     """A mistake in the user's input found before the work starts (config, files, run directory, model)."""
+
+
+class RunFailed(RuntimeError):
+    """The work began and stopped on a condition it detected and can state (a diverging run): the command line
+    prints ``flowalign: error: ...`` without a traceback and exits with status 1 (no user error: not 2)."""
 
 
 @contextmanager

@@ -221,14 +221,20 @@ def sidecar_path(path: str | Path) -> Path:
 
 
 def save_discriminator(head: ProjectionDiscriminator, path: str | Path, meta: Mapping[str, Any]) -> Path:
-    """Write the head's weights to ``path`` (safetensors) and ``meta`` (plus the head's shape) to its sidecar."""
+    """Write the head's weights to ``path`` (safetensors) and ``meta`` (plus the head's shape) to its sidecar, each
+    through a temporary file renamed into place, the sidecar first: a reader that finds the weights finds their
+    sidecar (``train-discriminator`` refuses an existing ``path``, so the pair is always new)."""
     from safetensors.torch import save_file
 
+    from flowalign.outputs import write_atomically
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(path))
     shape = {"feature_dim": head.h.in_features, "width": head.h.out_features, "text_dim": head.text_dim}
-    sidecar_path(path).write_text(json.dumps({**dict(meta), "head": shape}, indent=1, sort_keys=True) + "\n")
+    # each file whole (a temporary file renamed into place), the sidecar first: weights are never seen without it
+    with write_atomically(sidecar_path(path)) as tmp:
+        tmp.write_text(json.dumps({**dict(meta), "head": shape}, indent=1, sort_keys=True) + "\n")
+    with write_atomically(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, str(tmp))
     return path
 
 

@@ -230,15 +230,21 @@ def check_fitted_for(meta: dict, fingerprint: dict | None, path: str | Path, key
 
 def save_manifold(manifold: ShellLCC, path: str | Path, *, fitted_for: dict | None, extra: dict | None = None) -> Path:
     """Write ``path`` (safetensors state dict) and its JSON sidecar (sizes, latent channels, ``fitted_for``,
-    ``extra``: the fit settings and statistics)."""
+    ``extra``: the fit settings and statistics), each through a temporary file renamed into place, the sidecar
+    first: a reader that finds the weights finds their sidecar (``fit-manifold`` refuses an existing ``path``, so
+    the pair is always new)."""
     from safetensors.torch import save_file
 
+    from flowalign.outputs import write_atomically
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in manifold.state_dict().items()}, str(path))
     meta = {"format": FORMAT, **manifold.sizes, "latent_channels": manifold.embedding_dim,
             "fitted_for": fitted_for, **(extra or {})}
-    sidecar_path(path).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    # each file whole (a temporary file renamed into place), the sidecar first: weights are never seen without it
+    with write_atomically(sidecar_path(path)) as tmp:
+        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    with write_atomically(path) as tmp:
+        save_file({k: v.detach().cpu().contiguous() for k, v in manifold.state_dict().items()}, str(tmp))
     return path
 
 

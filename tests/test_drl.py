@@ -126,6 +126,13 @@ def test_train_discriminator_separates_data_from_samples_and_repeats_bitwise(toy
         for name in ("a", "b"):
             assert main(_train_args(toy_data, tmp_path / name / "d.safetensors")) == 0
     assert "wrote" in capsys.readouterr().out
+    # an existing output is refused before the model loads, as export refuses one: nothing is overwritten
+    before = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()}
+    with pytest.raises(SystemExit) as refused:
+        main(_train_args(toy_data, tmp_path / "a" / "d.safetensors"))
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "nothing is overwritten" in error and "d-2.safetensors" in error, error
+    assert {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()} == before  # no temporary file is left
     a, b = (load_file(str(tmp_path / n / "d.safetensors")) for n in ("a", "b"))
     assert set(a) == {"h.weight", "h.bias", "phi.weight", "phi.bias"} and all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((tmp_path / "a" / "d.json").read_text())

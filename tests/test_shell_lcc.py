@@ -156,6 +156,13 @@ def test_fit_manifold_is_bitwise_repeatable_and_its_checkpoint_loads(tiny_sd3, t
         assert main(args + ["--out", str(tmp_path / f"{name}.safetensors")]) == 0
     assert "wrote" in capsys.readouterr().out
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    # an existing output is refused before the model loads, as export refuses one: nothing is overwritten
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as refused:
+        main(args + ["--out", str(tmp_path / "a.safetensors")])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and "nothing is overwritten" in error and "a-2.safetensors" in error, error
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # and no temporary file is left
     meta = json.loads(sidecar_path(tmp_path / "a.safetensors").read_text())
     assert meta["latent_channels"] == 4 and meta["fitted_for"] == vae_fingerprint(tiny_sd3)
     assert meta["fit"]["images"] == 16 and meta["fitted_for"]["vae_weights_sha256"]

@@ -45,6 +45,8 @@ def _run_train(config, args: argparse.Namespace) -> None:
     trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
     _leave_process_group(trainer.accelerator)
+    if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish
+        raise SystemExit(128 + trainer.stop_signal)
 
 
 def _leave_process_group(accelerator) -> None:

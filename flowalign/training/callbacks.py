@@ -1,7 +1,9 @@
 """What a run reports as it goes: the progress bar, ``metrics.jsonl`` and the tracker, and the sample grids.
 
 ``RunLog`` is called by the trainer's loop at the start of the run, after every iteration and at the end; everything
-it writes goes into the run's own directory, and only the main process writes.
+it writes goes into the run's own directory, and only the main process writes. Every file is recorded before it
+is written (``flowalign.training.run_files``: what ``train.overwrite`` may delete later); the tracker's files just
+after it writes them.
 """
 
 from __future__ import annotations
@@ -11,7 +13,12 @@ from typing import Any
 
 
 from flowalign.config import save_config, to_dict
+from flowalign.outputs import write_atomically
 from flowalign.training.run_directory import trim_metrics
+from flowalign.training.run_files import RunFiles, TrackedFolder
+
+# The folder under the run directory the tracker writes into (accelerate's project_dir / run name).
+TRACKER_FOLDER = "flowalign"
 
 __all__ = ["RunLog", "collapse_postfix", "flat_config", "summarize_records"]
 
@@ -22,18 +29,24 @@ class RunLog:
     def __init__(self, trainer):
         self.trainer, self.config = trainer, trainer.config
         self.tracking = self.config.train.tracker != "none"
-        self.bar = None
+        self.bar, self.tracked = None, None
+        self.files = RunFiles(trainer.out_dir)  # what train.overwrite may delete later: recorded before it is written
 
     def start(self) -> None:
         from tqdm import tqdm
 
         trainer, cfg = self.trainer, self.config
+        trainer.checkpointer.clear_replaced_run()  # train.overwrite: the old run goes just before the first write
         if trainer.is_main:
             trainer.out_dir.mkdir(parents=True, exist_ok=True)
-            save_config(cfg, trainer.out_dir / "config.yaml")
+            self.files.record("config.yaml", "metrics.jsonl")
+            with write_atomically(trainer.out_dir / "config.yaml") as tmp:
+                save_config(cfg, tmp)
             trim_metrics(trainer.out_dir / "metrics.jsonl", trainer.iteration)
+            self.tracked = TrackedFolder(self.files, trainer.out_dir / TRACKER_FOLDER)
         if self.tracking:
-            trainer.accelerator.init_trackers("flowalign", config=flat_config(to_dict(cfg)))
+            trainer.accelerator.init_trackers(TRACKER_FOLDER, config=flat_config(to_dict(cfg)))
+            self.record_tracker_files()
         self.bar = tqdm(total=cfg.train.iterations, initial=trainer.iteration, desc="train",
                         disable=not trainer.is_main, dynamic_ncols=True)
 
@@ -42,6 +55,7 @@ class RunLog:
         iteration = int(metrics["iteration"])
         if self.tracking:
             trainer.accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
+            self.record_tracker_files()
         if trainer.is_main and iteration % max(1, cfg.train.log_every) == 0:
             with open(trainer.out_dir / "metrics.jsonl", "a") as handle:
                 handle.write(json.dumps(metrics) + "\n")
@@ -60,8 +74,14 @@ class RunLog:
 
         metadata = [m for b in batches for m in b.sample_metadata][:16]
         captions = [f"{m['prompt']} | {float(r):.2f}" for m, r in zip(metadata, scores.display[:16])]
-        save_grid(scores.images[:16], captions, self.trainer.out_dir / "samples" / f"iteration-{iteration:06d}.png",
-                  columns=8)
+        name = f"samples/iteration-{iteration:06d}.png"
+        self.files.record(name)
+        save_grid(scores.images[:16], captions, self.trainer.out_dir / name, columns=8)
+
+    def record_tracker_files(self) -> None:
+        """Record the files the tracker wrote into ``<run>/flowalign`` since the last look (main process)."""
+        if self.tracked is not None:
+            self.tracked.record_new()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -70,6 +90,7 @@ class RunLog:
     def end(self) -> None:
         if self.tracking:
             self.trainer.accelerator.end_training()
+            self.record_tracker_files()
 
 
 def collapse_postfix(metrics: dict[str, float]) -> dict[str, str]:

@@ -17,7 +17,7 @@ from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, f
                                            load_component_tensors, load_copies, load_run_state, save_checkpoint,
                                            save_process_rng,
                                            write_run_files)
-from flowalign.training.run_directory import check_new_run, clear_run, resolve_resume
+from flowalign.training.run_directory import check_new_run, check_out_dir, clear_run, resolve_resume
 
 __all__ = ["Checkpointer"]
 
@@ -34,16 +34,27 @@ class Checkpointer:
 
     def check_run_directory(self) -> Path | None:
         """The checkpoint ``train.resume`` names (checked against this config), or None for a new run, which may not
-        write into a directory holding another run; ``train.overwrite`` clears it."""
+        write into a directory holding another run; ``train.overwrite`` marks it to be cleared by
+        ``clear_replaced_run``, once every input has been checked."""
         trainer = self.trainer
         cfg = trainer.config.train
+        check_out_dir(trainer.out_dir)
+        self.replaces_run = False
         if cfg.resume:
             return resolve_resume(cfg.resume, trainer.config, trainer.out_dir,
                                   progress_dependent=trainer.config.progress_dependent())
-        if check_new_run(trainer.out_dir, overwrite=cfg.overwrite) and trainer.is_main:
-            clear_run(trainer.out_dir)
-        trainer.accelerator.wait_for_everyone()
+        self.replaces_run = check_new_run(trainer.out_dir, overwrite=cfg.overwrite)
         return None
+
+    def clear_replaced_run(self) -> None:
+        """Delete the run ``train.overwrite`` replaces (its checkpoints and recorded files), just before the new run
+        writes its first file: a mistake found at set-up leaves the old run whole."""
+        trainer = self.trainer
+        if getattr(self, "replaces_run", False):
+            if trainer.is_main:
+                clear_run(trainer.out_dir)
+            self.replaces_run = False
+            trainer.accelerator.wait_for_everyone()
 
     def run_state(self) -> tuple[dict, str]:
         trainer = self.trainer

@@ -100,9 +100,11 @@ def _set_up(config: DiscriminatorTrainConfig):
     from flowalign.devices import resolve_device
     from flowalign.evaluation.toy_eval import resolve_model_path
     from flowalign.models.loading import load_flow_model
-    from flowalign.reward_models.discriminator import build_features, feature_spec
+    from flowalign.outputs import check_new_files
+    from flowalign.reward_models.discriminator import build_features, feature_spec, sidecar_path
 
     config.validate()
+    check_new_files(config.out, also=[sidecar_path(config.out)], key="out")  # as export: nothing is overwritten
     check_image_dataset(config.data)
     spec = feature_spec(config.features, config.features_path)
     model_path = resolve_model_path(config.model)
@@ -134,7 +136,10 @@ def _fakes(model, prompts: list[str], keys: list[tuple[int, ...]], config, size:
 
 def _train(config: DiscriminatorTrainConfig, model, model_path, dataset, features, spec, size, device) -> dict:
     from flowalign.reward_models.discriminator import (
-        ProjectionDiscriminator, TextEmbeddings, accuracy, discriminator_loss, model_fingerprint, save_discriminator)
+        ProjectionDiscriminator, TextEmbeddings, accuracy, discriminator_loss, model_fingerprint, save_discriminator,
+        sidecar_path)
+    from flowalign.errors import setup_phase
+    from flowalign.outputs import check_new_files
     from flowalign.seeding import generator, numpy_rng
 
     seed, rows = config.seed, len(dataset)
@@ -216,6 +221,8 @@ def _train(config: DiscriminatorTrainConfig, model, model_path, dataset, feature
         "val_images": len(val_rows), "train_rows": len(train_rows), "data": config.data,
         "config": asdict(config), "history": history,
     }
+    with setup_phase():  # again: nothing may have appeared there while it trained
+        check_new_files(config.out, also=[sidecar_path(config.out)], key="out")
     out = save_discriminator(head, config.out, meta)
     logger.info("kept the weights of step %d: validation accuracy %.3f on %d real and %d fake images", best["step"],
                 best["accuracy"], len(val_rows), len(val_rows))

@@ -15,10 +15,14 @@ from pathlib import Path
 import torch
 
 from flowalign.evaluation.geneval import load_metadata
+from flowalign.training.run_files import RunFiles
 
 __all__ = ["evaluate_before_after", "write_before_after"]
 
 logger = logging.getLogger(__name__)
+
+# What write_before_after writes into its folder (the run's eval/).
+EVAL_FILES = ("before_after.md", "before_after.json", "grid_before.png", "grid_after.png")
 
 
 @torch.no_grad()
@@ -49,6 +53,7 @@ def evaluate_before_after(trainer) -> dict | None:
         before, after = (sorted(gather_object(results), key=order) for results in (before, after))
     report = None
     if trainer.is_main:  # the first batch, the grids' images, is the main process's
+        RunFiles(trainer.out_dir).record(*(f"eval/{name}" for name in EVAL_FILES))  # before they are written
         report = write_before_after(trainer.out_dir / "eval", before, after, summarize(before), summarize(after),
                                     paired_difference(before, after), before_images, after_images,
                                     seed=trainer.eval_seed)

@@ -85,10 +85,13 @@ def fit_model_manifold(config: FitManifoldConfig) -> dict:
     """Check the inputs, encode the data, fit, write the checkpoint; returns the sidecar's content."""
     from flowalign.data.images import check_image_dataset, open_image_dataset
     from flowalign.errors import SetupError, setup_phase
-    from flowalign.reward_models.shell_lcc import fit_manifold, read_sidecar, save_manifold, vae_fingerprint
+    from flowalign.outputs import check_new_files
+    from flowalign.reward_models.shell_lcc import (fit_manifold, read_sidecar, save_manifold, sidecar_path,
+                                                   vae_fingerprint)
 
     with setup_phase():
         config.validate()
+        check_new_files(config.out, also=[sidecar_path(config.out)], key="out")  # as export: nothing is overwritten
         fingerprint = vae_fingerprint(config.model)
         if fingerprint is None:
             raise SetupError(f"model {config.model!r} is not a local diffusers pipeline with vae/config.json: "
@@ -117,6 +120,8 @@ def fit_model_manifold(config: FitManifoldConfig) -> dict:
     extra = {"fit": {**settings, "image_size": list(size), "images": count, "latent_shape": list(latents.shape[1:])},
              "data_distance": stats["data_distance"], "data_distance_std": stats["data_distance_std"],
              "stats": {k: v for k, v in stats.items() if isinstance(v, dict)}}
+    with setup_phase():  # again: nothing may have appeared there while it fitted
+        check_new_files(config.out, also=[sidecar_path(config.out)], key="out")
     path = save_manifold(manifold, config.out, fitted_for=fingerprint, extra=extra)
     logger.info("fit-manifold: data distance %.4f (std %.4f)", stats["data_distance"], stats["data_distance_std"])
     return read_sidecar(Path(path))

@@ -5,7 +5,10 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
 
 * A new run (no ``train.resume``) never writes into a directory that already holds a run. It stops with a message
   naming the directory and the three ways out: resume it (``--resume latest``), choose another ``train.out_dir``, or
-  say ``train.overwrite=true``, which deletes that run's files (and only those) first.
+  say ``train.overwrite=true``, which deletes that run's files (and only those: its checkpoints and the files it
+  recorded as written, ``flowalign.training.run_files``), after every input of the new run has been checked, just
+  before the new run writes its first file.
+* ``train.out_dir`` is a folder that can be written and no source tree or repository root (``check_out_dir``).
 * A resumed run continues the run whose checkpoint it loads. Into that checkpoint's own directory it must resume the
   newest checkpoint (an older one would overwrite the later checkpoints); into another directory, that directory
   must not hold a run either. Its ``metrics.jsonl`` keeps only the iterations before the checkpoint, so a resumed run
@@ -18,6 +21,7 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -26,12 +30,19 @@ import yaml
 from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
+from flowalign.outputs import check_writable_dir, write_atomically
+from flowalign.training.run_files import RECORD, RunFiles
 
-__all__ = ["RUN_FILES", "check_new_run", "clear_run", "holds_run", "resolve_resume",
+logger = logging.getLogger(__name__)
+
+__all__ = ["RUN_FILES", "SOURCE_MARKERS", "check_new_run", "check_out_dir", "clear_run", "holds_run", "read_metrics", "resolve_resume",
            "trim_metrics"]
 
-# What a run writes into its directory (besides checkpoint-* and their temporary .tmp-checkpoint-* siblings).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "samples", "eval", "flowalign")
+# The files whose presence marks a directory as holding a run (besides checkpoint-* and .tmp-checkpoint-*).
+RUN_FILES = ("config.yaml", "metrics.jsonl", RECORD)
+
+# What marks a directory as a source tree or a repository root, which a run never writes into.
+SOURCE_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg", "__init__.py")
 
 
 def _is_checkpoint(path: Path) -> bool:
@@ -39,22 +50,41 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def holds_run(directory: str | Path) -> bool:
-    """True when ``directory`` holds a run's config, metrics or checkpoints."""
+    """True when ``directory`` holds a run's config, metrics, record of files or checkpoints."""
     directory = Path(directory)
     if not directory.is_dir():
         return False
-    return any((directory / name).exists() for name in RUN_FILES[:2]) or any(
+    return any((directory / name).exists() for name in RUN_FILES) or any(
         _is_checkpoint(p) for p in directory.iterdir())
 
 
 def clear_run(directory: str | Path) -> None:
-    """Delete a run's files from ``directory`` (``RUN_FILES`` and checkpoints); anything else there is kept."""
+    """Delete a run's files from ``directory``: its checkpoints and the files it recorded as written
+    (``flowalign.training.run_files``); anything else there is kept."""
     directory = Path(directory)
-    for path in [directory / name for name in RUN_FILES] + [p for p in directory.iterdir() if _is_checkpoint(p)]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    for path in [p for p in directory.iterdir() if _is_checkpoint(p)]:
+        shutil.rmtree(path)
+    RunFiles(directory).delete()
+
+
+def check_out_dir(directory: str | Path) -> None:
+    """Refuse, before anything loads, a ``train.out_dir`` that cannot take a run: a file, a path under a file, a
+    folder that cannot be written, or a source tree: a directory holding ``.git``, ``pyproject.toml``, ``setup.py``,
+    ``setup.cfg`` or ``__init__.py``, or a Python package (a subfolder with ``__init__.py``). A run writes
+    ``config.yaml``, ``samples/``, ``eval/`` and the tracker's ``flowalign/`` there, which in a repository's root are
+    its own files."""
+    directory = Path(directory)
+    check_writable_dir(directory, key="train.out_dir")
+    if not directory.is_dir():
+        return
+    found = [name for name in SOURCE_MARKERS if (directory / name).exists()]
+    found += sorted(f"{p.name}/ (a Python package)" for p in directory.iterdir()
+                    if p.is_dir() and (p / "__init__.py").is_file())[:3]
+    if found:
+        raise SetupError(
+            f"train.out_dir = {str(directory)!r} is a source tree or a repository root (it holds {', '.join(found)}): "
+            "a run writes config.yaml, samples/, eval/ and the tracker's flowalign/ into its directory, so it never "
+            "runs there. Choose a run directory of its own, e.g. train.out_dir=outputs/train")
 
 
 def _occupied(directory: Path) -> SetupError:
@@ -96,7 +126,14 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
             f"train.iterations = {config.train.iterations} differs from the checkpoint's {before} ({checkpoint}), but "
             f"{', '.join(progress_dependent)} depend(s) on the run's progress (iteration / train.iterations): the "
             "resumed run would equal no uninterrupted run. Keep train.iterations at its value, or start a new run")
+    done = _checkpoint_iteration(checkpoint)
+    if done > config.train.iterations:
+        raise SetupError(
+            f"{checkpoint} is at iteration {done}, past train.iterations = {config.train.iterations}: there is "
+            f"nothing to train, and the run's config.yaml would no longer describe its {done} iterations. Resume "
+            f"with train.iterations >= {done}, or evaluate or export the checkpoint as it is")
     if checkpoint.parent.resolve() == out_dir.resolve():
+        metric_lines(out_dir / "metrics.jsonl")  # a corrupt line is refused here, before the model loads
         newest = latest_checkpoint(out_dir)
         if newest is not None and newest.resolve() != checkpoint.resolve():
             raise SetupError(
@@ -107,11 +144,54 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
     return checkpoint
 
 
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a run's ``metrics.jsonl`` (``metric_lines``)."""
+    return [row for _, row in metric_lines(path)]
+
+
+def metric_lines(path: str | Path) -> list[tuple[str, dict]]:
+    """``(line, row)`` of a run's ``metrics.jsonl``. A torn last line (a crash while it was appended) is dropped with
+    a warning; a line that is no JSON object with an ``iteration`` anywhere else is a SetupError naming the file and
+    the line: the file is no longer the run's record, and resuming would build on it."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            int(row["iteration"])
+        except (ValueError, KeyError, TypeError) as error:
+            if number == len(lines):
+                logger.warning("%s: dropping its torn last line %d (%s): a crash while it was written", path, number,
+                               error)
+                break
+            raise SetupError(f"{path}, line {number}, is corrupt ({error}): only a torn last line is dropped on "
+                             "resume; repair or remove that line, or start a new run") from None
+        rows.append((line, row))
+    return rows
+
+
+def _checkpoint_iteration(checkpoint: Path) -> int:
+    """The iteration a checkpoint's ``state.json`` records; a SetupError naming the file when it does not read."""
+    state = checkpoint / "state.json"
+    try:
+        return int(json.loads(state.read_text())["iteration"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise SetupError(f"{state} is corrupt ({error}): resume an earlier checkpoint, or start a new run") from None
+
+
 def trim_metrics(path: str | Path, iteration: int) -> None:
-    """Keep the lines of ``metrics.jsonl`` before ``iteration`` (a resumed run rewrites the rest)."""
+    """Keep the lines of ``metrics.jsonl`` before ``iteration`` (a resumed run rewrites the rest); the file is
+    rewritten whole, through a temporary file renamed into place (``metric_lines``: a torn last line)."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and int(json.loads(line)["iteration"]) < iteration]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [line for line, row in metric_lines(path) if int(row["iteration"]) < iteration]
+    with write_atomically(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))

@@ -61,6 +61,7 @@ from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.config import TrainConfig
 from flowalign.training.copies import PolicyCopies
+from flowalign.training.divergence import check_finite
 from flowalign.training.distributed import agreed, check_distributed_type, check_ranks_agree, summed
 from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
@@ -125,7 +126,7 @@ class GRPOTrainer:
         self.ema = EMA(self.trainable_state(), optim.ema_decay) if optim.ema_decay > 0 else None
         self.copies = PolicyCopies(self.trainable_state(), [c for part in self.parts.all() for c in part.policy_copies()])
         self.iteration, self.history, self.stop_requested, self.last_advantages = 0, [], False, None
-        self.optimizer_steps, self.iteration_cond = 0, None
+        self.optimizer_steps, self.iteration_cond, self.stop_signal = 0, None, None
         for part in self.parts.all():
             part.set_up(self)
         if self.checkpoint is not None:  # loading it is set-up too: a file that does not fit is the user's to fix
@@ -173,6 +174,7 @@ class GRPOTrainer:
         try:
             for iteration in range(self.iteration, cfg.iterations):
                 metrics, prompts, batches, scores = self.train_iteration(iteration)
+                check_finite(self, iteration, metrics)  # a diverged iteration is neither logged nor saved
                 self.iteration = iteration + 1
                 self.history.append(metrics)
                 log.iteration(metrics, prompts, batches, scores)
@@ -446,7 +448,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------------------- run, evaluation
     def _request_stop(self, signum, frame) -> None:
-        self.stop_requested = True
+        self.stop_requested, self.stop_signal = True, signum  # the command line exits 128 + signum
 
     def save(self) -> Path | None:
         return self.checkpointer.save()
