@@ -114,6 +114,7 @@ class OutputFolder:
     path: Path
     patterns: tuple[str, ...]
     command: str
+    flag: str = "--out"
 
     def earlier_outputs(self) -> list[Path]:
         """The files of an earlier run in the folder (those the patterns name), sorted."""
@@ -124,7 +125,7 @@ class OutputFolder:
     def check(self, *, overwrite: bool) -> bool:
         """Before any model loads: refuse a folder holding an earlier run's outputs unless ``overwrite``; True
         when there are outputs to replace (``replace_earlier`` deletes them just before the first write)."""
-        check_writable_dir(self.path, key="--out")
+        check_writable_dir(self.path, key=self.flag)
         found = self.earlier_outputs()
         if not found:
             return False
@@ -132,8 +133,8 @@ class OutputFolder:
             return True
         shown = ", ".join(str(p.relative_to(self.path)) for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise SetupError(
-            f"--out {str(self.path)!r} already holds the outputs of an earlier {self.command} ({shown}): a new run "
-            f"would mix its files with those. Either write elsewhere with --out {free_path(self.path)}, replace "
+            f"{self.flag} {str(self.path)!r} already holds the outputs of an earlier {self.command} ({shown}): a new "
+            f"run would mix its files with those. Either write elsewhere with {self.flag} {free_path(self.path)}, replace "
             "them with --overwrite (deletes that run's outputs, and only those), or move the folder away yourself")
 
     def replace_earlier(self) -> None:

@@ -396,6 +396,16 @@ def test_flowalign_sample_writes_images_rewards_and_nfes(tmp_path, toy):
     assert [r["nfe"] for r in results["results"]] == [6, 6]
     assert all(0 <= r["reward"] <= 1 and "correct" in r for r in results["results"])
     assert (out / "images" / "0001.png").is_file() and (out / "grid.png").is_file()
+    # a second run into the same folder is refused before the model loads: never two runs' images side by side
+    fewer = ["sample", "--guidance", "bon", "--budget", "6", "--steps", "3", "--max-prompts", "1", "--out", str(out)]
+    (out / "images" / "mine.txt").write_text("mine")
+    with pytest.raises(SystemExit) as refused:
+        main(fewer)
+    assert refused.value.code == 2
+    # --overwrite replaces the earlier run's outputs: no stale images/0001.png beside the new run's one image
+    assert main([*fewer, "--overwrite"]) == 0
+    assert sorted(p.name for p in (out / "images").iterdir()) == ["0000.png", "mine.txt"]
+    assert len(json.loads((out / "results.json").read_text())["results"]) == 1
 
 
 @pytest.mark.parametrize(

@@ -66,3 +66,22 @@ def test_an_output_folder_with_an_earlier_run_is_refused_and_overwrite_deletes_o
     folder.replace_earlier()
     left = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     assert left == ["images", "images/cover.png", "notes.txt"]
+
+
+@pytest.mark.parametrize("argv, earlier", [
+    (["sample"], "images/0003.png"),
+    (["eval", "toy"], "grid.png"),
+    (["eval", "geneval", "--metadata", "assets/prompts/test.jsonl", "--model", "assets/toy-sd3"], "results.json"),
+    (["eval", "hpd", "--model", "assets/toy-sd3", "--prompts", "hpd"], "summary.md"),
+])
+def test_every_sampling_command_refuses_a_folder_with_an_earlier_run_before_loading(tmp_path, capsys, argv, earlier):
+    from flowalign.cli import main
+
+    out = tmp_path / "out"
+    (out / earlier).parent.mkdir(parents=True, exist_ok=True)
+    (out / earlier).write_text("an earlier run's")
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--out", str(out)])
+    error = capsys.readouterr().err
+    assert refused.value.code == 2 and f"--out {str(out)!r} already holds the outputs of an earlier" in error, error
+    assert all(way in error for way in ("--out", "--overwrite", "move the folder away")) and earlier in error

@@ -35,6 +35,7 @@ from PIL import Image
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import GenEvalError, format_table, judge, load_metadata, summarize, validate_metadata
 from flowalign.evaluation.images import to_uint8
+from flowalign.outputs import OutputFolder
 from flowalign.settings import option, redefault
 from flowalign.evaluation.toy_eval import (
     SamplingRun,
@@ -48,6 +49,11 @@ from flowalign.evaluation.toy_eval import (
 __all__ = ["GenEvalRunConfig", "generate_folder", "read_folder", "run_geneval", "score_folder"]
 
 logger = logging.getLogger(__name__)
+
+# What this command writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
+GENEVAL_OUTPUTS = ("results.json", "summary.md")
+# What generate_folder writes into the image folder it generates (GenEval's layout).
+GENEVAL_IMAGES = ("[0-9]*/metadata.jsonl", "[0-9]*/samples/[0-9]*.png")
 
 
 def _prompt_dir(folder: Path, index: int) -> Path:
@@ -178,6 +184,10 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
         folder = Path(config.images) if config.images else out / "images"
         title = config.model or str(folder)
         generating = config.model is not None or lora is not None
+        outputs = [OutputFolder(out, GENEVAL_OUTPUTS, "flowalign eval geneval")]
+        if generating:  # the image folder it generates into is its output too (scored only, it is the input)
+            outputs.append(OutputFolder(folder, GENEVAL_IMAGES, "flowalign eval geneval", flag="--images"))
+        replacing = [o for o in outputs if o.check(overwrite=config.overwrite)]
         if generating:
             from flowalign.export import base_model_path, load_model
 
@@ -191,6 +201,8 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
                 title += f" + {lora.describe()}"
         elif not folder.is_dir():
             raise FileNotFoundError(f"no --model to generate with and no image folder at {str(folder)!r} to score")
+    for earlier in replacing:  # --overwrite: the earlier run's outputs go just before the first write
+        earlier.replace_earlier()
     if generating:
         generate_folder(model, metadata, folder, steps=config.steps, images_per_prompt=config.images_per_prompt,
                         guidance_scale=config.guidance_scale, seed=config.seed, batch_size=config.batch_size,

@@ -23,6 +23,7 @@ import torch
 
 from flowalign.devices import resolve_device
 from flowalign.evaluation.toy_eval import SamplingRun
+from flowalign.outputs import OutputFolder
 from flowalign.settings import option, redefault
 
 __all__ = ["HPD_STYLES", "HPDRunConfig", "chunk_stats", "format_hpd_table", "hpd_summary", "load_hpd_prompts",
@@ -32,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 HPD_STYLES = ("anime", "concept-art", "paintings", "photo")
 NUM_CHUNKS = 10
+
+# What this command writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
+HPD_OUTPUTS = ("results.json", "summary.md", "images/*/[0-9]*_[0-9]*.png")
 
 
 def _line_of(text: str, offset: int) -> int:
@@ -154,6 +158,8 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
 
     with setup_phase():  # the user's mistakes, up to the loaded models, are reported as such (exit 2 on the CLI)
         config.validate()
+        outputs = OutputFolder(Path(config.out_dir), HPD_OUTPUTS, "flowalign eval hpd")
+        replacing = outputs.check(overwrite=config.overwrite)  # never two runs' results side by side
         lora = config.lora_source()
         model_path = base_model_path(config.model, lora)
         prompts = load_hpd_prompts(config.prompts)
@@ -165,6 +171,8 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
 
             scorer = HPSv2(config.hps_checkpoint, version="v2.1", device=device, dtype=config.dtype)
         model = load_model(model_path, lora, dtype=config.dtype, device=device)
+    if replacing:  # --overwrite: the earlier run's outputs go just before the first write
+        outputs.replace_earlier()
     out = Path(config.out_dir)
     scores = {}
     for style_index, (style, style_prompts) in enumerate(prompts.items()):

@@ -37,6 +37,7 @@ from flowalign.config import ConfigError
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
+from flowalign.outputs import OutputFolder
 from flowalign.seeding import mixed_seed
 from flowalign.settings import option, redefault
 
@@ -55,6 +56,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GRID_MAX_IMAGES = 64
+# What run_eval writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
+TOY_EVAL_OUTPUTS = ("results.json", "summary.md", "grid.png")
 DEFAULT_MODEL = "assets/toy-sd3"
 
 
@@ -81,6 +84,7 @@ class SamplingRun:
     resolution: int | None = option(None, "image size (default: the model's)")
     max_prompts: int | None = option(None, "evaluate only the first M prompts (of each style for HPD)")
     out_dir: str = option("outputs/eval", "output directory", flag="out")
+    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command writes there, and only those)")
     device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
     dtype: Literal["fp32", "fp16", "bf16"] = option("fp32", "dtype of the model's weights")
     lora: str | None = option(None, "a trained LoRA: a checkpoint directory (checkpoint-NNNNNN) or a diffusers LoRA "
@@ -501,6 +505,8 @@ def run_eval(config: EvalConfig) -> dict:
 
     with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
         config.validate()
+        outputs = OutputFolder(Path(config.out_dir), TOY_EVAL_OUTPUTS, "flowalign eval toy")
+        replacing = outputs.check(overwrite=config.overwrite)
         lora = config.lora_source()
         prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
         if not prompts_path.is_file():
@@ -525,6 +531,8 @@ def run_eval(config: EvalConfig) -> dict:
         image_size=config.resolution,
     )
 
+    if replacing:  # --overwrite: the earlier run's outputs go just before the first write
+        outputs.replace_earlier()
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {

@@ -24,7 +24,9 @@ costs 2 NFEs per sample (``evals_per_sample = 2``); a backward pass through such
 
 Outputs. One image per prompt: ``images/NNNN.png`` (prompt ``NNNN``) and one row per prompt in ``results.json``. A
 sampler returning a set of ``k`` images per prompt: ``images/NNNN_JJ.png`` and one row per image (``image_index``),
-with the prompt's NFEs on each of its rows.
+with the prompt's NFEs on each of its rows. A ``--out`` folder holding an earlier run's outputs is refused before
+the model loads (``flowalign.outputs``: never two runs' images side by side); ``--overwrite`` deletes those files,
+and only those, just before the new ones are written.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch import Tensor
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError, component
 from flowalign.devices import resolve_device
+from flowalign.outputs import OutputFolder
 from flowalign.inference.guided import RGS_GRADIENTS  # re-exported (bench/guided.py)
 from flowalign.samplers.guided import GuidedResult
 from flowalign.seeding import generator as seeded_generator
@@ -49,6 +52,9 @@ from flowalign.settings import at_least, flagged, option, parse_json_object
 
 __all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "encode_prompts", "latent_reward",
            "prompt_velocity", "run_guided", "run_sample"]
+
+# What run_sample writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
+SAMPLE_OUTPUTS = ("results.json", "summary.md", "grid.png", "images/[0-9]*.png")
 
 # The settings SampleConfig had before the samplers were components -> their name in the sampler's settings; the
 # Python constructor still takes them (``SampleConfig(guidance="fk", lam=5)``), for the sampler that has them.
@@ -97,6 +103,7 @@ class SampleConfig:
     max_prompts: int | None = option(None, "sample only the first M prompts")
     batch_prompts: int = option(16, "prompts sampled at once")
     out_dir: str = option("outputs/sample", "output directory", flag="out")
+    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command writes there, and only those)")
     device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
     cfg: float = option(1.0, "classifier-free guidance scale (negative prompt ''), for every sampler; > 1 costs 2 "
                         "NFEs per sample and step; 1 = off", metavar="SCALE")
@@ -301,6 +308,8 @@ def run_sample(config: SampleConfig) -> dict:
 
     with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
         config.validate()
+        outputs = OutputFolder(Path(config.out_dir), SAMPLE_OUTPUTS, "flowalign sample")
+        replacing = outputs.check(overwrite=config.overwrite)  # never two runs' images side by side
         sampler = config.build_sampler()
         needs = sampler.requirements()
         guide = sampler.differentiable_reward() if "differentiable_reward" in needs else None
@@ -366,6 +375,8 @@ def run_sample(config: SampleConfig) -> dict:
     diversity = None
     if rewards.dim() == 2:  # a set per prompt: its diversity in the configured embedding
         diversity = (embedding_name, measure_diversity(images, embedding or embedding_model()))
+    if replacing:  # --overwrite: the earlier run's outputs go just before the first write
+        outputs.replace_earlier()
     return write_outputs(config, metadata, images, rewards, nfes, diversity=diversity)
 
 

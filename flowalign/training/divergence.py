@@ -1,8 +1,10 @@
-"""A diverging run stops: a loss or a trainable weight that is no longer finite ends training before that
-iteration is logged or saved, so the run's newest checkpoint is its last finite one.
+"""A diverging run stops: a loss, a trainable weight or a rollout sample that is no longer finite ends training
+before that iteration is logged or saved, so the run's newest checkpoint is its last finite one.
 
 The loss is every metric named ``loss`` or ``<...>/loss`` (the loss terms' and each objective's); the weights are
-the trainable parameters (this process's shards under FSDP2). Every process agrees on the verdict, so all of them
+the trainable parameters (this process's shards under FSDP2); the samples are the rollout's final latents (weights
+that grew huge but finite, ``optim.lr=1e30``, show first there: the policy's outputs overflow, and the update of that
+iteration is skipped, so no loss is computed). Every process agrees on the verdict, so all of them
 stop together. The error is ``RunFailed``: the command line prints its message, without a traceback, and exits 1.
 """
 
@@ -19,20 +21,26 @@ from flowalign.training.distributed import agreed
 __all__ = ["check_finite", "non_finite"]
 
 
-def non_finite(metrics: dict[str, float], weights: dict[str, torch.Tensor]) -> list[str]:
-    """What is not finite: ``loss = nan``-style entries for the losses, then the first weights holding inf or NaN."""
+def non_finite(metrics: dict[str, float], weights: dict[str, torch.Tensor], batches=()) -> list[str]:
+    """What is not finite: the losses (``loss = nan``), the weights (how many tensors hold inf or NaN, the first
+    one's name) and the rollout's final samples (the policy's outputs overflowed: the images are broken)."""
     found = [f"{key} = {value}" for key, value in metrics.items()
              if (key == "loss" or key.endswith("/loss")) and not math.isfinite(value)]
-    bad = [name for name, tensor in weights.items()
-           if not bool(torch.isfinite(tensor.to_local() if hasattr(tensor, "to_local") else tensor).all())]
+    local = {name: tensor.to_local() if hasattr(tensor, "to_local") else tensor for name, tensor in weights.items()}
+    bad = [name for name, tensor in local.items() if not bool(torch.isfinite(tensor).all())]
     if bad:
         found.append(f"{len(bad)} trainable weight tensor(s) hold inf or NaN (first: {bad[0]})")
+    samples = sum(int((~torch.isfinite(b.rollout.final.flatten(1))).any(1).sum()) for b in batches)
+    if samples:
+        largest = max((float(t.detach().abs().max()) for t in local.values() if t.numel()), default=float("nan"))
+        found.append(f"{samples} of this process's rollout samples hold inf or NaN (the largest trainable weight "
+                     f"is {largest:.3g})")
     return found
 
 
-def check_finite(trainer, iteration: int, metrics: dict[str, float]) -> None:
-    """Raise ``RunFailed`` (on every process) when iteration ``iteration`` left a non-finite loss or weight."""
-    found = non_finite(metrics, trainer.trainable_state())
+def check_finite(trainer, iteration: int, metrics: dict[str, float], batches=()) -> None:
+    """Raise ``RunFailed`` (on every process) when iteration ``iteration`` left a non-finite loss, weight or sample."""
+    found = non_finite(metrics, trainer.trainable_state(), batches)
     if not agreed(trainer.accelerator, bool(found)):
         return
     last = latest_checkpoint(trainer.out_dir)

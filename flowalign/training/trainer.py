@@ -174,7 +174,7 @@ class GRPOTrainer:
         try:
             for iteration in range(self.iteration, cfg.iterations):
                 metrics, prompts, batches, scores = self.train_iteration(iteration)
-                check_finite(self, iteration, metrics)  # a diverged iteration is neither logged nor saved
+                check_finite(self, iteration, metrics, batches)  # a diverged iteration is neither logged nor saved
                 self.iteration = iteration + 1
                 self.history.append(metrics)
                 log.iteration(metrics, prompts, batches, scores)
