@@ -413,7 +413,8 @@ class RunConfig:
     resume: str | None = option(None, "checkpoint directory to resume from (or latest: train.out_dir's newest); its "
                                 "config must match this one")
     overwrite: bool = option(
-        False, "start a new run in a train.out_dir that already holds one, deleting that run's files first (without "
+        False, "start a new run in a train.out_dir that already holds one, deleting that run's files (its checkpoints "
+        "and the files it recorded in run-files.jsonl, nothing else) once the new run's inputs are checked (without "
         "it, such a run is refused)"
     )
 
