@@ -126,3 +126,30 @@ def test_a_closed_pipe_ends_a_command_quietly():
     process.stdout.close()  # `| head -1`
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 1 and stderr == "", stderr
+
+
+def test_clear_run_deletes_recorded_files_only_never_outside_and_by_name_without_a_record(tmp_path):
+    from flowalign.training.run_directory import clear_run
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    run = tmp_path / "run"
+    files = ["config.yaml", "samples/iteration-000000.png", "flowalign/events.out", "samples/mine.png", "eval/own.md",
+             "checkpoint-000002/state.json"]
+    for name in files:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(name)
+    # a record naming paths outside the run (hostile or broken) deletes nothing there; a torn last line is ignored
+    (run / RECORD).write_text("".join(json.dumps(n) + "\n" for n in (
+        "config.yaml", "samples/iteration-000000.png", "flowalign/events.out", "../outside.txt", str(outside))) + '"eva')
+    clear_run(run)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == ["eval/own.md",
+                                                                                      "samples/mine.png"]
+    assert outside.read_text() == "keep" and not (run / "flowalign").exists()
+    # a run written before runs kept a record: only the files whose names a run writes go; the tracker's are kept
+    for name in files:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(name)
+    clear_run(run)
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == [
+        "eval/own.md", "flowalign/events.out", "samples/mine.png"]
