@@ -134,8 +134,8 @@ class OutputFolder:
         shown = ", ".join(str(p.relative_to(self.path)) for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise SetupError(
             f"{self.flag} {str(self.path)!r} already holds the outputs of an earlier {self.command} ({shown}): a new "
-            f"run would mix its files with those. Either write elsewhere with {self.flag} {free_path(self.path)}, replace "
-            "them with --overwrite (deletes that run's outputs, and only those), or move the folder away yourself")
+            f"run would mix its files with those. Either write elsewhere with {self.flag} {free_path(self.path)}, "
+            "replace them with --overwrite (deletes that run's outputs, and only those), or move the folder away yourself")
 
     def replace_earlier(self) -> None:
         """Delete the earlier run's outputs (the files the patterns name) and the folders this leaves empty."""

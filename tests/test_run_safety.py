@@ -140,8 +140,8 @@ def test_clear_run_deletes_recorded_files_only_never_outside_and_by_name_without
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(name)
     # a record naming paths outside the run (hostile or broken) deletes nothing there; a torn last line is ignored
-    (run / RECORD).write_text("".join(json.dumps(n) + "\n" for n in (
-        "config.yaml", "samples/iteration-000000.png", "flowalign/events.out", "../outside.txt", str(outside))) + '"eva')
+    recorded = ("config.yaml", "samples/iteration-000000.png", "flowalign/events.out", "../outside.txt", str(outside))
+    (run / RECORD).write_text("".join(json.dumps(n) + "\n" for n in recorded) + '"eva')
     clear_run(run)
     assert sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file()) == ["eval/own.md",
                                                                                       "samples/mine.png"]

@@ -84,7 +84,8 @@ class SamplingRun:
     resolution: int | None = option(None, "image size (default: the model's)")
     max_prompts: int | None = option(None, "evaluate only the first M prompts (of each style for HPD)")
     out_dir: str = option("outputs/eval", "output directory", flag="out")
-    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command writes there, and only those)")
+    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command "
+                                    "writes there, and only those)")
     device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
     dtype: Literal["fp32", "fp16", "bf16"] = option("fp32", "dtype of the model's weights")
     lora: str | None = option(None, "a trained LoRA: a checkpoint directory (checkpoint-NNNNNN) or a diffusers LoRA "

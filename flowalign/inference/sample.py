@@ -103,7 +103,8 @@ class SampleConfig:
     max_prompts: int | None = option(None, "sample only the first M prompts")
     batch_prompts: int = option(16, "prompts sampled at once")
     out_dir: str = option("outputs/sample", "output directory", flag="out")
-    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command writes there, and only those)")
+    overwrite: bool = option(False, "replace the outputs of an earlier run in --out (deletes the files this command "
+                                    "writes there, and only those)")
     device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
     cfg: float = option(1.0, "classifier-free guidance scale (negative prompt ''), for every sampler; > 1 costs 2 "
                         "NFEs per sample and step; 1 = off", metavar="SCALE")

@@ -12,10 +12,13 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
 * A resumed run continues the run whose checkpoint it loads. Into that checkpoint's own directory it must resume the
   newest checkpoint (an older one would overwrite the later checkpoints); into another directory, that directory
   must not hold a run either. Its ``metrics.jsonl`` keeps only the iterations before the checkpoint, so a resumed run
-  writes the same file as an uninterrupted one.
+  writes the same file as an uninterrupted one (rewritten whole; a torn last line is dropped with a warning, a corrupt
+  line elsewhere refused naming the file and line).
 * The checkpoint's config must equal this one except for the keys that do not change the math
-  (``resumable_keys()`` of the config: what each section and component declares changes no math), and ``train.iterations`` may change only when nothing depends on the run's progress
-  (``TrainConfig.progress_dependent``).
+  (``resumable_keys()`` of the config: what each section and component declares changes no math), and
+  ``train.iterations`` may change only when nothing depends on the run's progress
+  (``TrainConfig.progress_dependent``), and never to less than the checkpoint's iteration: such a run has nothing
+  to train, and its ``config.yaml`` would no longer describe the iterations its metrics and checkpoints hold.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ from flowalign.training.run_files import RECORD, RunFiles
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUN_FILES", "SOURCE_MARKERS", "check_new_run", "check_out_dir", "clear_run", "holds_run", "read_metrics", "resolve_resume",
-           "trim_metrics"]
+__all__ = ["RUN_FILES", "SOURCE_MARKERS", "check_new_run", "check_out_dir", "clear_run", "holds_run", "metric_lines",
+           "read_metrics", "resolve_resume", "trim_metrics"]
 
 # The files whose presence marks a directory as holding a run (besides checkpoint-* and .tmp-checkpoint-*).
 RUN_FILES = ("config.yaml", "metrics.jsonl", RECORD)
@@ -133,7 +136,7 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
             f"nothing to train, and the run's config.yaml would no longer describe its {done} iterations. Resume "
             f"with train.iterations >= {done}, or evaluate or export the checkpoint as it is")
     if checkpoint.parent.resolve() == out_dir.resolve():
-        metric_lines(out_dir / "metrics.jsonl")  # a corrupt line is refused here, before the model loads
+        metric_lines(out_dir / "metrics.jsonl", warn=False)  # a corrupt line is refused here, before the model loads
         newest = latest_checkpoint(out_dir)
         if newest is not None and newest.resolve() != checkpoint.resolve():
             raise SetupError(
@@ -149,7 +152,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     return [row for _, row in metric_lines(path)]
 
 
-def metric_lines(path: str | Path) -> list[tuple[str, dict]]:
+def metric_lines(path: str | Path, *, warn: bool = True) -> list[tuple[str, dict]]:
     """``(line, row)`` of a run's ``metrics.jsonl``. A torn last line (a crash while it was appended) is dropped with
     a warning; a line that is no JSON object with an ``iteration`` anywhere else is a SetupError naming the file and
     the line: the file is no longer the run's record, and resuming would build on it."""
@@ -168,8 +171,9 @@ def metric_lines(path: str | Path) -> list[tuple[str, dict]]:
             int(row["iteration"])
         except (ValueError, KeyError, TypeError) as error:
             if number == len(lines):
-                logger.warning("%s: dropping its torn last line %d (%s): a crash while it was written", path, number,
-                               error)
+                if warn:
+                    logger.warning("%s: dropping its torn last line %d (%s): a crash while it was written", path,
+                                   number, error)
                 break
             raise SetupError(f"{path}, line {number}, is corrupt ({error}): only a torn last line is dropped on "
                              "resume; repair or remove that line, or start a new run") from None

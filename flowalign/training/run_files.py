@@ -3,7 +3,8 @@
 A run records each file in ``run-files.jsonl`` (one JSON string a line, the path relative to the run directory)
 *before* it writes the file, so a crash never leaves a written file unrecorded: ``config.yaml``, ``metrics.jsonl``,
 the sample grids, the final evaluation's files and the tracker's logs (``flowalign/``: every file that appears there
-while the run tracks, recorded just after the tracker writes it, since the tracker writes on its own). Its checkpoints (``checkpoint-NNNNNN/`` and their temporary siblings) are the run's by name.
+while the run tracks, recorded just after the tracker writes it, since the tracker writes on its own). Its
+checkpoints (``checkpoint-NNNNNN/`` and their temporary siblings) are the run's by name.
 Each line is appended whole with a single write; a torn last line (a crash while appending) is ignored.
 
 ``delete()`` removes the recorded files, then the folders this leaves empty, then the record itself; nothing else.
