@@ -13,6 +13,9 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
 * The checkpoint's config must equal this one except for the keys that do not change the math
   (``resumable_keys()`` of the config: what each section and component declares changes no math), and ``train.iterations`` may change only when nothing depends on the run's progress
   (``TrainConfig.progress_dependent``).
+* The checkpoint's files that can be checked without a model are: ``state.json`` reads, a sharded checkpoint's
+  ``.metadata`` passes the allow-list (``flowalign.sharded_reading``), and a run with EMA finds the checkpoint's EMA
+  (``ema.safetensors``, or the ``ema`` part of ``sharded/``) unless ``train.restart_ema`` asks for a fresh one.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
+from flowalign.training.checkpoint import CHECKPOINT_PATTERN, EMA_FILE, holds_ema, latest_checkpoint, read_run_state
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 
@@ -82,6 +85,8 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
         raise FileNotFoundError(f"no checkpoint to resume from at {where!r} (run directory {out_dir})")
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / "state.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (it needs config.yaml and state.json)")
+    read_run_state(checkpoint, require=("history",))  # a corrupt state.json is named before any model loads
+    check_ema(checkpoint, config)
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     try:  # through the schema's migration, so a checkpoint written before a key moved compares by meaning
         resolved = to_dict(load_config(type(config), checkpoint / "config.yaml"))
@@ -105,6 +110,19 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
     elif holds_run(out_dir):
         raise _occupied(out_dir)
     return checkpoint
+
+
+def check_ema(checkpoint: Path, config) -> None:
+    """A run with EMA resumes the checkpoint's EMA: refuse a checkpoint without one (``holds_ema``; a sharded
+    checkpoint's ``.metadata`` is read through the allow-list here), unless ``train.restart_ema``."""
+    if not config.optim.ema_decay > 0 or holds_ema(checkpoint) or config.train.restart_ema:
+        return
+    missing = (f"{str(checkpoint / 'sharded' / '.metadata')!r} lists no EMA (ema.*)" if (checkpoint / "sharded").is_dir()
+               else f"{str(checkpoint / EMA_FILE)!r} is missing")
+    raise SetupError(
+        f"{missing}, but this run keeps an EMA (optim.ema_decay = {config.optim.ema_decay}): resuming would restart "
+        "the EMA silently, and eval and export would read that restart as the run's EMA. Restore the file, resume "
+        "another checkpoint, or say train.restart_ema=true to start a fresh EMA from the resumed weights")
 
 
 def trim_metrics(path: str | Path, iteration: int) -> None:
