@@ -137,11 +137,18 @@ def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSou
                                     "instead)")
         config = yaml.safe_load(config_file.read_text()) or {}
         ema_decay = (config.get("optim") or {}).get("ema_decay") if isinstance(config, dict) else None
-        has_ema = (directory / _WEIGHT_FILES["ema"]).is_file() if not sharded else bool(ema_decay)
+        if sharded:  # its .metadata is read (allow-listed: flowalign.sharded_reading) before a model loads
+            from flowalign.sharded_reading import holds_part
+
+            has_ema = holds_part(directory / "sharded", "ema")
+        else:
+            has_ema = (directory / _WEIGHT_FILES["ema"]).is_file()
+        ema_file = directory / ("sharded/.metadata" if sharded else _WEIGHT_FILES["ema"])
         if weights is None and ema_decay and not has_ema:  # the run kept an EMA, and its file is gone
-            raise ValueError(f"{str(directory / _WEIGHT_FILES['ema'])!r} is missing, but checkpoint {str(path)!r} was "
-                             f"trained with optim.ema_decay = {ema_decay}: its EMA is gone. Pass --weights last for "
-                             "its last weights, or restore the file")
+            gone = "lists no EMA (ema.*)" if sharded else "is missing"
+            raise ValueError(f"{str(ema_file)!r} {gone}, but checkpoint {str(path)!r} was trained with "
+                             f"optim.ema_decay = {ema_decay}: its EMA is gone. Pass --weights last for its last "
+                             "weights, or restore the file")
         if weights is None:
             weights = "ema" if has_ema else "last"
         elif weights == "ema" and not has_ema:

@@ -31,7 +31,8 @@ from torch.futures import Future
 
 from flowalign.serialization import CheckpointFileError, damaged, untrusted, weights_only_reason
 
-__all__ = ["METADATA_GLOBALS", "SafeLoadPlanner", "SafeShardedReader", "load_sharded", "read_sharded_metadata"]
+__all__ = ["METADATA_GLOBALS", "SafeLoadPlanner", "SafeShardedReader", "holds_part", "load_sharded",
+           "read_sharded_metadata"]
 
 METADATA = "the metadata of a sharded checkpoint (torch.distributed.checkpoint)"
 METADATA_CLASSES = "the classes of a checkpoint's metadata"
@@ -87,6 +88,13 @@ def read_sharded_metadata(path: str | Path) -> Metadata:
             raise untrusted(path, METADATA, f"its storage table names {name!r}, not a file of its own folder",
                             METADATA_CLASSES)
     return metadata
+
+
+def holds_part(directory: str | Path, part: str) -> bool:
+    """Whether the sharded checkpoint folder ``directory`` holds ``part`` (``trainable``, ``ema``, ...): entries
+    ``<part>.*`` in its ``.metadata`` (read through the allow-list)."""
+    prefix = f"{part}."
+    return any(key.startswith(prefix) for key in read_sharded_metadata(Path(directory) / ".metadata").state_dict_metadata)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -150,8 +158,11 @@ def load_sharded(state_dict: dict, directory: str | Path, *, no_dist: bool = Fal
     reader.read_metadata()
     try:
         dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
-    except CheckpointException as failure:
-        for error, _ in failure.failures.values():
+    except CheckpointException as failure:  # a BaseException: a plain error, naming the file when one failed
+        errors = [error for error, _ in failure.failures.values()]
+        for error in errors:
             if isinstance(error, CheckpointFileError):
                 raise CheckpointFileError(str(error)) from None
-        raise
+        first = next((f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}" for e in errors), "")
+        raise CheckpointFileError(f"cannot load the sharded checkpoint {str(directory)!r} into this run ({first})"
+                                  ) from failure

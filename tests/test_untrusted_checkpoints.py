@@ -187,7 +187,8 @@ def test_a_real_sharded_checkpoint_still_resumes(runs, tiny_model, tmp_path):
 
 @pytest.mark.parametrize("engine,name", [("ddp", "optimizer.pt"), ("ddp", "trainable.safetensors"),
                                          ("ddp", "ema.safetensors"), ("ddp", "state.json"),
-                                         ("fsdp2", "sharded/__0_0.distcp"), ("fsdp2", "state.json")])
+                                         ("fsdp2", "sharded/__0_0.distcp"), ("fsdp2", "sharded/.metadata"),
+                                         ("fsdp2", "state.json")])
 def test_a_truncated_or_corrupt_checkpoint_file_is_named_at_resume(runs, tiny_model, tmp_path, capsys, engine, name):
     run, checkpoint = copy_run(runs, engine, tmp_path)
     if name == "state.json":
@@ -249,10 +250,18 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def test_a_checkpoint_whose_ema_file_is_gone_is_no_silent_ema_source(runs, tmp_path, capsys):
-    """``export`` / ``eval`` / ``sample`` default to the EMA of a run that kept one: a missing file is named."""
-    run, checkpoint = copy_run(runs, "ddp", tmp_path)
-    (checkpoint / "ema.safetensors").unlink()
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_a_checkpoint_whose_ema_is_gone_is_no_silent_ema_source(runs, tmp_path, capsys, engine):
+    """``export`` / ``eval`` / ``sample`` default to the EMA of a run that kept one: a missing EMA is named, before
+    the model loads; ``--weights last`` still reads the last weights."""
+    run, checkpoint = copy_run(runs, engine, tmp_path)
+    if engine == "ddp":
+        (checkpoint / "ema.safetensors").unlink()
+        named = f"'{checkpoint / 'ema.safetensors'}' is missing"
+    else:
+        drop_sharded_ema(checkpoint / "sharded")
+        named = f"'{checkpoint / 'sharded' / '.metadata'}' lists no EMA"
     for command in commands(checkpoint, tmp_path).values():
         error = fails_with_exit_2(command, capsys)
-        assert f"'{checkpoint / 'ema.safetensors'}' is missing" in error and "--weights last" in error
+        assert named in error and "--weights last" in error
+    assert cli.main(["export", str(checkpoint), "--weights", "last", "--out", str(tmp_path / "last")]) == 0

@@ -222,10 +222,9 @@ def holds_ema(checkpoint: str | Path) -> bool:
     in ``sharded/.metadata`` (read through the allow-list of ``flowalign.sharded_reading``)."""
     checkpoint = Path(checkpoint)
     if (checkpoint / "sharded").is_dir():
-        from flowalign.sharded_reading import read_sharded_metadata
+        from flowalign.sharded_reading import holds_part
 
-        metadata = read_sharded_metadata(checkpoint / "sharded" / ".metadata")
-        return any(key.startswith("ema.") for key in metadata.state_dict_metadata)
+        return holds_part(checkpoint / "sharded", "ema")
     return (checkpoint / EMA_FILE).is_file()
 
 

@@ -86,6 +86,10 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / "state.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (it needs config.yaml and state.json)")
     read_run_state(checkpoint, require=("history",))  # a corrupt state.json is named before any model loads
+    if (checkpoint / "sharded").is_dir():  # and a .metadata outside the allow-list (flowalign.sharded_reading)
+        from flowalign.sharded_reading import read_sharded_metadata
+
+        read_sharded_metadata(checkpoint / "sharded" / ".metadata")
     check_ema(checkpoint, config)
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     try:  # through the schema's migration, so a checkpoint written before a key moved compares by meaning
