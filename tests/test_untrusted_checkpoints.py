@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from flowalign.training.trainer import GRPOTrainer
 from test_fsdp2 import one_world_per_test, settings, train_here  # noqa: F401 - the autouse fixture tears worlds down
 from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
 
+BIN = Path(sys.executable).parent
 EMA = {"optim.ema_decay": 0.5, "train.iterations": 1}
 CHECKPOINT = "checkpoint-000001"
 
@@ -170,6 +173,22 @@ def test_a_crafted_non_tensor_item_is_refused_at_resume_and_never_runs(runs, tin
     assert crafted and all(key.startswith("optimizer.") for key in crafted)
     error = resume_fails_with_exit_2(tiny_model, run, capsys)
     assert f"refusing to load '{checkpoint / 'sharded' / '__0_0.distcp'}'" in error and "do not trust it" in error
+    assert not marker.exists()
+
+
+def test_two_processes_refuse_a_crafted_non_tensor_item_on_every_rank(runs, tiny_model, tmp_path):
+    """``torchrun`` with 2 processes (gloo) resuming the 1-process checkpoint (DCP reshards): every rank reads the
+    optimizer's param_groups, every rank refuses them with the error naming the file, and the payload never runs."""
+    run, checkpoint = copy_run(runs, "fsdp2", tmp_path)
+    marker = tmp_path / "marker"
+    craft_items(checkpoint / "sharded", Payload(marker), lambda key: ".param_groups." in key)
+    done = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", *TRAIN_CLI,
+         *settings(tiny_model, run, **EMA, **{"train.resume": "latest"})],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=600)
+    refused = f"flowalign: error: refusing to load '{checkpoint / 'sharded' / '__0_0.distcp'}'"
+    assert done.returncode != 0 and done.stderr.count(refused) == 2, done.stderr[-3000:]
     assert not marker.exists()
 
 
