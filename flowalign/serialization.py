@@ -29,12 +29,15 @@ class CheckpointFileError(ValueError):
     """A checkpoint file that is refused (it could run code) or cannot be read (truncated, corrupt); names the file."""
 
 
-def untrusted(path, what: str, reason: str, holds: str = "tensors and plain values") -> CheckpointFileError:
-    """The refusal of a file that asks for more than ``what`` ever holds: nothing in it ran."""
+SAVE_AGAIN = "if you wrote it with another tool, save it again with plain tensors and containers"
+
+
+def untrusted(path, what: str, reason: str, holds: str = "tensors and plain values",
+              fix: str = SAVE_AGAIN) -> CheckpointFileError:
+    """The refusal of a file that asks for more than ``what`` ever holds (nothing in it ran); ``fix`` ends it."""
     return CheckpointFileError(
         f"refusing to load {str(path)!r}: it does not hold only {holds}, as {what} does ({reason}). Loading it as a "
-        "full pickle could run code from the file: do not trust it; if it came from elsewhere, do not use it, and if "
-        "you wrote it with another tool, save it again with plain tensors and containers")
+        f"full pickle could run code from the file: do not trust it; if it came from elsewhere, do not use it, and {fix}")
 
 
 def damaged(path, what: str, error: BaseException) -> CheckpointFileError:

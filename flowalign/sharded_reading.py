@@ -36,6 +36,7 @@ __all__ = ["METADATA_GLOBALS", "SafeLoadPlanner", "SafeShardedReader", "holds_pa
 
 METADATA = "the metadata of a sharded checkpoint (torch.distributed.checkpoint)"
 METADATA_CLASSES = "the classes of a checkpoint's metadata"
+RESUME_ANOTHER = "resume or load another checkpoint (an earlier checkpoint-*)"
 DATA = "a data file of a sharded checkpoint (tensors and plain values)"
 
 # Every global a real ``.metadata`` refers to (from the checkpoints the FSDP2 engine writes with torch 2.14: LoRA and
@@ -74,7 +75,7 @@ def read_sharded_metadata(path: str | Path) -> Metadata:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
     except _Refused as error:
-        raise untrusted(path, METADATA, str(error), METADATA_CLASSES) from None
+        raise untrusted(path, METADATA, str(error), METADATA_CLASSES, RESUME_ANOTHER) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as error:
         raise damaged(path, METADATA, error) from None
     storage = getattr(metadata, "storage_data", None)
@@ -86,7 +87,7 @@ def read_sharded_metadata(path: str | Path) -> Metadata:
         if not isinstance(info, _StorageInfo) or not isinstance(name, str) or Path(name).name != name or name in (
                 "", ".", ".."):
             raise untrusted(path, METADATA, f"its storage table names {name!r}, not a file of its own folder",
-                            METADATA_CLASSES)
+                            METADATA_CLASSES, RESUME_ANOTHER)
     return metadata
 
 
@@ -137,7 +138,8 @@ class SafeShardedReader(FileSystemReader):
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except pickle.UnpicklingError as error:
                 reason = weights_only_reason(error)
-                raise (damaged(path, DATA, error) if reason is None else untrusted(path, DATA, reason)) from None
+                raise (damaged(path, DATA, error) if reason is None else
+                       untrusted(path, DATA, reason, fix=RESUME_ANOTHER)) from None
             except FileNotFoundError:
                 raise CheckpointFileError(f"{str(path)!r} is missing: this sharded checkpoint is incomplete; resume or "
                                           "load another checkpoint (an earlier checkpoint-*)") from None
