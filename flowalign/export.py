@@ -79,14 +79,13 @@ class LoraSource:
         return self.kind == "checkpoint" and (self.path / "sharded").is_dir()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The chosen weights by parameter name: the safetensors file, or a sharded checkpoint's part."""
-        from safetensors.torch import load_file
+        """The chosen weights by parameter name: the safetensors file, or a sharded checkpoint's part (read without
+        running anything from it: ``flowalign.serialization``); a damaged or refused file is a ValueError naming it."""
+        from flowalign.serialization import read_safetensors, read_sharded
 
         if self.sharded:
-            from flowalign.serialization import read_sharded
-
             return read_sharded(self.path / "sharded", "trainable" if self.weights == "last" else "ema")
-        return load_file(str(self.tensors_file))
+        return read_safetensors(self.tensors_file, f"the {self.weights} weights of a checkpoint")
 
     @property
     def model_config(self) -> dict:
@@ -137,8 +136,19 @@ def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSou
                                     "alpha and target modules its weights belong to (its lora/ folder can be given "
                                     "instead)")
         config = yaml.safe_load(config_file.read_text()) or {}
-        has_ema = ((directory / _WEIGHT_FILES["ema"]).is_file() if not sharded else
-                   bool(config.get("optim", {}).get("ema_decay")))
+        ema_decay = (config.get("optim") or {}).get("ema_decay") if isinstance(config, dict) else None
+        if sharded:  # its .metadata is read (allow-listed: flowalign.sharded_reading) before a model loads
+            from flowalign.sharded_reading import holds_part
+
+            has_ema = holds_part(directory / "sharded", "ema")
+        else:
+            has_ema = (directory / _WEIGHT_FILES["ema"]).is_file()
+        ema_file = directory / ("sharded/.metadata" if sharded else _WEIGHT_FILES["ema"])
+        if weights is None and ema_decay and not has_ema:  # the run kept an EMA, and its file is gone
+            gone = "lists no EMA (ema.*)" if sharded else "is missing"
+            raise ValueError(f"{str(ema_file)!r} {gone}, but checkpoint {str(path)!r} was trained with "
+                             f"optim.ema_decay = {ema_decay}: its EMA is gone. Pass --weights last for its last "
+                             "weights, or restore the file")
         if weights is None:
             weights = "ema" if has_ema else "last"
         elif weights == "ema" and not has_ema:
@@ -229,9 +239,17 @@ def _check_lora_folder(model, lora: LoraSource, what: str) -> None:
     from safetensors import safe_open
 
     modules = dict(model.transformer.named_modules())
+    from safetensors import SafetensorError
+
+    from flowalign.serialization import damaged
+
     layers = problems = 0
     found: list[str] = []
-    with safe_open(str(lora.tensors_file), framework="pt") as handle:
+    try:
+        handle = safe_open(str(lora.tensors_file), framework="pt")
+    except SafetensorError as error:
+        raise damaged(lora.tensors_file, "a diffusers LoRA file", error) from None
+    with handle:
         for key in handle.keys():
             match = _LORA_KEY.match(key)
             if match is None:

@@ -310,12 +310,12 @@ def untrained_discriminator(model: str | Path, out: str | Path, *, image_size: i
 
 def load_discriminator(path: str | Path, device: str | torch.device = "cpu") -> tuple[ProjectionDiscriminator, dict]:
     """``(head, sidecar)`` of a checkpoint, the head frozen in eval mode."""
-    from safetensors.torch import load_file
+    from flowalign.serialization import read_safetensors
 
     meta = read_sidecar(path)
     shape = meta["head"]
     head = ProjectionDiscriminator(shape["feature_dim"], text_dim=shape["text_dim"], width=shape["width"])
-    head.load_state_dict(load_file(str(path)))
+    head.load_state_dict(read_safetensors(path, "a discriminator checkpoint"))
     return head.to(device).eval().requires_grad_(False), meta
 
 

@@ -264,9 +264,12 @@ def read_sidecar(path: str | Path, key: str = "path") -> dict:
         if not side.is_file():
             raise FileNotFoundError(f"Shell-LCC manifold {str(path)!r} ({key}) has no sidecar {str(side)!r} (what it "
                                     f"was fitted for); `{FIT_COMMAND}` writes both")
-        meta = json.loads(side.read_text())
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{str(side)!r} is not a Shell-LCC sidecar (format {meta.get('format')!r}, expected "
+        from flowalign.serialization import read_json
+
+        meta = read_json(side, "a Shell-LCC sidecar")
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{str(side)!r} is not a Shell-LCC sidecar (format "
+                         f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected "
                              f"{FORMAT!r})")
         return meta
     from flowalign.serialization import safe_load
@@ -288,9 +291,9 @@ def load_manifold(path: str | Path, key: str = "path") -> tuple[ShellLCC, dict]:
     meta = read_sidecar(path, key)
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from flowalign.serialization import read_safetensors
 
-        state = load_file(str(path))
+        state = read_safetensors(path, "a Shell-LCC manifold")
     else:
         from flowalign.serialization import safe_load
 

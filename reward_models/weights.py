@@ -83,12 +83,12 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
     A leading ``module.`` (DataParallel/DDP checkpoints) is stripped from the keys.
     """
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
+    from flowalign.serialization import read_safetensors, safe_load
 
-        state = load_file(str(path))
+    if path.suffix == ".safetensors":
+        state = read_safetensors(path, "a reward model's weights")
     else:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+        state = safe_load(path, "a reward model's state dict")
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
             state = state["state_dict"]
     if not isinstance(state, dict):

@@ -70,7 +70,8 @@ def tiny_checkpoint(root: Path, build=tiny_sd3_pipeline, *, ema: bool = True) ->
     written by ``save_checkpoint`` with a real resolved config, as the trainer writes one."""
     model_dir = root / f"tiny-{build.__name__}"
     build(WORDS, seed=0).save_pretrained(model_dir)
-    config = load_config(TrainConfig, None, [f"model.path={model_dir}", "model.lora_rank=4", "model.lora_alpha=8"])
+    config = load_config(TrainConfig, None, [f"model.path={model_dir}", "model.lora_rank=4", "model.lora_alpha=8",
+                                             f"optim.ema_decay={0.99 if ema else 0}"])  # as a run with(out) EMA
     model = load_flow_model(model_dir)
     model.add_lora(rank=4, alpha=8)
     model.freeze_base()

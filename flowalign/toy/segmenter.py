@@ -231,16 +231,17 @@ def save_segmenter(model: ShapeSegmenter, out: str | Path, info: dict) -> None:
 
 def load_segmenter(path: str | Path | None = None, device: str | torch.device = "cpu") -> ShapeSegmenter:
     """The segmenter saved at ``path`` (default: the embedded ``assets/toy-segmenter``), frozen, in eval mode."""
-    from safetensors.torch import load_file
+    from flowalign.serialization import read_json, read_safetensors
 
     path = Path(path) if path is not None else DEFAULT_SEGMENTER
     weights, config = path / "model.safetensors", path / "config.json"
     if not weights.is_file() or not config.is_file():
         raise FileNotFoundError(f"no toy segmenter at {path} (expected model.safetensors and config.json): train one "
                                 f"with `flowalign toy segmenter --out {path}`")
-    info = json.loads(config.read_text())
-    if info.get("classes") != list(CLASSES):
-        raise ValueError(f"segmenter {path} predicts classes {info.get('classes')}, expected {list(CLASSES)}")
+    info = read_json(config, "a toy segmenter's config")
+    if not isinstance(info, dict) or info.get("classes") != list(CLASSES):
+        raise ValueError(f"segmenter {path} predicts classes "
+                         f"{info.get('classes') if isinstance(info, dict) else None}, expected {list(CLASSES)}")
     model = ShapeSegmenter(int(info["width"]))
-    model.load_state_dict(load_file(str(weights)))
+    model.load_state_dict(read_safetensors(weights, "a toy segmenter's weights"))
     return model.to(device).eval().requires_grad_(False)

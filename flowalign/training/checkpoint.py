@@ -27,7 +27,13 @@ checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
 
 The ``.pt`` files are read with ``torch.load(weights_only=True)`` (``safe_load``): a pickle may call any function while
 it loads, so a checkpoint from elsewhere could run code; the restricted unpickler builds only tensors, numbers,
-strings and containers, and refuses anything else with an error naming the file.
+strings and containers, and refuses anything else with an error naming the file. ``sharded/`` is read through
+``flowalign.sharded_reading`` under the same rule. Every file is read through ``flowalign.serialization``, so a
+truncated or corrupt one (a safetensors, ``optimizer.pt``, ``.distcp`` file or ``state.json``) is an error naming it.
+
+A checkpoint of a run with EMA (``optim.ema_decay > 0``) must hold its EMA (``holds_ema``): resuming without it would
+restart the EMA silently, and ``eval``/``export`` would then read that restart as the run's EMA. The resume refuses it
+unless the config says ``train.restart_ema`` (``flowalign.training.run_directory``).
 """
 
 from __future__ import annotations
@@ -42,11 +48,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from flowalign.serialization import safe_load
+from flowalign.serialization import read_json, read_safetensors, safe_load
 
 CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+EMA_FILE = "ema.safetensors"
 
 
 def rng_state() -> dict[str, Any]:
@@ -163,7 +170,7 @@ def write_run_files(tmp: Path, iteration: int, state: dict[str, Any], config_yam
 def load_component_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """A checkpoint's ``components.safetensors`` (empty when it has none)."""
     path = Path(checkpoint) / "components.safetensors"
-    return load_file(str(path)) if path.is_file() else {}
+    return read_safetensors(path, "the components' tensors of a checkpoint") if path.is_file() else {}
 
 
 def finish_checkpoint(tmp: Path, final: Path, keep: int | None) -> Path:
@@ -184,15 +191,41 @@ def save_process_rng(checkpoint: Path, rank: int) -> None:
     torch.save(rng_state(), Path(checkpoint) / f"rng-{rank}.pt")
 
 
-def load_run_state(checkpoint: str | Path, rank: int = 0) -> dict[str, Any]:
-    """A checkpoint's ``state.json``, with this process's RNG restored (when the checkpoint has its file)."""
-    checkpoint = Path(checkpoint)
-    if not (checkpoint / "state.json").is_file():
+def read_run_state(checkpoint: str | Path, *, require: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, checked: a mapping with an integer ``iteration``, a list ``history`` when it has
+    one, and every key of ``require``; otherwise a ``ValueError`` naming the file."""
+    path = Path(checkpoint) / "state.json"
+    if not path.is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (no state.json)")
+    state = read_json(path, "a checkpoint's run state")
+    if (not isinstance(state, dict) or isinstance(state.get("iteration"), bool)
+            or not isinstance(state.get("iteration"), int) or not isinstance(state.get("history", []), list)
+            or any(key not in state for key in require)):
+        raise ValueError(f"{str(path)!r} is corrupt: it holds no iteration number, or no metrics history; resume "
+                         "another checkpoint (an earlier checkpoint-*)")
+    return state
+
+
+def load_run_state(checkpoint: str | Path, rank: int = 0) -> dict[str, Any]:
+    """A checkpoint's ``state.json`` (``read_run_state``), with this process's RNG restored (when the checkpoint has
+    its file)."""
+    checkpoint = Path(checkpoint)
+    state = read_run_state(checkpoint)
     rng_file = checkpoint / f"rng-{rank}.pt"
     if rng_file.is_file():
         set_rng_state(safe_load(rng_file, "a checkpoint's RNG states", allow=_numpy_array_globals()))
-    return json.loads((checkpoint / "state.json").read_text())
+    return state
+
+
+def holds_ema(checkpoint: str | Path) -> bool:
+    """Whether ``checkpoint`` holds an EMA: its ``ema.safetensors``, or for a sharded checkpoint ``ema.*`` entries
+    in ``sharded/.metadata`` (read through the allow-list of ``flowalign.sharded_reading``)."""
+    checkpoint = Path(checkpoint)
+    if (checkpoint / "sharded").is_dir():
+        from flowalign.sharded_reading import holds_part
+
+        return holds_part(checkpoint / "sharded", "ema")
+    return (checkpoint / EMA_FILE).is_file()
 
 
 def load_checkpoint(
@@ -205,7 +238,7 @@ def load_checkpoint(
     if (checkpoint / "sharded").is_dir():
         raise ValueError(f"{checkpoint} is a sharded checkpoint (distributed.engine: fsdp2): resume it with "
                          "distributed.engine: fsdp2")
-    saved = load_file(str(checkpoint / "trainable.safetensors"))
+    saved = read_safetensors(checkpoint / "trainable.safetensors", "a checkpoint's trainable weights")
     missing = sorted(set(trainable) - set(saved))
     unexpected = sorted(set(saved) - set(trainable))
     if missing or unexpected:
@@ -216,14 +249,15 @@ def load_checkpoint(
         for name, tensor in trainable.items():
             tensor.copy_(saved[name])
     optimizer.load_state_dict(safe_load(checkpoint / "optimizer.pt", "an optimizer state_dict"))
-    ema = load_file(str(checkpoint / "ema.safetensors")) if (checkpoint / "ema.safetensors").is_file() else None
+    ema_file = checkpoint / EMA_FILE
+    ema = read_safetensors(ema_file, "a checkpoint's EMA weights") if ema_file.is_file() else None
     return load_run_state(checkpoint, rank), ema
 
 
 def load_copies(checkpoint: str | Path) -> dict[str, torch.Tensor] | None:
     """A checkpoint's policy copies (``copies.safetensors``), or None when it holds none."""
     path = Path(checkpoint) / "copies.safetensors"
-    return load_file(str(path)) if path.is_file() else None
+    return read_safetensors(path, "a checkpoint's policy copies") if path.is_file() else None
 
 
 def _fsync_tree(directory: Path) -> None:

@@ -7,19 +7,23 @@ The checkpoint format is ``flowalign.training.checkpoint``'s; the rules for run 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import yaml
 
 from flowalign.config import to_saved_dict
-from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, load_checkpoint,
+from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, holds_ema,
+                                           load_checkpoint,
                                            load_component_tensors, load_copies, load_run_state, save_checkpoint,
                                            save_process_rng,
                                            write_run_files)
 from flowalign.training.run_directory import check_new_run, check_out_dir, clear_run, resolve_resume
 
 __all__ = ["Checkpointer"]
+
+logger = logging.getLogger(__name__)
 
 
 def _optimizer(optimizer):
@@ -141,7 +145,10 @@ class Checkpointer:
             if not (checkpoint / "sharded").is_dir():
                 raise ValueError(f"{checkpoint} was written by distributed.engine: ddp (no sharded/ folder): resume "
                                  "it with distributed.engine: ddp")
-            trainer.engine.load(trainer, checkpoint / "sharded")
+            has_ema = holds_ema(checkpoint)
+            trainer.engine.load(trainer, checkpoint / "sharded", ema=has_ema)
+            if trainer.ema is not None and not has_ema:
+                restart_ema(trainer, checkpoint)
             state = load_run_state(checkpoint, trainer.accelerator.process_index)
             trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
             trainer.optimizer_steps = optimizer_steps(state, trainer.config)
@@ -151,6 +158,8 @@ class Checkpointer:
                                      optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
         if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
             trainer.ema.load_state_dict(ema)
+        elif trainer.ema is not None:
+            restart_ema(trainer, checkpoint)
         if trainer.copies:
             copies = load_copies(checkpoint)
             if copies is None:
@@ -160,6 +169,16 @@ class Checkpointer:
         trainer.history = state["history"]
         trainer.optimizer_steps = optimizer_steps(state, trainer.config)
         self.load_component_state(checkpoint, state)
+
+
+def restart_ema(trainer, checkpoint) -> None:
+    """A fresh EMA from the resumed weights, for a checkpoint without one (``train.restart_ema``: the set-up refused
+    such a checkpoint otherwise)."""
+    if not trainer.config.train.restart_ema:  # the set-up's check (run_directory.check_ema) was bypassed
+        raise ValueError(f"{checkpoint} holds no EMA, which this run keeps: say train.restart_ema=true to start a "
+                         "fresh one from the resumed weights")
+    logger.warning("%s holds no EMA: train.restart_ema starts a fresh one from the resumed weights", checkpoint)
+    trainer.ema.load_state_dict(trainer.trainable_state())
 
 
 def optimizer_steps(state: dict, config) -> int:

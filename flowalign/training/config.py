@@ -386,7 +386,7 @@ class RunConfig:
     resumable: ClassVar[tuple[str, ...]] = (
         "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
         "eval_images_per_prompt", "eval_steps", "eval_seed", "keep_checkpoints", "checkpoint_every", "out_dir",
-        "overwrite")
+        "overwrite", "restart_ema")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
@@ -416,6 +416,11 @@ class RunConfig:
         False, "start a new run in a train.out_dir that already holds one, deleting that run's files (its checkpoints "
         "and the files it recorded in run-files.jsonl, nothing else) once the new run's inputs are checked (without "
         "it, such a run is refused)"
+    )
+    restart_ema: bool = option(
+        False, "resume (train.resume) a checkpoint that holds no EMA (a deleted ema.safetensors, or a run without "
+        "optim.ema_decay) with a fresh EMA that starts from the resumed weights; without it such a resume is refused, "
+        "naming the missing file. A checkpoint that holds its EMA resumes it whatever this says"
     )
 
     def validate(self) -> None:

@@ -204,13 +204,18 @@ class FSDP2Engine(Engine):
 
         dcp.save(self.state(trainer), checkpoint_id=str(directory))
 
-    def load(self, trainer, directory: Path) -> None:
-        """Load ``directory`` in place at this run's process count (DCP reshards)."""
-        import torch.distributed.checkpoint as dcp
+    def load(self, trainer, directory: Path, *, ema: bool = True) -> None:
+        """Load ``directory`` in place at this run's process count (DCP reshards), through
+        ``flowalign.sharded_reading`` (nothing in the folder runs; a refused or damaged file is named); ``ema=False``
+        leaves the EMA out (a checkpoint without one, resumed with ``train.restart_ema``)."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        from flowalign.sharded_reading import load_sharded
+
         state = self.state(trainer)
-        dcp.load(state, checkpoint_id=str(directory))
+        if not ema:
+            state.pop("ema", None)
+        load_sharded(state, directory)
         set_optimizer_state_dict(trainer.model.transformer, trainer.optimizer, state["optimizer"])
 
     def export_state(self, trainer) -> dict[str, torch.Tensor]:

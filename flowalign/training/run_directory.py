@@ -19,6 +19,9 @@ A run directory (``train.out_dir``) holds ``config.yaml``, ``metrics.jsonl``, ``
   ``train.iterations`` may change only when nothing depends on the run's progress
   (``TrainConfig.progress_dependent``), and never to less than the checkpoint's iteration: such a run has nothing
   to train, and its ``config.yaml`` would no longer describe the iterations its metrics and checkpoints hold.
+* The checkpoint's files that can be checked without a model are: ``state.json`` reads, a sharded checkpoint's
+  ``.metadata`` passes the allow-list (``flowalign.sharded_reading``), and a run with EMA finds the checkpoint's EMA
+  (``ema.safetensors``, or the ``ema`` part of ``sharded/``) unless ``train.restart_ema`` asks for a fresh one.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
+from flowalign.training.checkpoint import CHECKPOINT_PATTERN, EMA_FILE, holds_ema, latest_checkpoint, read_run_state
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 from flowalign.outputs import check_writable_dir, write_atomically
@@ -115,6 +118,12 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
         raise FileNotFoundError(f"no checkpoint to resume from at {where!r} (run directory {out_dir})")
     if not (checkpoint / "config.yaml").is_file() or not (checkpoint / "state.json").is_file():
         raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint (it needs config.yaml and state.json)")
+    done = int(read_run_state(checkpoint, require=("history",))["iteration"])  # a corrupt one named before loading
+    if (checkpoint / "sharded").is_dir():  # and a .metadata outside the allow-list (flowalign.sharded_reading)
+        from flowalign.sharded_reading import read_sharded_metadata
+
+        read_sharded_metadata(checkpoint / "sharded" / ".metadata")
+    check_ema(checkpoint, config)
     saved = yaml.safe_load((checkpoint / "config.yaml").read_text())
     try:  # through the schema's migration, so a checkpoint written before a key moved compares by meaning
         resolved = to_dict(load_config(type(config), checkpoint / "config.yaml"))
@@ -129,7 +138,6 @@ def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependen
             f"train.iterations = {config.train.iterations} differs from the checkpoint's {before} ({checkpoint}), but "
             f"{', '.join(progress_dependent)} depend(s) on the run's progress (iteration / train.iterations): the "
             "resumed run would equal no uninterrupted run. Keep train.iterations at its value, or start a new run")
-    done = _checkpoint_iteration(checkpoint)
     if done > config.train.iterations:
         raise SetupError(
             f"{checkpoint} is at iteration {done}, past train.iterations = {config.train.iterations}: there is "
@@ -181,13 +189,17 @@ def metric_lines(path: str | Path, *, warn: bool = True) -> list[tuple[str, dict
     return rows
 
 
-def _checkpoint_iteration(checkpoint: Path) -> int:
-    """The iteration a checkpoint's ``state.json`` records; a SetupError naming the file when it does not read."""
-    state = checkpoint / "state.json"
-    try:
-        return int(json.loads(state.read_text())["iteration"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise SetupError(f"{state} is corrupt ({error}): resume an earlier checkpoint, or start a new run") from None
+def check_ema(checkpoint: Path, config) -> None:
+    """A run with EMA resumes the checkpoint's EMA: refuse a checkpoint without one (``holds_ema``; a sharded
+    checkpoint's ``.metadata`` is read through the allow-list here), unless ``train.restart_ema``."""
+    if not config.optim.ema_decay > 0 or holds_ema(checkpoint) or config.train.restart_ema:
+        return
+    missing = (f"{str(checkpoint / 'sharded' / '.metadata')!r} lists no EMA (ema.*)" if (checkpoint / "sharded").is_dir()
+               else f"{str(checkpoint / EMA_FILE)!r} is missing")
+    raise SetupError(
+        f"{missing}, but this run keeps an EMA (optim.ema_decay = {config.optim.ema_decay}): resuming would restart "
+        "the EMA silently, and eval and export would read that restart as the run's EMA. Restore the file, resume "
+        "another checkpoint, or say train.restart_ema=true to start a fresh EMA from the resumed weights")
 
 
 def trim_metrics(path: str | Path, iteration: int) -> None:
