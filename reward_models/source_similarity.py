@@ -86,7 +86,12 @@ class SourceSimilarity(RewardModel):
                                  f"image(s), and image={self.image} asks for one more: give every line of the prompt "
                                  f"file an \"{IMAGES_KEY}\" list (data.train_prompts / data.eval_prompts), or set "
                                  "reward.rewards[...].kwargs.image")
-            rows.append(source_tensor(str(paths[self.image]), size))
+            try:
+                rows.append(source_tensor(str(paths[self.image]), size))
+            except Exception as error:  # noqa: BLE001 - PIL: missing, not an image, truncated, a bomb
+                prompt = prompts[b] if b < len(prompts) else "?"
+                raise RewardInputError(f"source_similarity: condition image {self.image} of the sample of prompt "
+                                       f"{prompt!r} cannot be read as an image ({type(error).__name__})") from error
         return torch.stack(rows).to(images.device)
 
     def forward(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:

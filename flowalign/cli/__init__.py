@@ -11,7 +11,8 @@ Bad input (a missing model directory, a number out of range, an unknown option o
 ``flowalign: error: ...`` and exits with status 2, without a traceback. Only set-up errors count as bad input
 (``flowalign.errors``): a ``SetupError`` (every ``ConfigError`` is one), a ``CommandError``, or an error raised inside
 ``setup_phase()``. A failure after the work has begun (iteration 200 of a training run) keeps its traceback and exits
-with status 1.
+with status 1, except a ``RunStopped`` (a reward server that refuses for good), which the trainer has already met by
+saving a checkpoint: it prints ``flowalign: stopped: ...`` on one line and exits with status 1, without a traceback.
 
 The library reports progress through ``logging`` (loggers under ``flowalign``) and prints nothing itself but the
 results its commands exist for; the command line shows those log records, INFO and above, as plain lines on stdout.
@@ -162,10 +163,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     show_library_logs()
-    from flowalign.errors import SetupError
+    from flowalign.errors import RunStopped, SetupError
 
     try:
         args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
     except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
+    except RunStopped as stopped:  # a clean stop during the work: its message is the whole line
+        parser.exit(stopped.exit_status, f"{PROG}: stopped: {' '.join(str(stopped).split())}\n")
     return 0
