@@ -243,6 +243,9 @@ def _open_png(data: bytes, index: int):
 
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:  # PIL's own fence (Image.MAX_IMAGE_PIXELS), from the header as well
+        raise WireError(f"image {index} has more pixels than the server's limit (PIL's decompression-bomb limit)",
+                        status=413) from None
     except Exception as error:  # noqa: BLE001 - any decoder failure is the sender's malformed image
         raise WireError(f"image {index} is not a readable PNG: {type(error).__name__}") from None
     if image.format != "PNG":
