@@ -421,8 +421,8 @@ def score_all(
     of the images; without them it is a ValueError naming it.
 
     A reward that raises is re-raised as RuntimeError naming the reward and the batch's first prompt (the original
-    exception is chained), except ``flowalign.errors.RunStopped``, which passes through as it is. A reward that returns the wrong number of scores or a non-numeric value is a ValueError
-    naming the reward.
+    exception is chained), except ``flowalign.errors.RunStopped``, which passes through as it is. A reward that
+    returns the wrong number of scores or a non-numeric value is a ValueError naming the reward.
     """
     if not rewards:
         raise ValueError("score_all needs at least one (name, weight, fn) reward")

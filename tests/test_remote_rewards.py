@@ -737,7 +737,8 @@ class CountingServer:
 @pytest.mark.parametrize("name, answer", [
     ("html", lambda web: web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")),
     ("wrong count", lambda web: web.json_response({"protocol": 1, "scores": {"brightness": [0.5]}})),
-    ("truncated", lambda web: web.Response(body=b'{"protocol": 1, "scores": {"bright', content_type="application/json")),
+    ("truncated", lambda web: web.Response(body=b'{"protocol": 1, "scores": {"bright',
+                                           content_type="application/json")),
 ])
 def test_a_200_that_is_not_the_scores_is_retried_and_gives_nan(name, answer, caplog):
     """Issue 41 (6, High): a 200 whose body is HTML, or holds the wrong number of scores, is a transient failure:

@@ -469,9 +469,9 @@ def test_a_401_in_the_middle_of_a_run_stops_it_cleanly_with_its_checkpoint(tmp_p
     lines = [line for line in stderr.strip().splitlines() if "flowalign:" in line]  # beside progress bars
     assert len(lines) == 1 and stderr.strip().endswith(lines[0]), stderr[-3000:]
     assert re.fullmatch(rf"flowalign: stopped: remote reward 'brightness': the server at {served.url}/v1/score "
-                        r"answered HTTP 401 \(unauthorized: wrong bearer token .*\), which retrying cannot fix: .*; the "
-                        r"run stopped in iteration (\d+) with checkpoint-0*\1 saved: resume with train.resume=latest "
-                        r"once that is fixed", lines[0]), lines[0]
+                        r"answered HTTP 401 \(unauthorized: wrong bearer token .*\), which retrying cannot fix: .*; "
+                        r"the run stopped in iteration (\d+) with checkpoint-0*\1 saved: resume with "
+                        r"train.resume=latest once that is fixed", lines[0]), lines[0]
     done = int(re.search(r"iteration (\d+)", lines[0]).group(1))
     checkpoint = run / f"checkpoint-{done:06d}"
     assert done >= 1 and (checkpoint / "trainable.safetensors").is_file()
