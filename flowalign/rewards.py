@@ -32,6 +32,15 @@ A *latent* reward (``reads_latents = True`` on the callable, e.g. ``shell_lcc``)
 model declares a ``check_run(kwargs, *, key, model, image_size)`` classmethod, asked before it is built and before that
 model loads (``check_reward_run``).
 
+Input and files. A reward that fails on its *input* (a sample's metadata lacks a field it needs) raises
+``flowalign.errors.RewardInputError``, not a plain exception: a reward server answers it with a 4xx that the client
+does not retry, where any other exception is the reward's own fault (500). A reward may also declare the optional
+``check_inputs(prompts, metadata)``, which raises ``RewardInputError`` before anything is scored: the server runs it
+on each request before merging requests into a batch, so one client's bad request never fails another's. A reward
+that opens files named in its metadata declares ``reads_files``, the metadata keys that hold those paths (a string or
+a list of strings per sample; ``source_similarity``: ``("images",)``); a reward server serves it only under an
+allow-listed ``files_root`` (``files_read``).
+
 ``combine_rewards`` turns ``[R, B]`` scores into one reward per sample. Two modes:
 
 * ``sum_then_normalize``: ``r_b = sum_k w_k s_kb``; the group normalisation happens once, in the advantages. A reward
@@ -52,6 +61,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flowalign.errors import RunStopped
 from flowalign.normalization import STD_MODES, group_normalize
 from flowalign.registry import Registry
 
@@ -73,6 +83,7 @@ __all__ = [
     "bind_reward_model",
     "check_reward_run",
     "reads_latents",
+    "files_read",
     "score_all",
     "score_range",
     "score_latents",
@@ -250,6 +261,13 @@ def reads_latents(reward: Any) -> bool:
     return bool(getattr(reward, "reads_latents", False))
 
 
+def files_read(reward: Any) -> tuple[str, ...]:
+    """The metadata keys whose values are paths that ``reward`` (an instance or a class) opens (its ``reads_files``
+    declaration, a key or a tuple of keys); empty when it opens none."""
+    keys = getattr(reward, "reads_files", None) or ()
+    return (keys,) if isinstance(keys, str) else tuple(keys)
+
+
 def check_reward_run(name: str, kwargs: Mapping[str, Any], *, key: str, model: str | None,
                      image_size: Any = None) -> None:
     """Before the reward is built and before any model loads: a reward whose class declares a ``check_run(kwargs, *,
@@ -403,8 +421,8 @@ def score_all(
     of the images; without them it is a ValueError naming it.
 
     A reward that raises is re-raised as RuntimeError naming the reward and the batch's first prompt (the original
-    exception is chained). A reward that returns the wrong number of scores or a non-numeric value is a ValueError
-    naming the reward.
+    exception is chained), except ``flowalign.errors.RunStopped``, which passes through as it is. A reward that
+    returns the wrong number of scores or a non-numeric value is a ValueError naming the reward.
     """
     if not rewards:
         raise ValueError("score_all needs at least one (name, weight, fn) reward")
@@ -430,6 +448,8 @@ def score_all(
         try:
             out = _groupwise(name, fn, inputs, prompts, metadata, group_ids) if is_groupwise(fn) else fn(
                 inputs, list(prompts), list(metadata))
+        except RunStopped:  # a clean stop (a reward server refused for good): its message is already the whole line
+            raise
         except Exception as error:
             raise RuntimeError(
                 f"reward {name!r} failed on a batch of {batch} images (first prompt: {first}): "

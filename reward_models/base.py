@@ -9,6 +9,11 @@ the images of its chunk; most models ignore it (``source_similarity`` reads the 
 image input (``reward_models.images.as_image_batch``), scores ``batch_size`` images at a time under
 ``torch.no_grad()`` and returns float32 scores on the CPU, so it never carries a gradient. Preprocessing (resize, crop,
 normalise) happens inside ``forward``, in fp32, before the backbone's dtype.
+
+``reads_files`` declares the metadata keys whose values are paths the model opens (a string or a list of strings per
+sample): empty for most models, ``("images",)`` for ``source_similarity``. A reward server serves such a model only
+under an allow-listed root (``flowalign serve-reward --files-root DIR``) and refuses every path outside it. A model
+that refuses its input (a sample without the metadata it needs) raises ``flowalign.errors.RewardInputError``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class RewardModel:
 
     name = "reward_model"
     differentiable = True
+    reads_files: tuple[str, ...] = ()  # metadata keys holding paths this model opens (module docstring)
 
     def __init__(self, *, device: str | torch.device | None = None, dtype: str | torch.dtype = "fp32",
                  batch_size: int = 16):

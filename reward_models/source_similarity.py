@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowalign.data.condition_images import IMAGES_KEY, load_condition_image
+from flowalign.errors import RewardInputError
 
 from .base import RewardModel
 from .clipscore import OPENAI_VIT_L14_SOURCE, clip_preprocess, image_size_of
@@ -55,6 +56,7 @@ class SourceSimilarity(RewardModel):
     """Similarity of each sample to its condition image ``image`` (module docstring)."""
 
     name = "source_similarity"
+    reads_files = (IMAGES_KEY,)  # opens metadata[b]["images"][image]: served only under a files_root
 
     def __init__(self, metric: str = "pixel", *, image: int = 0, weights: str = "openai",
                  model_name: str = "ViT-L-14", quick_gelu: bool = True, device=None, dtype="fp32",
@@ -78,13 +80,18 @@ class SourceSimilarity(RewardModel):
         rows = []
         for b in range(images.shape[0]):
             paths = (metadata[b].get(IMAGES_KEY) if metadata is not None and b < len(metadata) else None) or ()
-            if len(paths) <= self.image:
+            if isinstance(paths, str) or len(paths) <= self.image:
                 prompt = prompts[b] if b < len(prompts) else "?"
-                raise ValueError(f"source_similarity: the sample of prompt {prompt!r} has {len(paths)} condition "
+                raise RewardInputError(f"source_similarity: the sample of prompt {prompt!r} has {len(paths)} condition "
                                  f"image(s), and image={self.image} asks for one more: give every line of the prompt "
                                  f"file an \"{IMAGES_KEY}\" list (data.train_prompts / data.eval_prompts), or set "
                                  "reward.rewards[...].kwargs.image")
-            rows.append(source_tensor(str(paths[self.image]), size))
+            try:
+                rows.append(source_tensor(str(paths[self.image]), size))
+            except Exception as error:  # noqa: BLE001 - PIL: missing, not an image, truncated, a bomb
+                prompt = prompts[b] if b < len(prompts) else "?"
+                raise RewardInputError(f"source_similarity: condition image {self.image} of the sample of prompt "
+                                       f"{prompt!r} cannot be read as an image ({type(error).__name__})") from error
         return torch.stack(rows).to(images.device)
 
     def forward(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:

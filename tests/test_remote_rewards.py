@@ -61,7 +61,7 @@ class Server:
     """A reward server subprocess on 127.0.0.1, stopped by its own process id."""
 
     def __init__(self, directory: Path, *, port: int = 0, image_size: int | None = 32, token: bool = True,
-                 batch_size: int = 8, name: str = "server"):
+                 batch_size: int = 8, name: str = "server", rewards: list[dict] | None = None, **settings):
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
         self.token_file = directory / "token"
@@ -73,8 +73,10 @@ class Server:
                         {"name": "brightness"}, {"name": "sleepy"}],
             "host": HOST, "port": port, "port_file": str(self.port_file), "batch_size": batch_size,
             "image_size": image_size, "token_file": str(self.token_file) if token else None,
-            "shutdown_timeout": 20, "threads": 1,
+            "shutdown_timeout": 20, "threads": 1, **settings,
         }
+        if rewards is not None:
+            config["rewards"] = rewards
         path = directory / f"{name}.yaml"
         path.write_text(json.dumps(config))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -89,6 +91,7 @@ class Server:
             time.sleep(0.1)
         self.port = int(self.port_file.read_text())
         self.url = f"http://{HOST}:{self.port}"
+        self.pid = self.process.pid
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         if self.process.poll() is None:
@@ -616,3 +619,170 @@ def test_overlap_scores_each_chunk_on_the_worker_thread(tmp_path):
         REWARDS.unregister("recorder")
     assert sequential == [("MainThread", 8)]
     assert [size for _, size in calls] == [4, 4] and all(name.startswith("chunk-scoring") for name, _ in calls)
+
+
+# ------------------------------------------------------------------------------------------ hostile input (issue 41)
+def post(server, body: bytes, content_type: str, headers: dict | None = None):
+    """``(status, answer)`` of a score request (an error status does not raise)."""
+    try:
+        answer = request(f"{server.url}/v1/score", data=body, headers={**auth(), "Content-Type": content_type,
+                                                                       **(headers or {})}, timeout=30)
+        return answer.status, answer.json()
+    except RequestError as error:
+        return error.status, str(error)
+    except TransientError as error:
+        return error.status, str(error)
+
+
+def test_a_bad_request_never_fails_a_concurrent_good_one(server):
+    """Issue 41 (6, High): requests merged into one batch fail one by one. ``toy_geneval`` checks each request's
+    metadata before batching (422 for the bad one); ``sleepy`` has no such check, and fails on a bad ``sleep`` while
+    scoring: the merged batch is scored again request by request, so only the bad one fails (500)."""
+    images, prompts, metadata = toy_batch(2)
+    untagged = [{k: v for k, v in m.items() if k != "tag"} for m in metadata]
+    body = lambda rewards, meta: encode_request(rewards, images, prompts, meta)[0]  # noqa: E731
+    kind = "application/x-safetensors"
+    expected_toy = build_reward("toy_geneval", partial_credit=True)(images, prompts, metadata).tolist()
+    expected_sleepy = images.flatten(1).mean(1).tolist()
+    blocker = body(["sleepy"], [{"sleep": 0.3}] * 2)  # holds the scoring thread, so the next requests queue and merge
+    with ThreadPoolExecutor(5) as pool:
+        for _ in range(20):
+            busy = pool.submit(post, server, blocker, kind)
+            time.sleep(0.05)
+            answers = list(pool.map(lambda data: post(server, data, kind), [
+                body(["sleepy"], [{"sleep": 0}] * 2), body(["sleepy"], [{"sleep": "soon"}] * 2),
+                body(["toy_geneval"], metadata), body(["toy_geneval"], untagged)]))
+            assert busy.result()[0] == 200
+            (good_sleepy, bad_sleepy, good_toy, bad_toy) = answers
+            assert good_sleepy == (200, {"protocol": 1, "scores": {"sleepy": pytest.approx(expected_sleepy)}})
+            assert good_toy == (200, {"protocol": 1, "scores": {"toy_geneval": expected_toy}})
+            assert bad_sleepy[0] == 500 and "scoring failed: the reward raised RuntimeError" in bad_sleepy[1]
+            assert bad_toy[0] == 422 and "metadata[0]: field 'tag': missing" in bad_toy[1]
+
+
+def test_malformed_safetensors_metadata_gets_a_400_not_a_500(server):
+    """Issue 41 (1d): a ``__metadata__`` that is a string, or a ``flowalign`` value that is not a string."""
+    import struct
+
+    def file(header: dict) -> bytes:
+        size = 3 * 32 * 32 * 4
+        text = json.dumps({"images": {"dtype": "F32", "shape": [1, 3, 32, 32], "data_offsets": [0, size]},
+                           **header}).encode()
+        return struct.pack("<Q", len(text)) + text + bytes(size)
+
+    request_json = json.dumps({"rewards": ["brightness"], "prompts": ["x"], "metadata": [{}]})
+    for header, message in (({"__metadata__": "a string"}, "__metadata__ must be an object"),
+                            ({"__metadata__": {"flowalign": 7}}, "no 'flowalign' request (a JSON string)"),
+                            ({"__metadata__": {"flowalign": ["x"]}}, "no 'flowalign' request (a JSON string)"),
+                            ({"__metadata__": {"flowalign": "[" * 100_000}}, "is not JSON")):
+        status, message_got = post(server, file(header), "application/x-safetensors")
+        assert status == 400 and message in message_got, (header, status, message_got)
+    assert post(server, file({"__metadata__": {"flowalign": request_json}}), "application/x-safetensors")[0] == 200
+
+
+def test_health_shows_request_counts_only_with_the_token(server):
+    assert request(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+    assert request(f"{server.url}/health", headers={"Authorization": "Bearer nope"}, timeout=10).json() == {
+        "status": "ok"}
+    assert set(request(f"{server.url}/health", headers=auth(), timeout=10).json()["served"]) == {
+        "requests", "images", "batches"}
+
+
+def test_the_jobs_of_a_request_whose_client_went_away_are_not_scored(server):
+    """Issue 41 (1d): 24 images of ``sleepy`` (3 jobs of 8, 0.6 s each); the client gives up after 0.3 s. The job in
+    flight finishes; the two still queued are dropped, so the server scores at most 1 batch, not 3."""
+    import http.client
+
+    images, prompts, metadata = toy_batch(24)
+    body, kind = encode_request(["sleepy"], images, prompts, [{"sleep": 0.6}] * 24)
+
+    def batches() -> int:
+        return request(f"{server.url}/health", headers=auth(), timeout=10).json()["served"]["batches"]
+
+    before = batches()
+    connection = http.client.HTTPConnection(HOST, server.port, timeout=0.3)
+    with pytest.raises(TimeoutError):
+        connection.request("POST", "/v1/score", body=body, headers={**auth(), "Content-Type": kind})
+        connection.getresponse()
+    connection.close()
+    time.sleep(2.5)  # long enough for all three jobs, had they been kept
+    assert batches() - before <= 1  # at most the job in flight when the client left (3 before the fix)
+
+
+class CountingServer:
+    """A ``ThreadServer`` that answers ``/v1/metadata`` like a flowalign server and ``/v1/score`` with ``answer``,
+    counting the score requests it receives."""
+
+    def __init__(self, answer):
+        from aiohttp import web
+
+        self.hits = 0
+
+        async def metadata(request):
+            return web.json_response({"protocol": 1, "rewards": {"brightness": {"version": "x"}}, "image_size": None,
+                                      "batch_size": 8})
+
+        async def score(request):
+            self.hits += 1
+            await request.read()
+            return answer(web)
+
+        self.running = ThreadServer([("GET", "/v1/metadata", metadata), ("POST", "/v1/score", score)])
+        self.url = self.running.url
+
+    def stop(self):
+        self.running.stop()
+
+
+@pytest.mark.parametrize("name, answer", [
+    ("html", lambda web: web.Response(text="<html><body>502 Bad Gateway</body></html>", content_type="text/html")),
+    ("wrong count", lambda web: web.json_response({"protocol": 1, "scores": {"brightness": [0.5]}})),
+    ("truncated", lambda web: web.Response(body=b'{"protocol": 1, "scores": {"bright',
+                                           content_type="application/json")),
+])
+def test_a_200_that_is_not_the_scores_is_retried_and_gives_nan(name, answer, caplog):
+    """Issue 41 (6, High): a 200 whose body is HTML, or holds the wrong number of scores, is a transient failure:
+    retried, then NaN (invalid samples), and counted by the circuit breaker (here: open after 2 failed requests)."""
+    fake = CountingServer(answer)
+    try:
+        client = build_reward("remote", url=fake.url, retries=1, backoff=0.01, breaker_failures=2,
+                              breaker_reset=60)
+        images = torch.rand(2, 3, 8, 8)
+        with caplog.at_level(logging.WARNING, logger="flowalign.remote.client"):
+            for _ in range(3):
+                assert torch.isnan(client(images, ["a", "b"], [{}, {}])).all()
+    finally:
+        fake.stop()
+    assert fake.hits == 4  # 2 requests of 2 attempts; the third found the circuit open and was not sent
+    assert client.failed == 6 and "is not the 2 scores asked for" in caplog.text and "circuit open" in caplog.text
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 415, 422])
+def test_a_4xx_is_never_retried_and_stops_with_one_line_naming_url_and_status(status):
+    """Issue 41 (1d, 6): a permanent answer in the middle of a run raises ``ServerRefused`` (a ``RunStopped``) at
+    the first attempt, with one line naming the URL and the status."""
+    from flowalign.errors import RunStopped
+
+    fake = CountingServer(lambda web: web.json_response({"error": "nope:\n  not\there"}, status=status))
+    try:
+        client = build_reward("remote", url=fake.url, retries=3, backoff=5)
+        with pytest.raises(RunStopped) as caught:
+            client(torch.rand(2, 3, 8, 8), ["a", "b"], [{}, {}])
+    finally:
+        fake.stop()
+    assert fake.hits == 1
+    message = str(caught.value)
+    assert "\n" not in message and f"{fake.url}/v1/score answered HTTP {status} (nope: not here)" in message
+
+
+def test_a_request_the_reward_refuses_is_a_422_that_the_client_does_not_retry(server):
+    """Issue 41 (1d): toy_geneval without the GenEval ``tag`` is the client's mistake: 422 naming the field, and the
+    client stops at once (a ``RunStopped``), never retrying it as a server fault."""
+    from flowalign.errors import RunStopped
+
+    images, prompts, metadata = toy_batch(2)
+    untagged = [{k: v for k, v in m.items() if k != "tag"} for m in metadata]
+    client = remote(server, "toy_geneval", retries=3, backoff=5)
+    with pytest.raises(RunStopped, match=r"answered HTTP 422 \(refused by the reward: metadata\[0\]: field 'tag': "
+                                         r"missing"):
+        client(images, prompts, untagged)

@@ -11,9 +11,10 @@ Bad input (a missing model directory, a number out of range, an unknown option o
 ``flowalign: error: ...`` and exits with status 2, without a traceback. Only set-up errors count as bad input
 (``flowalign.errors``): a ``SetupError`` (every ``ConfigError`` is one), a ``CommandError``, or an error raised inside
 ``setup_phase()``. A failure after the work has begun (iteration 200 of a training run) keeps its traceback and exits
-with status 1, unless it is a ``RunFailed`` (a diverging run): the work stopped on a condition it states, printed as
-``flowalign: error: ...`` with status 1 and no traceback. ``flowalign train`` stopped by SIGINT or SIGTERM saves a
-checkpoint and exits with 130 or 143 (128 + the signal), so that scripts know the run did not finish.
+with status 1, unless it is a ``RunStopped``: the work stopped on a condition it states (a reward server
+that refuses for good, a diverging run), after saving what can be resumed. It prints ``flowalign: stopped: ...``
+on one line and exits with status 1, without a traceback. ``flowalign train`` stopped by SIGINT or SIGTERM saves
+a checkpoint and exits with 130 or 143 (128 + the signal), so that scripts know the run did not finish.
 
 The library reports progress through ``logging`` (loggers under ``flowalign``) and prints nothing itself but the
 results its commands exist for; the command line shows those log records, INFO and above, as plain lines on stdout.
@@ -161,7 +162,7 @@ def parse_command(argv: Sequence[str]):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns 0 on success, exits with status 2 on bad input, 1 on a ``RunFailed``, and
+    """Run the command line; returns 0 on success, exits with status 2 on bad input, 1 on a ``RunStopped``, and
     quietly with status 1 when its output's reader goes away (``flowalign train --help-config | head``)."""
     try:
         return _main(argv)
@@ -175,12 +176,12 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
     show_library_logs()
-    from flowalign.errors import RunFailed, SetupError
+    from flowalign.errors import RunStopped, SetupError
 
     try:
         args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
     except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
-    except RunFailed as error:  # stopped on a condition it states: the message, no traceback
-        parser.exit(1, f"{PROG}: error: {error}\n")
+    except RunStopped as stopped:  # a clean stop during the work: its message is the whole line
+        parser.exit(stopped.exit_status, f"{PROG}: stopped: {' '.join(str(stopped).split())}\n")
     return 0

@@ -58,12 +58,16 @@ from numbers import Integral, Real
 from os import PathLike
 from typing import Any
 
+from flowalign.errors import RewardInputError
+
 __all__ = [
     "TAGS",
     "RELATIONS",
     "GenEvalError",
+    "GenEvalMetadataError",
     "load_metadata",
     "validate_metadata",
+    "validate_metadata_batch",
     "relative_position",
     "judge",
     "summarize",
@@ -89,6 +93,11 @@ IndexedDetection = tuple[int, Mapping[str, Any]]
 
 class GenEvalError(ValueError):
     """Bad GenEval metadata, detections or results. The message says where and what is accepted."""
+
+
+class GenEvalMetadataError(GenEvalError, RewardInputError):
+    """A metadata entry that is not GenEval's (``validate_metadata``): for a reward that judges by it, bad input
+    (``flowalign.errors.RewardInputError``), which a reward server answers with a 4xx."""
 
 
 # --------------------------------------------------------------------------------------------- metadata
@@ -143,15 +152,24 @@ def validate_metadata(entry: Any, where: str = "<metadata>") -> None:
     misspelt ``color`` or ``position`` would silently drop a check.
     """
     if not isinstance(entry, dict):
-        raise GenEvalError(f"{where}: expected a JSON object, got {type(entry).__name__}")
+        raise GenEvalMetadataError(f"{where}: expected a JSON object, got {type(entry).__name__}")
     _check_tag(entry, where)
     _check_prompt(entry, where)
     _check_include(entry, where)
     _check_exclude(entry, where)
 
 
+def validate_metadata_batch(metadata: Any) -> None:
+    """Check a batch's metadata, one entry per image, each named ``metadata[i]`` (``validate_metadata``): the input
+    check of the rewards that judge by GenEval metadata (their ``check_inputs``)."""
+    if not isinstance(metadata, Sequence) or isinstance(metadata, (str, bytes)):
+        raise GenEvalMetadataError(f"metadata: expected a list of GenEval entries, got {type(metadata).__name__}")
+    for index, entry in enumerate(metadata):
+        validate_metadata(entry, f"metadata[{index}]")
+
+
 def _fail(where: str, field: str, problem: str) -> GenEvalError:
-    return GenEvalError(f"{where}: field '{field}': {problem}")
+    return GenEvalMetadataError(f"{where}: field '{field}': {problem}")
 
 
 def _is_int(value: Any) -> bool:

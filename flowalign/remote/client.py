@@ -8,11 +8,14 @@
 ``RemoteReward(images, prompts, metadata)`` cuts the batch into requests of at most ``batch_size`` images (default:
 the server's), sends up to ``concurrency`` of them at once, and returns one float32 score per image. With the default
 ``encoding: safetensors`` the images travel exactly as they are, so the scores equal the in-process reward's bit for
-bit (``png``: 8-bit images, a quarter of the bytes). A request that fails transiently (no connection, a timeout, a 5xx)
-is retried with exponential backoff behind a circuit breaker (``flowalign.remote.transport``); one that still fails
-gives NaN for its images, which ``flowalign.rewards.score_all`` marks invalid and the trainer masks out of the
-advantages and counts (``reward_invalid``; ``reward.max_invalid_fraction`` stops a run when too many are). A
-permanent failure (401, a malformed request) raises: it is a mistake to fix, not a sample to skip.
+bit (``png``: 8-bit images, a quarter of the bytes). A request that fails transiently (no connection, a timeout, a 5xx,
+or a 200 whose body is not the scores it asked for: HTML from a proxy, the wrong number of scores) is retried with
+exponential backoff behind a circuit breaker (``flowalign.remote.transport``); one that still fails gives NaN for its
+images, which ``flowalign.rewards.score_all`` marks invalid and the trainer masks out of the advantages and counts
+(``reward_invalid``; ``reward.max_invalid_fraction`` stops a run when too many are). A permanent failure (a 4xx other
+than 408/425/429: a 401, a 404, a request the server's reward refuses) is never retried and raises ``ServerRefused``
+(a ``flowalign.errors.RunStopped``): it is a mistake to fix, not a sample to skip, and a training run stops cleanly
+on it, with its checkpoint saved and one line naming the URL and the status.
 
 Before anything is built or loaded, ``RemoteReward.check_run`` (through ``flowalign.rewards.check_reward_run``)
 reads the token file, asks the server for its metadata, and checks that it serves ``reward`` at the run's image size;
@@ -43,7 +46,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, TransientError, request
+from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, ServerRefused, TransientError, request
 from flowalign.remote.wire import ENCODINGS, decode_scores, encode_request
 
 __all__ = ["PROTOCOLS", "RemoteReward", "model_image_size", "restricted_loads"]
@@ -272,9 +275,18 @@ class RemoteReward:
         body, content_type = encode_request([self.reward], images, prompts, metadata, encoding=self.encoding,
                                             group_ids=group_ids)
         headers = {**self.headers, "Content-Type": content_type}
-        answer = self.retrying(lambda: request(f"{self.url}/v1/score", data=body, headers=headers,
-                                               timeout=self.timeout))
-        return decode_scores(answer.body, [self.reward], len(prompts))[self.reward]
+        url = f"{self.url}/v1/score"
+
+        def send() -> Tensor:
+            answer = request(url, data=body, headers=headers, timeout=self.timeout)
+            try:
+                return decode_scores(answer.body, [self.reward], len(prompts))[self.reward]
+            except (ValueError, RecursionError) as error:  # a proxy's HTML page, a truncated or wrong answer
+                text = " ".join(str(error).split())[:200]
+                raise TransientError(f"{url}: HTTP {answer.status} with a body that is not the {len(prompts)} scores "
+                                     f"asked for ({type(error).__name__}: {text})", answer.status) from None
+
+        return self.retrying(send)
 
     def _post_flow_grpo(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         from PIL import Image
@@ -303,6 +315,8 @@ class RemoteReward:
         """One request's scores, or NaN for each of its images when it fails transiently (logged)."""
         try:
             return self._post(images, prompts, metadata, group_ids)
+        except RequestError as error:
+            raise ServerRefused(f"remote reward {self.reward!r}", error) from None
         except TransientError as error:
             with self._lock:
                 self.failed += len(prompts)

@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, TransientError, request
+from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, ServerRefused, TransientError, request
 from flowalign.remote.wire import png_bytes
 
 __all__ = ["TEMPLATES", "VLMJudge", "parse_score"]
@@ -229,6 +229,8 @@ class VLMJudge:
             answer = self.retrying(lambda: request(f"{self.url}/chat/completions", data=body, headers=self.headers,
                                                    timeout=self.timeout)).json()
             content = answer["choices"][0]["message"]["content"]
+        except RequestError as error:  # permanent: a wrong key, a model the server does not serve
+            raise ServerRefused(f"vlm_judge {self.model!r}", error) from None
         except TransientError as error:
             with self._lock:
                 self.failed += 1

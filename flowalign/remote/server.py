@@ -15,10 +15,27 @@ device); the event loop keeps reading, decoding and answering meanwhile. A group
 request with that request's ``group_ids`` (requests are never merged for it: its score depends on the group). A
 reward scoring latents (``reads_latents``) cannot be served: the server sees images only.
 
-Limits. ``max_concurrency`` requests are decoded and scored at once; up to ``max_queued`` more wait for a slot, and
-beyond that a request is answered 503 (the client backs off and retries). A body over ``max_request_mb`` is answered
-413. With ``token_file``, every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise; the
-token is compared in constant time).
+Limits. A request's body is read whole, within ``read_timeout`` seconds (408 beyond), before it takes a slot, so slow
+uploads cannot hold the slots; ``max_concurrency`` requests are then decoded and scored at once, up to ``max_queued``
+more read or wait for a slot, and beyond that a request is answered 503 (the client backs off and retries). A body
+over ``max_request_mb`` is answered 413. Before any image is decoded, its size is read from its header and checked:
+at most ``max_pixels`` per image and ``max_request_pixels`` per request (413), and ``image_size`` when set (422);
+PIL's own decompression-bomb limit is set to ``max_pixels`` as well (``flowalign.remote.wire``). With
+``token_file``, every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise; the token is
+compared in constant time), and ``/health`` shows its request counts only to a request that carries the token.
+
+Bad input. Every malformed request gets a 4xx that the client does not retry, never a 5xx: an unreadable body 400,
+an unknown reward 404, and a request a reward refuses (``flowalign.errors.RewardInputError``, from the reward's
+``check_inputs``, which runs on each request before it is merged into a batch, or from scoring) 422, with the
+reward's message. When a merged batch fails, each of its requests is scored again alone, so one client's bad request
+never fails another's good one. A reward's own fault is a 500 whose message names no file of the server (the log has
+the details). A request whose client went away is cancelled, and its jobs not yet scored are dropped.
+
+Files. A reward that opens files named in its metadata (``reads_files``, e.g. ``source_similarity``) is served only
+when ``files_root`` names a directory: every such path (relative to the root, or absolute) must resolve, symlinks and
+``..`` followed, to a file under it, and the reward reads the resolved path. Any other path is answered 400 with a
+message that names the sample and key, never a server path, and that is the same for a path outside the root and a
+missing file inside it (no probing of the server's disk).
 
 Shutdown. SIGTERM or SIGINT stops accepting connections, lets every request in flight finish (at most
 ``shutdown_timeout`` seconds), and then exits.
@@ -41,7 +58,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowalign.remote.wire import ENCODINGS, PROTOCOL, ScoreRequest, WireError, decode_request, encode_scores
+from flowalign.errors import RewardInputError
+from flowalign.remote.wire import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ENCODINGS, PROTOCOL, Limits,
+                                   ScoreRequest, WireError, decode_request, encode_scores)
 from flowalign.settings import at_least, check, option
 
 __all__ = ["RewardServer", "ServeRewardConfig", "ServedReward", "serve"]
@@ -71,6 +90,15 @@ class ServeRewardConfig:
     max_concurrency: int = option(64, "requests decoded and scored at once")
     max_queued: int = option(1024, "requests waiting for a slot beyond max_concurrency; more are answered 503")
     max_request_mb: float = option(512.0, "largest request body in MiB (413 beyond)")
+    max_pixels: int = option(DEFAULT_MAX_PIXELS, "most pixels of one image, read from its header before it is "
+                                                 "decoded (413 beyond); also PIL's decompression-bomb limit")
+    max_request_pixels: int = option(DEFAULT_MAX_REQUEST_PIXELS, "most pixels of all the images of one request, "
+                                                                 "read from their headers (413 beyond)")
+    read_timeout: float = option(60.0, "seconds a client may take to send its request body (408 beyond); the body "
+                                       "is read before the request takes a slot")
+    files_root: str | None = option(None, "the directory a reward that opens files named in its metadata "
+                                          "(reads_files, e.g. source_similarity) may read under; such a reward is "
+                                          "refused without it, and paths outside it are answered 400")
     image_size: int | None = option(None, "the side of the square images the rewards expect; requests of another "
                                           "size are answered 422, and clients check it at start-up; null = any size")
     token_file: str | None = option(None, "file holding the bearer token every request but /health must carry; "
@@ -82,7 +110,7 @@ class ServeRewardConfig:
         check(len(self.rewards) > 0, "rewards", "must list at least one reward to serve")
         names = [spec.name for spec in self.rewards]
         check(len(set(names)) == len(names), "rewards", f"names must be unique (they key the answers), got {names}")
-        from flowalign.rewards import REWARDS, reads_latents, reward_class
+        from flowalign.rewards import REWARDS, files_read, reads_latents, reward_class
 
         for i, spec in enumerate(self.rewards):
             if spec.name not in REWARDS:
@@ -93,6 +121,14 @@ class ServeRewardConfig:
                   f"= {spec.name!r}: serve the rewards themselves, not a client of another server")
             check(not reads_latents(reward_class(spec.name)), f"rewards[{i}].name",
                   f"= {spec.name!r} scores the model's latents; a reward server sees images only")
+            keys = files_read(reward_class(spec.name))
+            check(not keys or self.files_root is not None, f"rewards[{i}].name",
+                  f"= {spec.name!r} opens the files that a request's metadata names ({', '.join(keys)}): serve it "
+                  "only with files_root (--files-root DIR), the directory its files may be read from; every path "
+                  "outside it is refused")
+        if self.files_root is not None:
+            check(Path(self.files_root).expanduser().is_dir(), "files_root",
+                  f"= {self.files_root!r} is not a directory")
         check(bool(self.host), "host", "must not be empty")
         check(0 <= self.port <= 65535, "port", f"must be in [0, 65535], got {self.port}")
         at_least("batch_size", self.batch_size, 1)
@@ -106,6 +142,15 @@ class ServeRewardConfig:
         check(math.isfinite(self.shutdown_timeout) and self.shutdown_timeout >= 0, "shutdown_timeout",
               f"must be >= 0, got {self.shutdown_timeout}")
         at_least("threads", self.threads, 1)
+        at_least("max_pixels", self.max_pixels, 1)
+        at_least("max_request_pixels", self.max_request_pixels, 1)
+        check(math.isfinite(self.read_timeout) and self.read_timeout > 0, "read_timeout",
+              f"must be > 0, got {self.read_timeout}")
+
+    def limits(self) -> Limits:
+        """What one request may hold (``flowalign.remote.wire.Limits``)."""
+        return Limits(max_pixels=self.max_pixels, max_request_pixels=self.max_request_pixels,
+                      image_size=self.image_size)
 
 
 def read_token(path: str | Path, key: str) -> str:
@@ -157,8 +202,10 @@ class RewardServer:
         self.queues: dict[str, asyncio.Queue] = {}
         self.workers: list[asyncio.Task] = []
         self.slots: asyncio.Semaphore | None = None
-        self.waiting = 0
+        self.waiting = 0  # requests reading their body or waiting for a slot
         self.served = {"requests": 0, "images": 0, "batches": 0}
+        self.limits = config.limits()
+        self.files_root = None if config.files_root is None else Path(config.files_root).expanduser().resolve()
 
     @classmethod
     def build(cls, config: ServeRewardConfig) -> "RewardServer":
@@ -240,17 +287,27 @@ class RewardServer:
             live = [job for job in batch if not job.future.done()]  # a cancelled request is not scored
             if not live:
                 continue
-            try:
-                scores = await loop.run_in_executor(self.executor, self._score, name, live)
-            except Exception as error:  # noqa: BLE001 - handed to every request of the batch
-                for job in live:
-                    if not job.future.done():
-                        job.future.set_exception(error)
-                continue
-            self.served["batches"] += 1
-            for job, row in zip(live, scores):
-                if not job.future.done():
-                    job.future.set_result(row)
+            await self._score_batch(name, live)
+
+    async def _score_batch(self, name: str, jobs: list[_Job]) -> None:
+        """Score ``jobs`` in one call and hand each its scores. When the call fails and it held several requests'
+        jobs, each job is scored again alone, so that the failure reaches only the request that caused it."""
+        loop = asyncio.get_running_loop()
+        try:
+            scores = await loop.run_in_executor(self.executor, self._score, name, jobs)
+        except Exception as error:  # noqa: BLE001 - handed to the request that caused it
+            if len(jobs) > 1:
+                for job in jobs:
+                    if not job.future.done():  # a request cancelled meanwhile is not scored again
+                        await self._score_batch(name, [job])
+                return
+            if not jobs[0].future.done():
+                jobs[0].future.set_exception(error)
+            return
+        self.served["batches"] += 1
+        for job, row in zip(jobs, scores):
+            if not job.future.done():
+                job.future.set_result(row)
 
     async def score(self, request: ScoreRequest) -> dict[str, Tensor]:
         """The scores of every reward the request names (each cut into jobs of at most ``batch_size``)."""
@@ -269,10 +326,68 @@ class RewardServer:
                 await self.queues[name].put(_Job(request.images[start:stop], request.prompts[start:stop],
                                                  request.metadata[start:stop], group_ids, future))
                 futures[name].append(future)
-        out = {}
-        for name, pending in futures.items():
-            out[name] = torch.cat(await asyncio.gather(*pending))
-        return out
+        every = [future for pending in futures.values() for future in pending]
+        try:
+            await asyncio.gather(*every)
+        except BaseException:  # a failed piece, or the request cancelled (its client went away): drop the rest
+            for future in every:
+                if not future.cancel() and not future.cancelled():
+                    future.exception()  # retrieved: its request is answered with the first failure
+            raise
+        return {name: torch.cat([future.result() for future in pending]) for name, pending in futures.items()}
+
+    def prepare(self, request: ScoreRequest) -> ScoreRequest:
+        """Each served reward's checks of one request, before it is merged into a batch: the files its metadata
+        names (``reads_files``, under ``files_root``; module docstring) and the reward's ``check_inputs``. A
+        refusal is a ``WireError`` (400) or a ``RewardInputError`` (422)."""
+        from flowalign.rewards import files_read
+
+        metadata = request.metadata
+        for name in request.rewards:
+            fn = self.rewards[name]
+            keys = files_read(fn)
+            if keys:
+                metadata = [self._confined(entry, keys, index) for index, entry in enumerate(metadata)]
+            check = getattr(fn, "check_inputs", None)
+            if callable(check):
+                check(list(request.prompts), list(metadata))
+        request.metadata = metadata
+        return request
+
+    def _confined(self, entry: dict, keys: tuple[str, ...], index: int) -> dict:
+        """``entry`` with the paths under ``keys`` resolved under ``files_root``; any other path is a WireError
+        naming the sample and key only (module docstring)."""
+        entry = dict(entry)
+        for key in keys:
+            if key not in entry:
+                continue
+            value = entry[key]
+            many = isinstance(value, list)
+            paths = value if many else [value]
+            resolved = []
+            for position, path in enumerate(paths):
+                where = f"metadata[{index}][{key!r}]" + (f"[{position}]" if many else "")
+                found = self._resolve(path)
+                if found is None:
+                    raise WireError(f"{where} does not name a readable file under the server's files_root (give a "
+                                    "path relative to that directory)")
+                resolved.append(found)
+            entry[key] = resolved if many else resolved[0]
+        return entry
+
+    def _resolve(self, path: Any) -> str | None:
+        """The resolved path of a file under ``files_root``, or None: not a string, outside the root after symlinks
+        and ``..``, missing, or not a regular file all read the same."""
+        if self.files_root is None or not isinstance(path, str) or not path or "\0" in path:
+            return None
+        try:
+            candidate = Path(path)
+            resolved = (candidate if candidate.is_absolute() else self.files_root / candidate).resolve()
+            if resolved.is_relative_to(self.files_root) and resolved.is_file():
+                return str(resolved)
+        except (OSError, ValueError, RuntimeError):
+            pass
+        return None
 
     # --------------------------------------------------------------------------------------------- HTTP
     def app(self):
@@ -281,11 +396,8 @@ class RewardServer:
 
         @web.middleware
         async def errors_and_token(request, handler):
-            if self.token is not None and request.path != "/health":
-                header = request.headers.get("Authorization", "")
-                given = header[7:] if header.startswith("Bearer ") else ""
-                if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
-                    reason = "missing" if not header else "wrong"
+            if request.path != "/health" and not self.authorized(request):
+                    reason = "missing" if not request.headers.get("Authorization") else "wrong"
                     return web.json_response({"error": f"unauthorized: {reason} bearer token (send "
                                                        "'Authorization: Bearer <token>')"}, status=401)
             try:
@@ -317,9 +429,19 @@ class RewardServer:
         await asyncio.gather(*self.workers, return_exceptions=True)
         self.executor.shutdown(wait=True)
 
+    def authorized(self, request) -> bool:
+        """Whether ``request`` carries the bearer token (always, when the server has none)."""
+        if self.token is None:
+            return True
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        return bool(given) and hmac.compare_digest(given.encode(), self.token.encode())
+
     async def _health(self, request):
         from aiohttp import web
 
+        if self.token is not None and not self.authorized(request):
+            return web.json_response({"status": "ok"})  # for probes: no counts without the token
         return web.json_response({"status": "ok", "served": dict(self.served)})
 
     async def _metadata(self, request):
@@ -330,37 +452,51 @@ class RewardServer:
     async def _score_handler(self, request):
         from aiohttp import web
 
-        if self.waiting >= self.config.max_queued and self.slots.locked():
-            return web.json_response({"error": f"busy: {self.config.max_concurrency} requests in flight and "
-                                               f"{self.waiting} waiting; retry later"}, status=503,
-                                     headers={"Retry-After": "1"})
+        def error(message: str, status: int, **headers):
+            return web.json_response({"error": message}, status=status, headers=headers or None)
+
+        config = self.config
+        if self.waiting >= config.max_queued + (0 if self.slots.locked() else config.max_concurrency):
+            return error(f"busy: {config.max_concurrency} requests in flight and {self.waiting} waiting; retry later",
+                         503, **{"Retry-After": "1"})
+        content_type = request.headers.get("Content-Type", "")
+        limit = int(config.max_request_mb * 2**20)
+        if request.content_length is not None and request.content_length > limit:
+            return error(f"the body has {request.content_length} bytes, more than the server's max_request_mb "
+                         f"{config.max_request_mb:g} MiB", 413)
         self.waiting += 1
         try:
+            try:  # the whole body, before a slot is taken
+                body = await asyncio.wait_for(request.read(), config.read_timeout)
+            except asyncio.TimeoutError:
+                return error(f"the body did not arrive within the server's read_timeout {config.read_timeout:g} s",
+                             408)
             await self.slots.acquire()
         finally:
             self.waiting -= 1
         try:
-            body = await request.read()
             loop = asyncio.get_running_loop()
-            try:  # decoding (PNG, safetensors) off the event loop
-                parsed = await loop.run_in_executor(None, lambda: decode_request(
-                    body, request.headers.get("Content-Type", ""),
-                    max_pixels=max(1, int(self.config.max_request_mb * 2**20))))
-            except WireError as error:
-                return web.json_response({"error": str(error)}, status=error.status)
-            unknown = [name for name in parsed.rewards if name not in self.rewards]
-            if unknown:
-                return web.json_response({"error": f"reward {unknown[0]!r} is not served here; served: "
-                                                   f"{', '.join(self.rewards)}"}, status=404)
-            size = self.config.image_size
-            if size is not None and tuple(parsed.images.shape[-2:]) != (size, size):
-                return web.json_response({"error": f"images are {parsed.images.shape[-2]}x{parsed.images.shape[-1]}; "
-                                                   f"this server scores {size}x{size} (its image_size)"}, status=422)
+            try:  # decoding (PNG, safetensors) and each reward's checks of this request, off the event loop
+                parsed = await loop.run_in_executor(None, lambda: decode_request(body, content_type,
+                                                                                 limits=self.limits))
+                unknown = [name for name in parsed.rewards if name not in self.rewards]
+                if unknown:
+                    return error(f"reward {unknown[0][:100]!r} is not served here; served: {', '.join(self.rewards)}",
+                                 404)
+                parsed = await loop.run_in_executor(None, self.prepare, parsed)
+            except WireError as refused:
+                return error(str(refused), refused.status)
+            except RewardInputError as refused:
+                return error(f"refused by the reward: {refused}", 422)
             try:
                 scores = await self.score(parsed)
-            except Exception as error:  # noqa: BLE001 - the reward failed: a server error, reported to the client
+            except Exception as failure:  # noqa: BLE001 - the reward failed
+                refused = _input_error(failure)
+                if refused is not None:
+                    return error(f"refused by the reward: {refused}", 422)
                 logger.exception("scoring failed")
-                return web.json_response({"error": f"scoring failed: {type(error).__name__}: {error}"}, status=500)
+                return error(f"scoring failed: the reward raised {type(failure).__name__} (an error of the server; "
+                             "its log has the details)", 500)
             self.served["requests"] += 1
             self.served["images"] += len(parsed)
             return web.Response(body=encode_scores(scores), content_type="application/json")
@@ -368,11 +504,22 @@ class RewardServer:
             self.slots.release()
 
 
+def _input_error(error: BaseException) -> RewardInputError | None:
+    """The ``RewardInputError`` that ``error`` is or was caused by (``score_all`` chains what a reward raised)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, RewardInputError):
+            return error
+        error, seen = error.__cause__, seen + 1
+    return None
+
+
 async def _serve(server: RewardServer, config: ServeRewardConfig, ready: threading.Event | None = None,
                  stop: asyncio.Event | None = None) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(server.app(), shutdown_timeout=config.shutdown_timeout, access_log=None)
+    runner = web.AppRunner(server.app(), shutdown_timeout=config.shutdown_timeout, access_log=None,
+                           handler_cancellation=True)  # a client that goes away cancels its request
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
@@ -404,9 +551,12 @@ def serve(config: ServeRewardConfig) -> None:
 
     from flowalign.errors import setup_phase
 
+    from PIL import Image
+
     with setup_phase():
         config.validate()
         server = RewardServer.build(config)
+    Image.MAX_IMAGE_PIXELS = config.max_pixels  # PIL's decompression-bomb fence, behind the header checks
     try:
         loopback = ipaddress.ip_address(config.host).is_loopback
     except ValueError:

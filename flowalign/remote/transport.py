@@ -4,7 +4,9 @@ Failures are of two kinds. A *transient* one (no connection, a timeout, a 5xx, 4
 retried ``retries`` times, the ``n``-th retry after ``min(backoff * 2 ** (n - 1), backoff_max)`` seconds, and a request
 that still fails raises ``TransientError`` (the reward clients turn it into NaN scores, which the trainer masks and
 counts). A *permanent* one (any other 4xx: a wrong token, a malformed request, a reward the server does not serve) is
-the caller's mistake and raises ``RequestError`` at once, never retried.
+the caller's mistake and raises ``RequestError`` at once, never retried. The reward clients turn a permanent failure
+in the middle of a run into ``ServerRefused``, a ``flowalign.errors.RunStopped``: the run stops cleanly, with its
+checkpoint saved and a one-line message naming the URL and the status.
 
 The circuit breaker (Nygard, *Release It!*, 2007) stops a client from waiting ``timeout * (retries + 1)`` seconds for
 every request while a server is down: after ``failures`` consecutive failed requests it *opens*, and requests fail at
@@ -27,7 +29,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
-__all__ = ["CircuitBreaker", "CircuitOpen", "RequestError", "Response", "Retrying", "TransientError", "request"]
+from flowalign.errors import RunStopped
+
+__all__ = ["CircuitBreaker", "CircuitOpen", "RequestError", "Response", "Retrying", "ServerRefused", "TransientError",
+           "request"]
 
 T = TypeVar("T")
 
@@ -47,11 +52,34 @@ class CircuitOpen(TransientError):
 
 
 class RequestError(RuntimeError):
-    """A permanent failure: the server answered with a 4xx other than 408/425/429 (``status``, its ``message``)."""
+    """A permanent failure: the server answered with a 4xx other than 408/425/429 (``status``; ``url``, and
+    ``reason``, the error the server gave)."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, *, url: str = "", reason: str = ""):
         super().__init__(message)
-        self.status = status
+        self.status, self.url, self.reason = status, url, reason
+
+
+_HINTS = {
+    401: "give the token file the server reads (token_file), or restart the server with the token it had",
+    403: "give the token file the server reads (token_file)",
+    404: "check the url and the reward name (is the server at that address still serving that reward?)",
+    413: "lower the client's batch_size, or raise the server's max_request_mb / max_pixels",
+    422: "the server's reward refused the request: fix what the error names (a prompt's metadata, the image size)",
+}
+
+
+class ServerRefused(RunStopped):
+    """A server refused a request of a running job for good (a 401 or 404 mid-run, a request its reward refuses):
+    the run stops cleanly (``flowalign.errors.RunStopped``); the message is one line naming who asked, the URL, the
+    status, the server's reason and what to fix."""
+
+    def __init__(self, who: str, error: RequestError):
+        reason = " ".join(error.reason.split())[:300]  # one line, however the server wrote it
+        hint = _HINTS.get(error.status, "fix the request the error names")
+        super().__init__(f"{who}: the server at {error.url} answered HTTP {error.status}"
+                         + (f" ({reason})" if reason else "") + f", which retrying cannot fix: {hint}")
+        self.status, self.url = error.status, error.url
 
 
 @dataclass
@@ -91,7 +119,7 @@ def request(url: str, *, data: bytes | None = None, headers: dict[str, str] | No
         message = f"{url}: HTTP {error.code}: {_error_text(body)}"
         if error.code >= 500 or error.code in TRANSIENT_STATUS:
             raise TransientError(message, error.code) from None
-        raise RequestError(message, error.code) from None
+        raise RequestError(message, error.code, url=url, reason=_error_text(body)) from None
     except (urllib.error.URLError, http.client.HTTPException, socket.timeout, TimeoutError, ConnectionError,
             OSError) as error:
         reason = getattr(error, "reason", error)

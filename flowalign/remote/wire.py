@@ -16,9 +16,12 @@ returned (written as a JSON number it reads back exactly); ``null`` is a non-fin
 error is a 4xx or 5xx with ``{"error": message}``.
 
 Both parsers trust nothing: safetensors holds raw arrays and a JSON header (its format cannot run code, unlike
-pickle), the header is bounded by the body, and PNGs are decoded by Pillow with its decompression-bomb limit. Every
-mistake is a ``WireError`` with a message for the sender, which the server answers with 400 (or 413 for too many
-pixels).
+pickle), the header is bounded by the body, and PNGs are decoded by Pillow. Before any image is decoded, every image's
+size is read from its header (the safetensors header's shape; a PNG's IHDR, through Pillow's lazy open) and checked
+against the ``Limits``: pixels per image, pixels per request, and the server's image size. So a small compressed
+image that would decode to gigabytes (a decompression bomb) is refused from its header. Every mistake is a
+``WireError`` with a message for the sender, which the server answers with 400 (413 for too many pixels, 415 for
+another content type, 422 for another image size); no malformed request gets a 5xx.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["PROTOCOL", "SAFETENSORS", "ScoreRequest", "WireError", "decode_request", "decode_scores",
-           "encode_request", "encode_scores", "png_bytes", "read_png"]
+__all__ = ["DEFAULT_MAX_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS", "PROTOCOL", "SAFETENSORS", "Limits", "ScoreRequest",
+           "WireError", "decode_request", "decode_scores", "encode_request", "encode_scores", "png_bytes", "read_png"]
 
 PROTOCOL = 1
 SAFETENSORS = "application/x-safetensors"
 JSON = "application/json"
 IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8)
+SAFETENSORS_DTYPES = ("F32", "F16", "BF16", "F64", "U8")  # IMAGE_DTYPES as a safetensors header names them
+DEFAULT_MAX_PIXELS = 16 * 2**20  # per image: 4096 x 4096
+DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20  # per request: 64 images of 1024 x 1024 (768 MiB as float32 RGB)
 ENCODINGS = ("safetensors", "png")
 
 
@@ -132,7 +138,7 @@ def _header(data: bytes) -> dict:
                         f"{len(data) - 8}")
     try:
         header = json.loads(data[8 : 8 + length].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError("the body is not a safetensors file: its header is not JSON") from None
     if not isinstance(header, dict):
         raise WireError("the body is not a safetensors file: its header is not a JSON object")
@@ -159,15 +165,41 @@ def _request_fields(header: Any) -> dict:
     return {"rewards": rewards, "prompts": prompts, "metadata": metadata, "group_ids": group_ids}
 
 
-def _check_images(images: Tensor, fields: dict, max_pixels: int) -> Tensor:
-    if images.ndim != 4 or images.shape[1] != 3:
-        raise WireError(f"'images' must be [B, 3, H, W], got shape {list(images.shape)}")
+@dataclass(frozen=True)
+class Limits:
+    """What a request may hold, checked on the images' sizes as their headers state them, before any image is
+    decoded: ``max_pixels`` per image, ``max_request_pixels`` in all, and ``image_size`` (the side of the square images
+    the server scores; None = any size). Too many pixels is a 413, another size a 422."""
+
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
+    image_size: int | None = None
+
+    def check(self, sizes: Sequence[tuple[int, int]], repeat: int = 1) -> None:
+        """``sizes``: ``(height, width)`` of each image, as its header states it; ``repeat``: how many times the
+        list stands (a batch tensor states one size for all its images)."""
+        total = 0
+        for index, (height, width) in enumerate(sizes):
+            if height < 1 or width < 1:
+                raise WireError(f"image {index} is {height}x{width}: it holds no pixels")
+            pixels = height * width
+            if pixels > self.max_pixels:
+                raise WireError(f"image {index} is {height}x{width} = {pixels} pixels, more than the server's "
+                                f"max_pixels {self.max_pixels} per image", status=413)
+            total += pixels
+        total *= repeat
+        if total > self.max_request_pixels:
+            raise WireError(f"the request holds {total} pixels, more than the server's max_request_pixels "
+                            f"{self.max_request_pixels}", status=413)
+        size = self.image_size
+        for height, width in sizes:
+            if size is not None and (height, width) != (size, size):
+                raise WireError(f"images are {height}x{width}; this server scores {size}x{size} (its image_size)",
+                                status=422)
+
+
+def _check_images(images: Tensor, fields: dict) -> Tensor:
     batch = int(images.shape[0])
-    if batch < 1:
-        raise WireError("the request holds no images")
-    if images.numel() > max_pixels * 3:
-        raise WireError(f"the request holds {images.numel() // 3} pixels, more than the server's limit {max_pixels}",
-                        status=413)
     for name in ("prompts", "metadata", "group_ids"):
         if fields[name] is not None and len(fields[name]) != batch:
             raise WireError(f"got {batch} images and {len(fields[name])} {name}")
@@ -178,62 +210,129 @@ def _check_images(images: Tensor, fields: dict, max_pixels: int) -> Tensor:
     return images
 
 
-def read_png(data: bytes) -> Tensor:
-    """An 8-bit PNG as ``[3, H, W]`` float32 in [0, 1] (WireError when it is not one)."""
+def _tensor_shape(header: dict, limits: Limits) -> list[int]:
+    """The ``images`` entry of a safetensors header, checked (dtype, ``[B, 3, H, W]``, ``limits``) before the tensor
+    is read."""
+    entry = header.get("images")
+    if not isinstance(entry, dict):
+        raise WireError("the safetensors header's 'images' entry is not an object with dtype, shape and data_offsets")
+    dtype, shape = entry.get("dtype"), entry.get("shape")
+    if dtype not in SAFETENSORS_DTYPES:
+        raise WireError(f"'images' has dtype {str(dtype)[:20]!r}; expected one of {', '.join(SAFETENSORS_DTYPES)} "
+                        "(float32, float16, bfloat16, float64, uint8)")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                               for n in shape):
+        raise WireError("the safetensors header's 'images' shape is not a list of sizes")
+    if len(shape) != 4 or shape[1] != 3:
+        raise WireError(f"'images' must be [B, 3, H, W], got shape {shape[:8]}")
+    if shape[0] < 1:
+        raise WireError("the request holds no images")
+    limits.check([(shape[2], shape[3])], repeat=shape[0])
+    return shape
+
+
+def read_png(data: bytes, limits: Limits | None = None) -> Tensor:
+    """An 8-bit PNG as ``[3, H, W]`` float32 in [0, 1] (WireError when it is not one). Its size is read from its
+    header (IHDR) and checked against ``limits`` before any pixel is decoded."""
+    return _decode_png(_open_png(data, 0), limits or Limits())
+
+
+def _open_png(data: bytes, index: int):
+    """The lazily opened PNG (its header read, no pixel decoded)."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format != "PNG":
-                raise WireError(f"an image is {image.format}, not PNG")
-            array = torch.from_numpy(__import__("numpy").asarray(image.convert("RGB")).copy())
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:  # PIL's own fence (Image.MAX_IMAGE_PIXELS), from the header as well
+        raise WireError(f"image {index} has more pixels than the server's limit (PIL's decompression-bomb limit)",
+                        status=413) from None
+    except Exception as error:  # noqa: BLE001 - any decoder failure is the sender's malformed image
+        raise WireError(f"image {index} is not a readable PNG: {type(error).__name__}") from None
+    if image.format != "PNG":
+        image.close()
+        raise WireError(f"image {index} is {image.format}, not PNG")
+    return image
+
+
+def _decode_png(image, limits: Limits, index: int = 0) -> Tensor:
+    import numpy
+
+    try:
+        with image:
+            limits.check([(image.height, image.width)])  # again, next to the decoder
+            array = torch.from_numpy(numpy.asarray(image.convert("RGB")).copy())
     except WireError:
         raise
     except Exception as error:  # noqa: BLE001 - any decoder failure is the sender's malformed image
-        raise WireError(f"an image is not a readable PNG: {type(error).__name__}: {error}") from None
+        raise WireError(f"image {index} is not a readable PNG: {type(error).__name__}: {error}") from None
     return array.permute(2, 0, 1).float() / 255
 
 
-def decode_request(body: bytes, content_type: str, *, max_pixels: int = 1 << 28) -> ScoreRequest:
-    """Parse a score request (module docstring); every mistake is a ``WireError``."""
+def decode_request(body: bytes, content_type: str, *, limits: Limits | None = None) -> ScoreRequest:
+    """Parse a score request (module docstring); every mistake is a ``WireError``. The images' sizes are read from
+    the safetensors header or the PNG headers and checked against ``limits`` before any image is decoded."""
     kind = (content_type or "").split(";")[0].strip().lower()
-    if kind == SAFETENSORS:
-        header = _header(body)
-        meta = header.get("__metadata__") or {}
-        if "flowalign" not in meta:
-            raise WireError("the safetensors body has no 'flowalign' request in its __metadata__")
-        try:
-            fields = _request_fields(json.loads(meta["flowalign"]))
-        except ValueError as error:
-            raise WireError(str(error) if isinstance(error, WireError) else "__metadata__['flowalign'] is not JSON") \
-                from None
-        if set(header) - {"__metadata__"} != {"images"}:
-            raise WireError(f"the safetensors body must hold exactly one tensor 'images', got "
-                            f"{sorted(set(header) - {'__metadata__'})}")
-        from safetensors.torch import load
+    if kind not in (SAFETENSORS, JSON):
+        raise WireError(f"Content-Type must be {SAFETENSORS} or {JSON}, got {str(content_type)[:100]!r}", status=415)
+    limits = limits or Limits()
+    try:
+        return _decode_safetensors(body, limits) if kind == SAFETENSORS else _decode_json(body, limits)
+    except WireError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError, UnicodeError) as error:
+        # a parser tripped on the sender's bytes in a way no check above names: still the sender's mistake
+        raise WireError(f"the request cannot be read: {type(error).__name__}") from None
 
-        try:
-            images = load(body)["images"]
-        except Exception as error:  # noqa: BLE001 - a malformed file is the sender's mistake
-            raise WireError(f"the safetensors body cannot be read: {error}") from None
-        images = _check_images(images, fields, max_pixels)
-    elif kind == JSON:
-        try:
-            parsed = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise WireError("the body is not JSON") from None
-        fields = _request_fields(parsed)
-        encoded = parsed.get("images_png")
-        if not isinstance(encoded, list) or not all(isinstance(item, str) for item in encoded) or not encoded:
-            raise WireError("'images_png' must be a non-empty list of base64 PNG strings")
-        try:
-            raw = [base64.b64decode(item, validate=True) for item in encoded]
-        except ValueError:
-            raise WireError("an entry of 'images_png' is not base64") from None
-        decoded = [read_png(item) for item in raw]
-        if len({tuple(image.shape) for image in decoded}) != 1:
+
+def _decode_safetensors(body: bytes, limits: Limits) -> ScoreRequest:
+    header = _header(body)
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict):
+        raise WireError("the safetensors header's __metadata__ must be an object of strings")
+    request = meta.get("flowalign")
+    if not isinstance(request, str):
+        raise WireError("the safetensors body has no 'flowalign' request (a JSON string) in its __metadata__")
+    try:
+        parsed = json.loads(request)
+    except (ValueError, RecursionError):
+        raise WireError("__metadata__['flowalign'] is not JSON") from None
+    fields = _request_fields(parsed)
+    if set(header) - {"__metadata__"} != {"images"}:
+        raise WireError(f"the safetensors body must hold exactly one tensor 'images', got "
+                        f"{sorted(set(header) - {'__metadata__'})[:8]}")
+    _tensor_shape(header, limits)
+    from safetensors.torch import load
+
+    try:
+        images = load(body)["images"]
+    except Exception as error:  # noqa: BLE001 - a malformed file is the sender's mistake
+        raise WireError(f"the safetensors body cannot be read: {error}") from None
+    return ScoreRequest(images=_check_images(images, fields), **fields)
+
+
+def _decode_json(body: bytes, limits: Limits) -> ScoreRequest:
+    try:
+        parsed = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise WireError("the body is not JSON") from None
+    fields = _request_fields(parsed)
+    encoded = parsed.get("images_png")
+    if not isinstance(encoded, list) or not all(isinstance(item, str) for item in encoded) or not encoded:
+        raise WireError("'images_png' must be a non-empty list of base64 PNG strings")
+    try:
+        raw = [base64.b64decode(item, validate=True) for item in encoded]
+    except ValueError:
+        raise WireError("an entry of 'images_png' is not base64") from None
+    opened = []
+    try:
+        for index, data in enumerate(raw):
+            opened.append(_open_png(data, index))
+        sizes = [(image.height, image.width) for image in opened]
+        limits.check(sizes)  # every header, before any pixel is decoded
+        if len(set(sizes)) != 1:
             raise WireError("the PNG images of one request must share one size")
-        images = _check_images(torch.stack(decoded), fields, max_pixels)
-    else:
-        raise WireError(f"Content-Type must be {SAFETENSORS} or {JSON}, got {content_type!r}", status=415)
-    return ScoreRequest(images=images, **fields)
+        decoded = [_decode_png(image, limits, index) for index, image in enumerate(opened)]
+    finally:
+        for image in opened:
+            image.close()
+    return ScoreRequest(images=_check_images(torch.stack(decoded), fields), **fields)

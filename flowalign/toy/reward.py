@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowalign.evaluation.geneval import COUNTING_SCORE_THRESHOLD, SCORE_THRESHOLD, judge, validate_metadata
+from flowalign.evaluation.geneval import (COUNTING_SCORE_THRESHOLD, SCORE_THRESHOLD, judge, validate_metadata,
+                                          validate_metadata_batch)
 from flowalign.toy.detector import detect_batch
 
 __all__ = ["ToyGenEvalReward", "clause_credit", "sub_metadata"]
@@ -47,6 +48,11 @@ class ToyGenEvalReward:
     def __init__(self, partial_credit: bool = False) -> None:
         self.partial_credit = bool(partial_credit)
         self.name = "toy_geneval"
+
+    def check_inputs(self, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> None:
+        """The reward protocol's input check (``flowalign.rewards``): every image needs its prompt's GenEval
+        metadata; a bad entry is a ``RewardInputError`` naming ``metadata[i]`` and the field."""
+        validate_metadata_batch(metadata)
 
     def __repr__(self) -> str:
         return f"ToyGenEvalReward(partial_credit={self.partial_credit})"
@@ -62,6 +68,7 @@ class ToyGenEvalReward:
             raise ValueError(f"images must be [B, 3, H, W], got shape {tuple(images.shape)}")
         if len(metadata) != images.shape[0]:
             raise ValueError(f"got {images.shape[0]} images but {len(metadata)} metadata entries")
+        self.check_inputs([], metadata)
         size = (int(images.shape[3]), int(images.shape[2]))  # GenEval wants (width, height)
         results = []
         for entry, detections in zip(metadata, detect_batch(images)):

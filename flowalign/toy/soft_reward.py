@@ -31,13 +31,13 @@ samples, and every reported accuracy, still come from the exact verifier.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from flowalign.evaluation.geneval import validate_metadata
+from flowalign.evaluation.geneval import validate_metadata, validate_metadata_batch
 
 from .scenes import COLORS, MAX_SHAPE_SIZE, MIN_SHAPE_SIZE, PALETTE, SHAPES, Shape, shape_mask
 from .segmenter import ShapeSegmenter, load_segmenter
@@ -71,6 +71,11 @@ class SoftToyGenEval:
         self.segmenter.requires_grad_(False).eval()
         self.color_temperature = float(color_temperature)
         self.name = "toy_geneval_soft"
+
+    def check_inputs(self, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> None:
+        """The reward protocol's input check (``flowalign.rewards``): every image needs its prompt's GenEval
+        metadata; a bad entry is a ``RewardInputError`` naming ``metadata[i]`` and the field."""
+        validate_metadata_batch(metadata)
 
     def __repr__(self) -> str:
         return f"SoftToyGenEval(color_temperature={self.color_temperature:g})"

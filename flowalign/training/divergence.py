@@ -5,7 +5,7 @@ The loss is every metric named ``loss`` or ``<...>/loss`` (the loss terms' and e
 the trainable parameters (this process's shards under FSDP2); the samples are the rollout's final latents (weights
 that grew huge but finite, ``optim.lr=1e30``, show first there: the policy's outputs overflow, and the update of that
 iteration is skipped, so no loss is computed). Every process agrees on the verdict, so all of them
-stop together. The error is ``RunFailed``: the command line prints its message, without a traceback, and exits 1.
+stop together. The error is ``RunStopped``: the command line prints its message, without a traceback, and exits 1.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from flowalign.errors import RunFailed
+from flowalign.errors import RunStopped
 from flowalign.training.checkpoint import latest_checkpoint
 from flowalign.training.distributed import agreed
 
@@ -39,12 +39,12 @@ def non_finite(metrics: dict[str, float], weights: dict[str, torch.Tensor], batc
 
 
 def check_finite(trainer, iteration: int, metrics: dict[str, float], batches=()) -> None:
-    """Raise ``RunFailed`` (on every process) when iteration ``iteration`` left a non-finite loss, weight or sample."""
+    """Raise ``RunStopped`` (on every process) when iteration ``iteration`` left a non-finite loss, weight or sample."""
     found = non_finite(metrics, trainer.trainable_state(), batches)
     if not agreed(trainer.accelerator, bool(found)):
         return
     last = latest_checkpoint(trainer.out_dir)
     kept = (f"its last finite checkpoint is {last}: resume it with a lower optim.lr (or a smaller "
             "optim.max_grad_norm)" if last is not None else "no checkpoint was saved before it")
-    raise RunFailed(f"the run diverged at iteration {iteration}: {'; '.join(found) or 'on another process'}. It "
+    raise RunStopped(f"the run diverged at iteration {iteration}: {'; '.join(found) or 'on another process'}. It "
                     f"stopped without logging or saving that iteration; {kept}")

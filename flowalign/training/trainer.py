@@ -46,7 +46,7 @@ from flowalign.components import IterationContext
 from flowalign.config import to_dict
 from flowalign.credit import CreditContext
 from flowalign.data.condition_images import encode_kwargs
-from flowalign.errors import setup_phase
+from flowalign.errors import RunStopped, setup_phase
 from flowalign.kernels import use_backend
 from flowalign.lr_schedule import learning_rate_scale
 from flowalign.models import FlowModel
@@ -173,7 +173,10 @@ class GRPOTrainer:
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             for iteration in range(self.iteration, cfg.iterations):
-                metrics, prompts, batches, scores = self.train_iteration(iteration)
+                try:
+                    metrics, prompts, batches, scores = self.train_iteration(iteration)
+                except RunStopped as stopped:  # e.g. a reward server that refuses for good: save, then stop
+                    raise self._stopped(stopped) from None
                 check_finite(self, iteration, metrics, batches)  # a diverged iteration is neither logged nor saved
                 self.iteration = iteration + 1
                 self.history.append(metrics)
@@ -449,6 +452,15 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------- run, evaluation
     def _request_stop(self, signum, frame) -> None:
         self.stop_requested, self.stop_signal = True, signum  # the command line exits 128 + signum
+
+    def _stopped(self, stopped: RunStopped) -> RunStopped:
+        """A ``RunStopped`` inside an iteration: as on SIGTERM, the checkpoint of the last whole iteration is saved
+        (the failed iteration changed no weight); the message adds which one and how to resume."""
+        path = self.out_dir / f"checkpoint-{self.iteration:06d}"
+        if not path.is_dir():
+            self.checkpointer.save()
+        return RunStopped(f"{stopped}; the run stopped in iteration {self.iteration} with {path.name} saved: resume "
+                          "with train.resume=latest once that is fixed")
 
     def save(self) -> Path | None:
         return self.checkpointer.save()
