@@ -75,9 +75,13 @@ def run_engine(name: str, model: Path, root: Path) -> list[dict]:
         else:
             case["reached"] = True
             problems = matrix.losses_after_kill(run, reference)
-            resumed = matrix.launch(model, run, engine, nproc, **{"train.resume": "latest"})
-            if resumed.returncode != 0:
-                problems.append(f"--resume latest failed: {resumed.stderr.strip().splitlines()[-1:]}")
+            if resave:
+                code, tail = matrix.train_in_fork(model, run, engine, **{"train.resume": "latest"}), ""
+            else:
+                resumed = matrix.launch(model, run, engine, nproc, **{"train.resume": "latest"})
+                code, tail = resumed.returncode, resumed.stderr.strip().splitlines()[-1:]
+            if code != 0:
+                problems.append(f"--resume latest failed: exit {code} {tail}")
             else:
                 problems += matrix.final_differences(run, reference)
             case["problems"] = problems

@@ -152,7 +152,8 @@ def checkpoint_differences(checkpoint: Path, reference: Path) -> list[str]:
 
     Files: the same names and sizes; tensors (safetensors, ``optimizer.pt``, torch's RNG state of ``rng-*.pt``; the
     python and numpy states there start from the OS's entropy in every process): bitwise equal;
-    ``state.json``: equal but for the timings; DCP shard files (``sharded/``): the same bytes."""
+    ``state.json``: equal but for the timings; DCP shard files (``sharded/*.distcp``): the same bytes (its
+    ``.metadata`` holds the directory's path: not empty)."""
     found = {p.relative_to(checkpoint) for p in checkpoint.rglob("*") if p.is_file()}
     wanted = {p.relative_to(reference) for p in reference.rglob("*") if p.is_file()}
     problems = [f"{checkpoint.name}/{name}: missing" for name in sorted(wanted - found)]
@@ -175,6 +176,9 @@ def checkpoint_differences(checkpoint: Path, reference: Path) -> list[str]:
         elif name.name == "config.yaml":
             if _run_config(a) != _run_config(b):
                 problems.append(f"{checkpoint.name}/{name}: differs")
+        elif name.name == ".metadata":  # DCP's index: a pickle that holds the directory's path; the shards it
+            if a.stat().st_size == 0:  # indexes are compared byte for byte, and the resume reads it whole
+                problems.append(f"{checkpoint.name}/{name}: empty")
         elif name.parts[0] == "sharded" or name.suffix == ".json":
             if a.read_bytes() != b.read_bytes():
                 problems.append(f"{checkpoint.name}/{name}: differs")

@@ -148,3 +148,15 @@ def test_two_fsdp2_processes_one_killed_before_the_rename_lose_nothing(tiny_mode
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert matrix.final_differences(run, reference) == []
     assert {p.name for p in (run / "checkpoint-000002").glob("rng-*.pt")} == {"rng-0.pt", "rng-1.pt"}
+
+
+def test_resume_latest_takes_the_newest_whole_checkpoint_never_a_temporary_or_trash_one(reference, tmp_path):
+    from flowalign.training.checkpoint import latest_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.copytree(run / "checkpoint-000002", run / ".tmp-checkpoint-000003")
+    shutil.copytree(run / "checkpoint-000002", run / ".trash-checkpoint-000004")
+    assert latest_checkpoint(run) == run / "checkpoint-000002"
+    (run / "checkpoint-000002" / "optimizer.pt").unlink()  # what an earlier version's kill could leave
+    assert latest_checkpoint(run) == run / "checkpoint-000001"

@@ -23,19 +23,21 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.training.checkpoint import CHECKPOINT_PATTERN, latest_checkpoint
+from flowalign.training.checkpoint import CHECKPOINT_PATTERN, TEMPORARY_PREFIX, TRASH_PREFIX, latest_checkpoint
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 
 __all__ = ["RUN_FILES", "check_new_run", "clear_run", "holds_run", "resolve_resume",
            "trim_metrics"]
 
-# What a run writes into its directory (besides checkpoint-* and their temporary .tmp-checkpoint-* siblings).
+# What a run writes into its directory (besides checkpoint-* and their .tmp-checkpoint-* and .trash-checkpoint-*
+# siblings, written and deleted by a save).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "samples", "eval", "flowalign")
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and bool(CHECKPOINT_PATTERN.match(path.name.removeprefix(".tmp-")))
+    name = path.name.removeprefix(TEMPORARY_PREFIX).removeprefix(TRASH_PREFIX)
+    return path.is_dir() and bool(CHECKPOINT_PATTERN.match(name))
 
 
 def holds_run(directory: str | Path) -> bool:
@@ -75,7 +77,8 @@ def check_new_run(directory: str | Path, *, overwrite: bool) -> bool:
 
 
 def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependent: list[str]) -> Path:
-    """The checkpoint ``where`` (a directory or ``latest`` of ``out_dir``) names, checked against ``config``."""
+    """The checkpoint ``where`` (a directory, or ``latest``: the newest whole ``checkpoint-N`` of ``out_dir``, never a
+    ``.tmp-`` or ``.trash-`` one: ``latest_checkpoint``) names, checked against ``config``."""
     out_dir = Path(out_dir)
     checkpoint = latest_checkpoint(out_dir) if where == "latest" else Path(where)
     if checkpoint is None or not checkpoint.is_dir():
