@@ -11,8 +11,9 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 * ``optimizer.pt``: the optimizer state;
 * ``rng-<rank>.pt``: the python, numpy and torch (CPU and CUDA) RNG states of each process (numpy's as plain
   numbers and a tensor, so the file holds no numpy object);
-* ``state.json``: the iteration, the metrics history, and anything else the trainer keeps (the components' state:
-  its JSON values under ``components``);
+* ``state.json``: the iteration, the metrics history, the number of processes that wrote the checkpoint
+  (``processes``), and anything else the trainer keeps (the components' state: its JSON values under
+  ``components``);
 * ``components.safetensors``: the tensors of the components' state (``<section>/<key>``: an adaptive reference's
   snapshot), when a component keeps any;
 * ``config.yaml``: the resolved config it was made with.
@@ -22,8 +23,12 @@ its shards of the trainable weights, the EMA, the policy copies and the optimize
 ``trainable.safetensors``, ``ema.safetensors``, ``copies.safetensors`` and ``optimizer.pt``; the rest is the same
 (``flowalign.training.engine``).
 
-It is written to a temporary sibling directory and renamed into place, so an interrupted save never leaves a partial
-checkpoint behind: the newest complete ``checkpoint-*`` is always whole.
+Every process writes its files into a temporary sibling directory ``.tmp-checkpoint-<iteration>``; once they all
+agree that every write succeeded, the main process renames it into place (exchanging it atomically with an earlier
+save of the same iteration) and deletes old checkpoints through a ``.trash-`` name, so a save killed at any instant
+never leaves a partial checkpoint under a normal name: the newest ``checkpoint-*`` is always whole
+(``finish_checkpoint``; docs/concepts/reliability.md). ``state.json`` records the number of processes, and a resume at
+that number needs every ``rng-<rank>.pt`` (``restore_process_rng``).
 
 The ``.pt`` files are read with ``torch.load(weights_only=True)`` (``safe_load``): a pickle may call any function while
 it loads, so a checkpoint from elsewhere could run code; the restricted unpickler builds only tensors, numbers,
