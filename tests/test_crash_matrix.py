@@ -160,3 +160,20 @@ def test_resume_latest_takes_the_newest_whole_checkpoint_never_a_temporary_or_tr
     assert latest_checkpoint(run) == run / "checkpoint-000002"
     (run / "checkpoint-000002" / "optimizer.pt").unlink()  # what an earlier version's kill could leave
     assert latest_checkpoint(run) == run / "checkpoint-000001"
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["renameat2", "three-renames"])
+def test_exchanging_two_checkpoint_directories_swaps_them_whole(tmp_path, monkeypatch, atomic):
+    """Re-saving swaps the new directory with the old in one renameat2(RENAME_EXCHANGE); where the system cannot,
+    by three renames through the trash name."""
+    from flowalign.training import checkpoint
+
+    if not atomic:
+        monkeypatch.setattr(checkpoint, "_rename_exchange", lambda a, b: False)
+    new, old = tmp_path / ".tmp-checkpoint-000002", tmp_path / "checkpoint-000002"
+    for directory, text in ((new, "new"), (old, "old")):
+        directory.mkdir()
+        (directory / "state.json").write_text(text)
+    checkpoint._exchange(new, old)
+    assert (old / "state.json").read_text() == "new" and (new / "state.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-checkpoint-000002", "checkpoint-000002"]
