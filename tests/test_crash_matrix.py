@@ -4,7 +4,8 @@ and the continued run is bitwise the uninterrupted one; a failure to save on one
 RNG files of every process are part of the whole checkpoint.
 
 This module runs a subset: every kill point of a single-process save and of a re-save (each in a forked child of this
-process, so no start-up cost), and one case each of 2 DDP and 2 FSDP2 processes (``torchrun`` on CPU with gloo).
+process, so no start-up cost), a failing save on 2 DDP processes and a kill on 2 FSDP2 processes (``torchrun`` on CPU
+with gloo).
 ``bench/crash_matrix.py`` runs the whole matrix (docs/concepts/reliability.md has its figures)."""
 
 from __future__ import annotations
@@ -119,20 +120,19 @@ def test_a_resume_at_another_process_count_says_how_the_rng_streams_are_re_keyed
 
 def test_two_ddp_processes_one_failing_to_save_all_end_with_the_error_and_lose_nothing(tiny_model, tmp_path):
     """Process 1 cannot write its RNG file (a full disk): both processes end with the error at once (not after the
-    collective's timeout), checkpoint-000001 stays whole, and the resumed run is bitwise the uninterrupted one.
-    Before the fix, process 0 had already renamed checkpoint-000002 into place and pruned checkpoint-000001."""
-    reference = tmp_path / "reference"
-    assert matrix.launch(tiny_model, reference, "ddp", 2, **{"train.keep_checkpoints": 9}).returncode == 0
+    collective's timeout), nothing is renamed or pruned, and checkpoint-000001 stays whole. Before the fix, process 0
+    had already renamed checkpoint-000002 into place, without process 1's RNG file, and pruned checkpoint-000001.
+    (That a resume then continues bitwise at 2 processes: the FSDP2 case below, and bench/crash_matrix.py for ddp.)"""
+    from flowalign.training.checkpoint import missing_files
+
     run = tmp_path / "run"
     failed = matrix.launch(tiny_model, run, "ddp", 2, fault=matrix.fault("rng", rank=1, action="fail"), timeout=300)
     assert failed.returncode != 0
     assert "OSError: [Errno 28] No space left on device" in failed.stderr  # process 1's own error
     assert (f"RuntimeError: saving {run / 'checkpoint-000002'} failed on another process: process 1: OSError"
             in failed.stderr)  # process 0's
-    assert matrix.losses_after_kill(run, reference) == [] and not (run / "checkpoint-000002").exists()
-    resumed = matrix.launch(tiny_model, run, "ddp", 2, **{"train.resume": "latest"})
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert matrix.final_differences(run, reference) == []
+    assert [p.name for p in run.glob("*checkpoint-*")] == ["checkpoint-000001"]  # the temporary directory deleted
+    assert missing_files(run / "checkpoint-000001") == [] and (run / "checkpoint-000001" / "rng-1.pt").is_file()
 
 
 def test_two_fsdp2_processes_one_killed_before_the_rename_lose_nothing(tiny_model, tmp_path):
