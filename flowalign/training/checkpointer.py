@@ -7,7 +7,9 @@ The checkpoint format is ``flowalign.training.checkpoint``'s; the rules for run 
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
 
 import torch
@@ -15,10 +17,11 @@ import yaml
 
 from flowalign.config import to_saved_dict
 from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, holds_ema,
-                                           load_checkpoint,
-                                           load_component_tensors, load_copies, load_run_state, save_checkpoint,
-                                           save_process_rng,
+                                           load_checkpoint, load_component_tensors, load_copies, load_run_state,
+                                           rng_rekeying, save_process_rng, saved_processes, write_checkpoint_files,
                                            write_run_files)
+from flowalign.training.distributed import together
+from flowalign.training.kill_points import kill_point
 from flowalign.training.run_directory import check_new_run, check_out_dir, clear_run, resolve_resume
 
 __all__ = ["Checkpointer"]
@@ -64,7 +67,7 @@ class Checkpointer:
         trainer = self.trainer
         last = trainer.last_advantages
         state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist(),
-                 "optimizer_steps": trainer.optimizer_steps}
+                 "optimizer_steps": trainer.optimizer_steps, "processes": trainer.accelerator.num_processes}
         values, _ = self.component_state()
         if values:
             state["components"] = values
@@ -95,47 +98,64 @@ class Checkpointer:
                 part.load_state_dict(saved)
 
     def save(self) -> Path | None:
-        """Write ``checkpoint-<iteration>`` (main process; every process its RNG); returns its path on the main."""
-        trainer = self.trainer
-        if trainer.engine.sharded:
-            return self.save_sharded()
-        path = None
-        if trainer.is_main:
-            state, config_yaml = self.run_state()
-            path = save_checkpoint(
-                trainer.out_dir, trainer.iteration, trainable=trainer.trainable_state(),
-                optimizer=_optimizer(trainer.optimizer), state=state, config_yaml=config_yaml,
-                ema=trainer.ema.state_dict() if trainer.ema is not None else None, write_model=trainer.model.save_trained,
-                keep=trainer.config.train.keep_checkpoints, copies=trainer.copies.state_dict() or None,
-                component_tensors=self.component_state()[1],
-            )
-        trainer.accelerator.wait_for_everyone()
-        if not trainer.is_main:
-            save_process_rng(trainer.out_dir / f"checkpoint-{trainer.iteration:06d}", trainer.accelerator.process_index)
-        trainer.accelerator.wait_for_everyone()
-        return path
+        """Write ``checkpoint-<iteration>``; returns its path on the main process.
 
-    def save_sharded(self) -> Path | None:
-        """A sharded checkpoint: every process writes its shards (and its RNG) into the temporary directory, the
-        main process the run files and the diffusers-format weights, then renames it into place."""
+        The protocol (docs/concepts/reliability.md): the main process creates ``.tmp-checkpoint-N``; every process
+        writes its files into it (the main process the weights, optimizer and run files, every process its
+        ``rng-<rank>.pt``; a sharded run first its shards); the processes agree that every write succeeded; only
+        then does the main process rename it to ``checkpoint-N`` and prune the old ones; they agree again. A
+        failure on any process (``together``) ends every process with the error."""
         trainer = self.trainer
-        accelerator = trainer.accelerator
-        final, tmp = checkpoint_paths(trainer.out_dir, trainer.iteration)
-        if trainer.is_main:
-            begin_checkpoint(tmp)
-        accelerator.wait_for_everyone()
-        trainer.engine.save(trainer, tmp / "sharded")
-        exported = trainer.engine.export_state(trainer)  # collective: gathered onto the main process
-        save_process_rng(tmp, accelerator.process_index)
-        if trainer.is_main:
-            state, config_yaml = self.run_state()
-            write_run_files(tmp, trainer.iteration, state, config_yaml, self.component_state()[1])
-            trainer.model.save_trained(tmp, state_dict=exported)
-        accelerator.wait_for_everyone()
-        if trainer.is_main:
-            finish_checkpoint(tmp, final, trainer.config.train.keep_checkpoints)
-        accelerator.wait_for_everyone()
+        accelerator, iteration, rank = trainer.accelerator, trainer.iteration, trainer.accelerator.process_index
+        final, tmp = checkpoint_paths(trainer.out_dir, iteration)
+        what = f"saving {final}"
+        with together(accelerator, what):
+            if trainer.is_main:
+                begin_checkpoint(tmp)
+        try:
+            if trainer.engine.sharded:  # collectives first: torch.distributed.checkpoint reports its own failures
+                trainer.engine.save(trainer, tmp / "sharded")
+                kill_point("sharded", iteration, rank)
+                exported = trainer.engine.export_state(trainer)  # gathered onto the main process
+                kill_point("exported", iteration, rank)
+            with together(accelerator, what):
+                if trainer.engine.sharded:
+                    save_process_rng(tmp, rank, iteration)
+                    if trainer.is_main:
+                        state, config_yaml = self.run_state()
+                        write_run_files(tmp, iteration, state, config_yaml, self.component_state()[1])
+                        trainer.model.save_trained(tmp, state_dict=exported)
+                        kill_point("model", iteration)
+                elif trainer.is_main:
+                    state, config_yaml = self.run_state()
+                    write_checkpoint_files(
+                        tmp, iteration, trainable=trainer.trainable_state(), optimizer=_optimizer(trainer.optimizer),
+                        state=state, config_yaml=config_yaml,
+                        ema=trainer.ema.state_dict() if trainer.ema is not None else None,
+                        write_model=trainer.model.save_trained, copies=trainer.copies.state_dict() or None,
+                        component_tensors=self.component_state()[1])
+                else:
+                    save_process_rng(tmp, rank, iteration)
+        except BaseException:
+            if trainer.is_main:  # free what it holds (a full disk); a later save starts it afresh anyway
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        kill_point("written", iteration, rank)
+        with together(accelerator, what):
+            if trainer.is_main:
+                finish_checkpoint(tmp, final, trainer.config.train.keep_checkpoints)
+        kill_point("saved", iteration, rank)
         return final if trainer.is_main else None
+
+    def rng_layout(self, checkpoint: str | Path) -> dict:
+        """What ``restore_process_rng`` needs of this run; logs, once, how the RNG streams are re-keyed when the
+        checkpoint was saved at another process count."""
+        trainer = self.trainer
+        processes, checkpoint = trainer.accelerator.num_processes, Path(checkpoint)
+        saved = saved_processes(checkpoint, json.loads((checkpoint / "state.json").read_text()))
+        if saved != processes and trainer.is_main:
+            logger.warning(rng_rekeying(checkpoint, saved, processes))
+        return {"processes": processes, "seed": trainer.config.train.seed}
 
     def resume(self, checkpoint: str | Path) -> None:
         """Load the trainable weights, EMA, optimizer, RNG and history of ``checkpoint`` (checked at set-up)."""
@@ -149,13 +169,14 @@ class Checkpointer:
             trainer.engine.load(trainer, checkpoint / "sharded", ema=has_ema)
             if trainer.ema is not None and not has_ema:
                 restart_ema(trainer, checkpoint)
-            state = load_run_state(checkpoint, trainer.accelerator.process_index)
+            state = load_run_state(checkpoint, trainer.accelerator.process_index, **self.rng_layout(checkpoint))
             trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
             trainer.optimizer_steps = optimizer_steps(state, trainer.config)
             self.load_component_state(checkpoint, state)
             return
         state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
-                                     optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index)
+                                     optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index,
+                                     **self.rng_layout(checkpoint))
         if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
             trainer.ema.load_state_dict(ema)
         elif trainer.ema is not None:

@@ -9,11 +9,15 @@ other overrides would train another run in lockstep, or hang).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from flowalign.errors import SetupError
 
-__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "summed"]
+__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "summed",
+           "together"]
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
 
@@ -58,3 +62,25 @@ def summed(accelerator, count: int) -> int:
         return count
     value = torch.tensor([float(count)], device=accelerator.device)
     return int(accelerator.reduce(value, "sum").item())
+
+
+@contextmanager
+def together(accelerator, what: str) -> Iterator[None]:
+    """Run the block on every process, then agree (a collective, so also a barrier) on whether it failed anywhere:
+    if it did, every process raises, instead of the others waiting in their next collective for a process that
+    stopped until it times out. The process that failed raises its own error; the others a ``RuntimeError`` naming
+    ``what``, the process(es) that failed and their errors."""
+    error = None
+    try:
+        yield
+    except Exception as caught:  # noqa: BLE001 - every error is re-raised below, after the processes agree
+        error = caught
+    if accelerator.num_processes > 1 and agreed(accelerator, error is not None):
+        from accelerate.utils import gather_object
+
+        reports = gather_object([None if error is None else
+                                 f"process {accelerator.process_index}: {type(error).__name__}: {error}"])
+        if error is None:
+            raise RuntimeError(f"{what} failed on another process: " + "; ".join(r for r in reports if r))
+    if error is not None:
+        raise error

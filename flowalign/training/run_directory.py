@@ -33,7 +33,8 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.training.checkpoint import CHECKPOINT_PATTERN, EMA_FILE, holds_ema, latest_checkpoint, read_run_state
+from flowalign.training.checkpoint import (CHECKPOINT_PATTERN, EMA_FILE, TEMPORARY_PREFIX, TRASH_PREFIX, holds_ema,
+                                           latest_checkpoint, read_run_state)
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 from flowalign.outputs import check_writable_dir, write_atomically
@@ -44,7 +45,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["RUN_FILES", "SOURCE_MARKERS", "check_new_run", "check_out_dir", "clear_run", "holds_run", "metric_lines",
            "read_metrics", "resolve_resume", "trim_metrics"]
 
-# The files whose presence marks a directory as holding a run (besides checkpoint-* and .tmp-checkpoint-*).
+# The files whose presence marks a directory as holding a run (besides checkpoint-* and their .tmp-checkpoint-* and
+# .trash-checkpoint-* siblings, written and deleted by a save).
 RUN_FILES = ("config.yaml", "metrics.jsonl", RECORD)
 
 # What marks a directory as a source tree or a repository root, which a run never writes into.
@@ -52,7 +54,8 @@ SOURCE_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg", "__init__.p
 
 
 def _is_checkpoint(path: Path) -> bool:
-    return path.is_dir() and bool(CHECKPOINT_PATTERN.match(path.name.removeprefix(".tmp-")))
+    name = path.name.removeprefix(TEMPORARY_PREFIX).removeprefix(TRASH_PREFIX)
+    return path.is_dir() and bool(CHECKPOINT_PATTERN.match(name))
 
 
 def holds_run(directory: str | Path) -> bool:
@@ -111,7 +114,8 @@ def check_new_run(directory: str | Path, *, overwrite: bool) -> bool:
 
 
 def resolve_resume(where: str, config, out_dir: str | Path, *, progress_dependent: list[str]) -> Path:
-    """The checkpoint ``where`` (a directory or ``latest`` of ``out_dir``) names, checked against ``config``."""
+    """The checkpoint ``where`` (a directory, or ``latest``: the newest whole ``checkpoint-N`` of ``out_dir``, never a
+    ``.tmp-`` or ``.trash-`` one: ``latest_checkpoint``) names, checked against ``config``."""
     out_dir = Path(out_dir)
     checkpoint = latest_checkpoint(out_dir) if where == "latest" else Path(where)
     if checkpoint is None or not checkpoint.is_dir():
