@@ -129,3 +129,20 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_
     err = refused([f"data.train_prompts={prompts}", missing_model(tmp_path), f"train.out_dir={tmp_path / 'run'}"],
                   capsys, monkeypatch)
     assert f"{prompts}:2: not UTF-8 text (byte 0xe9): save the file as UTF-8" in err
+
+
+# ------------------------------------------------------------------------------------------------ the docs
+
+
+def test_every_documented_model_preset_run_names_its_reward_and_prompts():
+    """Every ``flowalign train configs/models/...`` line of docs/ and README.md passes the check it would meet."""
+    from doc_commands import pages, preset_runs
+
+    runs = [(page, number, args) for page in pages() for number, _, args in preset_runs(page)]
+    assert len(runs) >= 25  # the landing page, the training guide, every method page, the distributed guide
+    for page, number, (config, *overrides) in runs:
+        loaded = load_config(TrainConfig, REPO / config, overrides)
+        try:
+            check_world_is_named(loaded, set_keys(TrainConfig, REPO / config, overrides), config)
+        except ConfigError as error:
+            pytest.fail(f"{page.relative_to(REPO)}:{number}: {error}")

@@ -32,12 +32,15 @@ def example_command(config_path: str | None, model_path: str) -> str:
 def check_world_is_named(config: Any, keys_set: Collection[str], config_path: str | None = None) -> None:
     """ConfigError naming each of ``WORLD_KEYS`` that neither the config file nor an override set (``keys_set``:
     ``flowalign.config.set_keys``) when ``config.model.path`` is not the toy model; the toy model keeps its
-    defaults."""
+    defaults. A run that never rolls out (an objective-only run: no loss term, no objective on rollouts) scores
+    nothing, so it needs no reward."""
     from flowalign.embeddings import is_toy_model
 
     if is_toy_model(config.model.path):
         return
-    missing = [key for key in WORLD_KEYS if key not in keys_set]
+    parts = config.components()
+    rolls_out = bool(config.loss) or any(o.trains_on_rollouts for o in parts.objectives.values())
+    missing = [key for key in WORLD_KEYS if key not in keys_set and (rolls_out or key != "reward.rewards")]
     if not missing:
         return
     defaults = {"reward.rewards": "the toy shape detector (toy_geneval)",
