@@ -45,6 +45,7 @@ T = TypeVar("T")
 __all__ = [
     "ConfigError",
     "load_config",
+    "set_keys",
     "validate_config",
     "to_dict",
     "to_saved_dict",
@@ -421,6 +422,18 @@ def _coerce(value: Any, tp: Any, key: str, root: type, where: str) -> Any:
     raise TypeError(f"unsupported config field type {tp!r} for {key}")
 
 
+def check_value(value: Any, tp: Any, key: str) -> None:
+    """ConfigError naming ``key`` when ``value`` does not fit the annotation ``tp`` by the config's own rules (a bool
+    is only true or false, an int not a float, a Literal one of its values); an annotation the config has no rule for
+    (a path, a tensor, a model object) accepts any value."""
+    try:
+        _coerce(value, tp, key, object, "")
+    except _Mismatch as e:
+        raise ConfigError(e.message(), key=e.key) from None
+    except TypeError:  # a type outside the config's vocabulary: nothing to check it by
+        pass
+
+
 def _build(cls: type[T], root: type, flat: Mapping[str, Any], prefix: str, sources: Mapping[str, str]) -> T:
     """Build ``cls`` from the dotted leaf values under ``prefix``; fields not given keep their defaults."""
     kwargs = {}
@@ -619,6 +632,20 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
     Raises ConfigError (a ValueError) for unknown keys, wrong types, malformed YAML or overrides, and whatever
     the ``validate`` methods reject.
     """
+    flat, sources = _read_config(cls, path, overrides)
+    config = _build(cls, cls, flat, "", sources)
+    validate_config(config, sources)
+    return config
+
+
+def set_keys(cls: type, path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> set[str]:
+    """The dotted keys that the YAML file ``path`` (with its ``base:`` chain) and the ``overrides`` set, read as
+    ``load_config`` reads them: what a config names itself rather than takes from the schema's defaults."""
+    return set(_read_config(cls, path, overrides)[1])
+
+
+def _read_config(cls: type, path: str | os.PathLike | None, overrides: Sequence[str]) -> tuple[dict, dict]:
+    """``(flat values, {dotted key: the layer that set it})`` of a YAML file and overrides, applied in order."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'key=value' strings, not one string")
     layers = _read_layers(path) if path is not None else []
@@ -636,9 +663,7 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
         _flatten_layer(cls, cls, data, "", where, values)
         _merge(flat, values, components)
         sources.update(dict.fromkeys(values, where))
-    config = _build(cls, cls, flat, "", sources)
-    validate_config(config, sources)
-    return config
+    return flat, sources
 
 
 _ANNOUNCED: set[str] = set()

@@ -24,7 +24,7 @@ from torch import Tensor
 from flowalign.config import ConfigError
 from flowalign.registry import Registry
 
-__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "build_embedding", "check_embedding", "register_embedding",
+__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "is_toy_model", "build_embedding", "check_embedding", "register_embedding",
            "resolve_embedding", "set_diversity"]
 
 
@@ -53,12 +53,16 @@ def register_embedding(name: str, factory: Callable[..., Any], *, overwrite: boo
     EMBEDDINGS.register(name, factory, overwrite=overwrite)
 
 
+def is_toy_model(model: str | None) -> bool:
+    """Whether ``model`` (a model path or hub id) is the toy world's model: a path ending in ``TOY_MODEL_MARKERS``."""
+    return model is not None and str(model).rstrip("/").endswith(TOY_MODEL_MARKERS)
+
+
 def resolve_embedding(name: str, model: str | None) -> str:
     """``name``, with ``auto`` made ``toy_scene`` for the toy world's model and ``pixels`` for any other."""
     if name != "auto":
         return name
-    toy = model is not None and str(model).rstrip("/").endswith(TOY_MODEL_MARKERS)
-    return "toy_scene" if toy else "pixels"
+    return "toy_scene" if is_toy_model(model) else "pixels"
 
 
 def check_embedding(name: str, kwargs: Mapping[str, Any], *, key: str) -> None:

@@ -268,12 +268,47 @@ def files_read(reward: Any) -> tuple[str, ...]:
     return (keys,) if isinstance(keys, str) else tuple(keys)
 
 
+def check_reward_kwargs(cls: type, kwargs: Mapping[str, Any], key: str, name: str | None = None) -> None:
+    """The keyword arguments of the reward class ``cls`` (registered as ``name``), checked against its constructor's
+    signature: a name it does not take is a ValueError naming ``key.<name>``, the names it takes and the closest one;
+    a value that does not fit the parameter's annotation (``partial_credit: maybe`` for a bool) is a ConfigError naming
+    ``key.<name>`` (``flowalign.config.check_value``). A constructor with ``**kwargs`` takes any name."""
+    import difflib
+    import inspect
+    import typing
+
+    from flowalign.config import check_value
+
+    init = cls.__init__
+    parameters = inspect.signature(init).parameters
+    known = [p for p, spec in parameters.items() if p != "self" and spec.kind not in (spec.VAR_POSITIONAL,
+                                                                                        spec.VAR_KEYWORD)]
+    takes_any = any(spec.kind is spec.VAR_KEYWORD for spec in parameters.values())
+    label = name or getattr(cls, "name", None) or cls.__name__
+    for arg in kwargs:
+        if arg not in known and not takes_any:
+            close = difflib.get_close_matches(arg, known, n=1)
+            raise ValueError(f"{key}.{arg} is not a setting of the {label!r} reward; known: {', '.join(known)}"
+                             + (f"; did you mean {close[0]!r}?" if close else ""))
+    try:
+        hints = typing.get_type_hints(init)
+    except Exception:  # an annotation that does not resolve here (a TYPE_CHECKING import): nothing to check by
+        return
+    for arg, value in kwargs.items():
+        if arg in hints:
+            check_value(value, hints[arg], f"{key}.{arg}")
+
+
 def check_reward_run(name: str, kwargs: Mapping[str, Any], *, key: str, model: str | None,
                      image_size: Any = None) -> None:
-    """Before the reward is built and before any model loads: a reward whose class declares a ``check_run(kwargs, *,
-    key, model, image_size)`` classmethod (files fitted for one model: a discriminator, a manifold) checks them against
-    the run's model path and image size, naming ``key`` (its kwargs' config key) in the error; others pass."""
-    check = getattr(reward_class(name), "check_run", None)
+    """Before the reward is built and before any model loads: its keyword arguments fit its class's constructor
+    (``check_reward_kwargs``), and a reward whose class declares a ``check_run(kwargs, *, key, model, image_size)``
+    classmethod (files fitted for one model: a discriminator, a manifold) checks them against the run's model path
+    and image size, naming ``key`` (its kwargs' config key) in the error; others pass."""
+    cls = reward_class(name)
+    if cls is not None:
+        check_reward_kwargs(cls, kwargs, key, name)
+    check = getattr(cls, "check_run", None)
     if callable(check):
         check(kwargs, key=key, model=model, image_size=image_size)
 

@@ -157,6 +157,24 @@ def test_train_discriminator_separates_data_from_samples_and_repeats_bitwise(toy
 # ------------------------------------------------------------------------------------------------ bad input
 
 
+@pytest.mark.parametrize("images, fraction", [(2, 0.9), (3, 0.9), (1, 0.1)])
+def test_a_split_that_leaves_no_training_row_is_refused_before_the_model_loads(tmp_path, capsys, images, fraction):
+    """held = max(1, round(val_fraction * rows)): 2 rows at 0.9 hold out 2, 3 rows at 0.9 hold out 3, 1 row holds out
+    its only row. The model path does not exist, so a refusal that names val_fraction ran before any model load."""
+    from flowalign.cli import main
+    from flowalign.data.images import write_toy_dataset
+
+    data = write_toy_dataset(tmp_path / "data", images, size=32)
+    args = ["reward", "train-discriminator", "--model", str(tmp_path / "no-model"), "--data", str(data),
+            "--val-fraction", str(fraction), "--out", str(tmp_path / "d.safetensors")]
+    with pytest.raises(SystemExit) as exit_status:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_status.value.code == 2 and f"val_fraction = {fraction} holds out" in err and f"of the {images} rows" in err and "leaving 0" in err
+    assert "lower val_fraction" in err and "Traceback" not in err and "no-model" not in err
+    assert not (tmp_path / "d.safetensors").exists()
+
+
 def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_the_file_and_the_fix(tmp_path):
     from diffusers import SD3Transformer2DModel
 

@@ -214,6 +214,10 @@ def test_the_estimator_maps_the_sde_window_to_the_released_columns():
 RELEASED_CASES = json.loads((Path(__file__).parent / "data" / "tp_grpo_released_cases.json").read_text())
 
 
+# Recorded floats: .ci/run runs these under a second CPU capability. Measured on an AMD EPYC (AVX512) under
+# ATEN_CPU_CAPABILITY=default, avx2 and avx512: the largest deviation was 10.3% of the tolerance (9.6e-6 relative),
+# the same under every capability.
+@pytest.mark.float_sensitive
 @pytest.mark.parametrize("case", sorted(RELEASED_CASES["cases"]))
 def test_process_rewards_and_advantages_match_the_released_code(case):
     """Expected values from running the released code itself on these inputs: the "Process Reward Computation" block

@@ -213,10 +213,15 @@ def _toy_renders(name: str) -> int | None:
     return int(count)
 
 
-def check_image_dataset(name: str | PathLike[str]) -> None:
-    """Start-up check of a dataset name: ``toy[:N]``, or an index whose every line is valid (``read_records``)."""
-    if _toy_renders(str(name)) is None:
-        read_records(name)
+def check_image_dataset(name: str | PathLike[str]) -> int:
+    """Start-up check of a dataset name: ``toy[:N]``, or an index whose every line is valid (``read_records``).
+    Returns the dataset's number of rows, found without decoding an image."""
+    renders = _toy_renders(str(name))
+    if renders is None:
+        return len(read_records(name))
+    from flowalign.toy.prompts import split_prompts
+
+    return len(split_prompts()[0]) * renders
 
 
 def open_image_dataset(name: str | PathLike[str], size: int | Sequence[int]) -> "ImageCaptionDataset | ToySceneDataset":

@@ -50,12 +50,14 @@ An image is correct when no rule failed; the prompt-level and tag-level scores a
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from numbers import Integral, Real
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 from flowalign.errors import RewardInputError
@@ -128,11 +130,20 @@ def load_metadata(path: str | PathLike[str]) -> list[dict]:
 
 
 def located_lines(path: str | PathLike[str]) -> Iterator[tuple[str, str]]:
-    """``("<path>:<1-based line number>", line)`` for each non-blank line of a text file."""
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield f"{path}:{line_number}", line
+    """``("<path>:<1-based line number>", line)`` for each non-blank line of a UTF-8 text file. A directory, or bytes
+    that are not UTF-8, are a GenEvalError naming the file (and the line of the first bad byte)."""
+    if Path(path).is_dir():
+        raise GenEvalError(f"{path} is a directory: give the path of a prompt file (.txt or .jsonl) in it")
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line_number = data[:error.start].count(b"\n") + 1
+        raise GenEvalError(f"{path}:{line_number}: not UTF-8 text (byte {data[error.start]:#04x}): save the file as "
+                           "UTF-8") from None
+    for line_number, line in enumerate(io.StringIO(text, newline=None), start=1):
+        if line.strip():
+            yield f"{path}:{line_number}", line
 
 
 def _parse_json_line(line: str, where: str) -> Any:

@@ -32,7 +32,6 @@ close that hole.
 from __future__ import annotations
 
 import difflib
-import inspect
 import io
 import json
 import logging
@@ -80,13 +79,11 @@ def _as_size(image_size: Any) -> tuple[int, int] | None:
 
 
 def _check_kwargs(cls: type, kwargs: Mapping[str, Any], key: str) -> None:
-    """Unknown keyword arguments of ``cls`` are a ValueError naming ``key`` with the closest known one."""
-    known = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
-    for name in kwargs:
-        if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            raise ValueError(f"{key}.{name} is not a setting of the {cls.name!r} reward; known: {', '.join(known)}"
-                             + (f"; did you mean {close[0]!r}?" if close else ""))
+    """Unknown keyword arguments of ``cls`` are a ValueError naming ``key`` with the closest known one
+    (``flowalign.rewards.check_reward_kwargs``)."""
+    from flowalign.rewards import check_reward_kwargs
+
+    check_reward_kwargs(cls, kwargs, key, cls.name)
 
 
 def _read_secret(path: str, key: str) -> str:

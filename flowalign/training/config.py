@@ -42,6 +42,21 @@ __all__ = [
 ]
 
 
+# The packages a tracker logs through, any one of which will do (accelerate's own choice for tensorboard).
+TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX"), "wandb": ("wandb",)}
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported, found without importing it (an entry of None in ``sys.modules``, Python's
+    way to block an import, counts as absent)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules with no __spec__
+        return True
+
+
 def _processes(n: int) -> str:
     return "1 process" if n == 1 else f"{n} processes"
 
@@ -437,6 +452,10 @@ class RunConfig:
             ("eval_seed", 0),
         ):
             _at_least(f"train.{name}", getattr(self, name), low)
+        packages = TRACKER_PACKAGES.get(self.tracker, ())
+        _check(not packages or any(_installed(p) for p in packages), "train.tracker",
+               f"= {self.tracker!r} needs the {packages[0] if packages else ''} package, which is not installed: "
+               "install the tracking extra (pip install -e '.[tracking]'), or set train.tracker=none")
 
 
 @dataclass

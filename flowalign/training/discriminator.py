@@ -86,6 +86,18 @@ class DiscriminatorTrainConfig:
         finite("guidance_scale", self.guidance_scale, 0)
 
 
+def validation_rows(rows: int, config: DiscriminatorTrainConfig) -> int:
+    """The rows held out for validation, ``max(1, round(val_fraction * rows))``; a split that leaves no row to train
+    on (or none to validate) is a ValueError naming ``val_fraction`` and ``data``, raised before the model loads."""
+    held = max(1, round(config.val_fraction * rows))
+    if rows < 2 or held >= rows:
+        raise ValueError(
+            f"val_fraction = {config.val_fraction} holds out {held} of the {rows} rows of data = {config.data!r}, "
+            f"leaving {max(0, rows - held)} to train on: lower val_fraction (each side needs at least 1 row), or give "
+            "more images")
+    return held
+
+
 def train_discriminator(config: DiscriminatorTrainConfig) -> dict:
     """Train and save; returns the sidecar's contents plus ``checkpoint`` (the path written)."""
     from flowalign.errors import setup_phase
@@ -105,7 +117,7 @@ def _set_up(config: DiscriminatorTrainConfig):
 
     config.validate()
     check_new_files(config.out, also=[sidecar_path(config.out)], key="out")  # as export: nothing is overwritten
-    check_image_dataset(config.data)
+    validation_rows(check_image_dataset(config.data), config)
     spec = feature_spec(config.features, config.features_path)
     model_path = resolve_model_path(config.model)
     device = resolve_device(config.device)
@@ -113,8 +125,6 @@ def _set_up(config: DiscriminatorTrainConfig):
     model.transformer.requires_grad_(False)
     size = config.image_size or model.default_image_size[0]
     dataset = open_image_dataset(config.data, size)
-    if len(dataset) < 2:
-        raise ValueError(f"data = {config.data!r} has {len(dataset)} image; need at least 2 (training and validation)")
     features = build_features(config.features, config.features_path, device)
     return model, model_path, dataset, features, {**spec, "dim": int(features.dim)}, size, device
 
@@ -157,7 +167,7 @@ def _train(config: DiscriminatorTrainConfig, model, model_path, dataset, feature
         return text(prompts, device) if text is not None else None
 
     order = numpy_rng(seed, _VALIDATION_ROWS).permutation(rows)
-    held = max(1, round(config.val_fraction * rows))
+    held = validation_rows(rows, config)
     val_rows, train_rows = sorted(order[:held].tolist()), sorted(order[held:].tolist())
     val_real, val_prompts = dataset.batch(val_rows)
     val_fake = _fakes(model, val_prompts, [(seed, _VALIDATION_FAKES, r) for r in val_rows], config, size)
