@@ -151,6 +151,10 @@ class SamplingConfig:
         4, "last step the window may start at (random/sliding); null = the latest that fits"
     )
     guidance_scale: float = option(1.0, "classifier-free guidance scale; 1 = no guidance")
+    cfg_gradient: Literal["both", "conditional"] = option(
+        "both", "with CFG in training (guidance_scale > 1): the policy loss backpropagates through both branches of the "
+        "guided velocity (both: flow_grpo's current train_sd3.py) or through the conditional one only, the "
+        "unconditional prediction detached (conditional: its train_sd3.py of July 2025)")
     shared_noise: bool = option(False, "give the images of a group the same initial noise")
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
@@ -206,6 +210,9 @@ class SamplingConfig:
                 _finite(f"sampling.noise_table[{i}]", level, 0.0, high=high, note=note)
         self._validate_window()
         _finite("sampling.guidance_scale", self.guidance_scale, 0.0)
+        _check(self.cfg_gradient == "both" or self.guidance_scale > 1, "sampling.cfg_gradient",
+               f"= {self.cfg_gradient!r} chooses the gradient of CFG in training, but sampling.guidance_scale = "
+               f"{self.guidance_scale:g} (no CFG): set sampling.guidance_scale > 1, or drop it")
         _at_least("sampling.image_size", self.image_size, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
         self._validate_base_tail()

@@ -402,7 +402,7 @@ class GRPOTrainer:
         micro = micro_batch(batch, step)
         policy = policy_output(self.model, micro, guidance_scale=self.config.sampling.guidance_scale,
                                autocast=self.accelerator.autocast, reference=self.computes_kl,
-                               reference_policy=self.reference_policy)
+                               reference_policy=self.reference_policy, cfg_gradient=self.config.sampling.cfg_gradient)
         loss, stats = None, {}
         for term in self.parts.losses.values():
             value, term_stats = term.loss(micro, policy)
