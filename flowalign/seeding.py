@@ -40,3 +40,4 @@ class Purpose(IntEnum):
     SHUFFLE = 5  # the order of the trained steps in each inner epoch
     OBJECTIVE = 6  # an objective's data units (noise levels, noise, picks)
     FORWARD = 7  # a forward-process objective's noise levels and noise at the rollout's final samples
+    MINIBATCH_SHARES = 8  # which rollout chunks each minibatch trains (optim.minibatch_split: samples)

@@ -8,7 +8,8 @@ when any loss term needs it. Loss terms and objectives only ever see the ``Polic
 With CFG in training (``sampling.guidance_scale`` > 1 on a family with true CFG), the guided policy velocity
 ``u + g (c - u)`` backpropagates through both branches (``sampling.cfg_gradient: both``: flow_grpo's current
 ``train_sd3.py``, commit 74db691) or through the conditional one only, ``u`` detached (``conditional``: its
-``train_sd3.py`` of July 2025, commits 2d76907 to ac4c86e). Values, and so log-probs and ratios, are the same.
+``train_sd3.py`` of July 2025, from commit 2d76907; still in ac4c86e). Values, and so log-probs and ratios, are the
+same.
 """
 
 from __future__ import annotations
