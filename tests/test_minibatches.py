@@ -41,6 +41,11 @@ def test_samples_split_hand_computed():
         minibatch_units("samples", [0], 3, 0, 2, torch.Generator())
 
 
+def test_no_trained_step_gives_empty_minibatches_in_both_readings():
+    assert minibatch_units("samples", [], 3, 0, 2, torch.Generator()) == [[], []]
+    assert minibatch_units("steps", [], 3, 0, 2) == [[], []]
+
+
 def test_one_minibatch_is_the_same_in_both_readings():
     steps = [4, 0, 2]
     assert minibatch_units("samples", steps, 3, 0, 1, torch.Generator()) == minibatch_units("steps", steps, 3, 0, 1)

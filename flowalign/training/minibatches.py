@@ -43,6 +43,8 @@ def minibatch_units(split: str, steps: list[int], chunks: int, first_chunk: int,
             raise ValueError(f"{count} minibatches do not divide the {len(steps)} trained steps")
         per = len(steps) // count
         return [[(j, step) for step in steps[m * per:(m + 1) * per] for j in range(chunks)] for m in range(count)]
+    if not steps:  # nothing trained on the rollouts (an objective-only run): empty minibatches
+        return [[] for _ in range(count)]
     if chunks % count or first_chunk % count:
         raise ValueError(f"{count} minibatches do not divide the {chunks} rollout chunks of this process")
     if generator is None:
