@@ -40,4 +40,5 @@ class Purpose(IntEnum):
     SHUFFLE = 5  # the order of the trained steps in each inner epoch
     OBJECTIVE = 6  # an objective's data units (noise levels, noise, picks)
     FORWARD = 7  # a forward-process objective's noise levels and noise at the rollout's final samples
-    PROCESS_RNG = 8  # a process's global python/numpy/torch RNGs, re-seeded on a resume at another process count
+    MINIBATCH_SHARES = 8  # which rollout chunks each minibatch trains (optim.minibatch_split: samples)
+    PROCESS_RNG = 9  # a process's global python/numpy/torch RNGs, re-seeded on a resume at another process count

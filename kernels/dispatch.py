@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .backend import check_latent, check_same_dtype, resolve_backend, row_values
-from .loss_reference import KL_FORMS, TransitionLoss, check_loss_settings, grpo_transition_loss_reference
+from .loss_reference import KL_FORMS, KL_STDS, TransitionLoss, check_loss_settings, grpo_transition_loss_reference
 from .sde_reference import StepOutput, check_kind, check_reduce, check_step_values, sde_step_reference
 
 
@@ -75,6 +75,7 @@ def grpo_transition_loss(
     v_ref: Tensor | None = None,
     beta: float = 0.0,
     kl: str = "latent_mean",
+    kl_std: str = "std_t",
     backend: str | None = None,
 ) -> TransitionLoss:
     """The per-transition GRPO loss of ``x_t -> x_next`` under the policy velocity ``v`` (``loss_reference``).
@@ -82,7 +83,8 @@ def grpo_transition_loss(
     ``v`` carries the gradient; ``x_t``, ``x_next`` (same dtype) and ``v_ref`` (``v``'s dtype, no grad) are constants.
     ``old_log_prob``, ``advantages`` and ``weights`` (default 1) are ``[batch]``; sigmas, noise level and scale are
     scalars or ``[batch]``. With ``v_ref`` the ``kl`` form (``latent_mean`` or ``velocity_mse``) is computed and
-    added as ``beta * kl``. The fused path is ``loss_triton.FusedTransitionLoss``, whose backward is a Triton kernel.
+    added as ``beta * kl``; ``kl_std`` is the latent-mean KL's std (``std_t``, flow_grpo's released code, or
+    ``transition``: ``loss_reference``'s docstring). The fused path is ``loss_triton.FusedTransitionLoss``, whose backward is a Triton kernel.
     """
     check_kind(kind)
     check_reduce(reduce)
@@ -98,6 +100,8 @@ def grpo_transition_loss(
             raise ValueError(f"{name} requires grad, but the loss differentiates only v: pass {name}.detach()")
     if kl not in KL_FORMS:
         raise ValueError(f"unknown kl {kl!r}: expected one of {', '.join(KL_FORMS)}")
+    if kl_std not in KL_STDS:
+        raise ValueError(f"unknown kl_std {kl_std!r}: expected one of {', '.join(KL_STDS)}")
     check_loss_settings(clip_range, beta, kl_given=v_ref is not None, kl_source="the reference velocity v_ref")
     rows = tuple(row_values(name, value, v) for name, value in (
         ("sigma", sigma), ("sigma_next", sigma_next), ("noise_level", noise_level), ("noise_scale", noise_scale)))
@@ -109,9 +113,9 @@ def grpo_transition_loss(
         return grpo_transition_loss_reference(
             v, x_t, x_next, sigma, sigma_next, old_log_prob, advantages, kind=kind, noise_level=noise_level,
             noise_scale=noise_scale, reduce=reduce, clip_range=clip_range, weights=weights, v_ref=v_ref, beta=beta,
-            kl=kl)
+            kl=kl, kl_std=kl_std)
     from .loss_triton import grpo_transition_loss_triton
 
     return grpo_transition_loss_triton(
         v.contiguous(), x_t.contiguous(), x_next.contiguous(), None if v_ref is None else v_ref.contiguous(), rows,
-        old, adv, weight, kind=kind, reduce=reduce, clip_range=clip_range, beta=beta, kl=kl)
+        old, adv, weight, kind=kind, reduce=reduce, clip_range=clip_range, beta=beta, kl=kl, kl_std=kl_std)

@@ -8,9 +8,18 @@ For transition ``n`` with policy velocity ``v`` (Flow-GRPO, Liu et al. 2025, eq.
     policy     = -w * min(A ratio, A clip(ratio, 1 - eps, 1 + eps))
     loss       = policy + beta * KL
 
-with the KL either Flow-GRPO's latent-mean KL ``mean_dims (mu - mu_ref)^2 / (2 std^2)`` (``mu_ref`` from the reference
+with the KL either Flow-GRPO's latent-mean KL ``mean_dims (mu - mu_ref)^2 / (2 s^2)`` (``mu_ref`` from the reference
 velocity ``v_ref``) or UniGRPO's velocity MSE ``mean_dims (v - v_ref)^2``. The trainer's loss is the mean over
 transitions. This is the CPU implementation and the reference of the fused Triton loss (``loss_triton``).
+
+The latent-mean KL's ``s`` (``kl_std``, ``kl_std_scale``):
+
+* ``std_t`` (flow_grpo's released ``train_sd3.py``, which divides by ``2 std_dev_t^2``): the SDE's diffusion
+  coefficient, the transition std without the step's ``sqrt(-dt)``, ``s = std / sqrt(sigma - sigma_next)``. The KL is
+  then the exact KL of the two Gaussian transitions times ``|dt|``. ``cps`` steps have no ``sqrt(-dt)`` in their std
+  (the released code's ``std_dev_t`` is the transition std there), so for them ``s = std`` in both readings.
+* ``transition``: the transition std itself, ``s = std``: the exact KL between the policy's and the reference's
+  Gaussian transitions, ``1/|dt|`` times the ``std_t`` reading (about 9x on a 10-step schedule).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from torch import Tensor
 from .sde_reference import gaussian_log_prob, per_sample, sde_mean_std
 
 KL_FORMS = ("latent_mean", "velocity_mse")
+KL_STDS = ("std_t", "transition")
 
 
 class TransitionLoss(NamedTuple):
@@ -71,6 +81,7 @@ def grpo_transition_loss_reference(
     v_ref: Tensor | None = None,
     beta: float = 0.0,
     kl: str = "latent_mean",
+    kl_std: str = "std_t",
 ) -> TransitionLoss:
     """The per-transition loss (module docstring) by torch autograd: gradients reach ``v``; the rest is constant."""
     mean, std = sde_mean_std(x_t, v, sigma, sigma_next, kind=kind, noise_level=noise_level)
@@ -80,19 +91,33 @@ def grpo_transition_loss_reference(
     if weights is not None:
         policy = weights.detach().float() * policy
     divergence = torch.zeros_like(log_prob) if v_ref is None else transition_kl(
-        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl)
+        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl, kl_std=kl_std)
     loss = policy + beta * divergence if beta > 0 else policy
     return TransitionLoss(loss, policy, log_prob, divergence)
 
 
 def transition_kl(x_t: Tensor, v: Tensor, v_ref: Tensor, mean: Tensor, std: Tensor, sigma: Tensor, sigma_next: Tensor,
-                  *, kind: str, noise_level: Tensor, kl: str) -> Tensor:
+                  *, kind: str, noise_level: Tensor, kl: str, kl_std: str = "std_t") -> Tensor:
     """Per-transition KL to the reference velocity ``v_ref``: between the transition means in latent space
-    (``latent_mean``, with the policy's ``mean`` and ``std`` of the step) or the velocity MSE (``velocity_mse``)."""
+    (``latent_mean``, with the policy's ``mean``, and ``std`` of the step read as ``kl_std`` says: module docstring)
+    or the velocity MSE (``velocity_mse``)."""
     if kl == "latent_mean":
         ref_mean, _ = sde_mean_std(x_t, v_ref.detach(), sigma, sigma_next, kind=kind, noise_level=noise_level)
-        return latent_mean_kl(mean, ref_mean, std)
+        return latent_mean_kl(mean, ref_mean, kl_std_scale(std, sigma, sigma_next, kind, kl_std))
     return velocity_mse_kl(v, v_ref.detach())
+
+
+def kl_std_scale(std: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, kind: str, kl_std: str) -> Tensor:
+    """The ``s`` of the latent-mean KL's ``2 s^2`` per transition (module docstring): the transition ``std``
+    (``[N]`` or ``[N, 1, ...]``) for ``transition`` and for ``cps`` steps, else ``std / sqrt(sigma - sigma_next)``
+    (``std_t``, flow_grpo's released code). fp32, the shape of ``std``."""
+    if kl_std not in KL_STDS:
+        raise ValueError(f"unknown kl_std {kl_std!r}: expected one of {', '.join(KL_STDS)}")
+    std = std.float()
+    if kl_std == "transition" or kind == "cps":
+        return std
+    step = per_sample(sigma, std) - per_sample(sigma_next, std)
+    return std / torch.sqrt(step.clamp_min(1e-12))
 
 
 def latent_mean_kl(mean: Tensor, ref_mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:

@@ -2,12 +2,13 @@
 
 The math is ``loss_reference``'s. With the affine mean ``mu = c_x x_t + c_v v`` of ``sde_triton``, everything a row's
 loss needs from its ``D`` elements is two sums: ``Q = sum (x_next - mu)^2`` (its log-prob) and, with a reference
-velocity, ``R = sum (v - v_ref)^2`` (its KL: ``c_v^2 R / (2 std^2 D)`` for the latent-mean KL, since
-``mu - mu_ref = c_v (v - v_ref)``, and ``R / D`` for the velocity MSE). So:
+velocity, ``R = sum (v - v_ref)^2`` (its KL: ``c_v^2 R / (2 s^2 D)`` for the latent-mean KL, since
+``mu - mu_ref = c_v (v - v_ref)``, with ``1 / s^2 = (sigma - sigma_next) / std^2`` under ``kl_std: std_t`` and
+``1 / std^2`` under ``transition`` or for ``cps``; and ``R / D`` for the velocity MSE). So:
 
 * forward, pass 1 (one program per row chunk): ``mu``, and the chunk's parts of ``Q`` and ``R``;
 * forward, pass 2 (one program per row): log-prob, ratio, PPO clip, weight and KL -> the row's loss, and the two
-  per-row factors of the gradient, ``g_Q = dL/dlog_prob * c_v / (std^2 [D])`` and ``g_R`` (``beta c_v^2 / (std^2 D)``
+  per-row factors of the gradient, ``g_Q = dL/dlog_prob * c_v / (std^2 [D])`` and ``g_R`` (``beta c_v^2 / (s^2 D)``
   or ``2 beta / D``), where ``dL/dlog_prob = -w A ratio`` when the unclipped branch is the minimum and 0 otherwise;
 * backward (one program per row chunk): ``dL/dv = grad_row * (g_Q (x_next - mu) + g_R (v - v_ref))``, recomputing
   ``mu`` from the inputs instead of storing any per-element intermediate.
@@ -47,7 +48,7 @@ def _loss_finish_kernel(squares_ptr, ref_squares_ptr, old_log_prob_ptr, advantag
                         loss_ptr, policy_ptr, log_prob_ptr, kl_ptr, grad_q_ptr, grad_r_ptr,
                         num_chunks, n, clip_range, beta,
                         KIND: tl.constexpr, MEAN: tl.constexpr, HAS_REF: tl.constexpr, LATENT_KL: tl.constexpr,
-                        FINISH: tl.constexpr):
+                        KL_STD_T: tl.constexpr, FINISH: tl.constexpr):
     row = tl.program_id(0)
     _, c_v, std = load_row_coefficients(sigma_ptr, sigma_next_ptr, level_ptr, scale_ptr, row, KIND)
     stochastic = std > 0
@@ -69,8 +70,11 @@ def _loss_finish_kernel(squares_ptr, ref_squares_ptr, old_log_prob_ptr, advantag
     if HAS_REF:
         ref_squares = row_sum(ref_squares_ptr, row, num_chunks, FINISH)
         if LATENT_KL:
-            kl = 0.5 * c_v * c_v * ref_squares * inverse_variance / n
-            grad_r = beta * c_v * c_v * inverse_variance / n
+            kl_inverse_variance = inverse_variance
+            if KL_STD_T:  # 1 / std_t^2 = |dt| / std^2 (loss_reference.kl_std_scale)
+                kl_inverse_variance = inverse_variance * (tl.load(sigma_ptr + row) - tl.load(sigma_next_ptr + row))
+            kl = 0.5 * c_v * c_v * ref_squares * kl_inverse_variance / n
+            grad_r = beta * c_v * c_v * kl_inverse_variance / n
         else:
             kl = ref_squares / n
             grad_r = 2.0 * beta / n
@@ -106,7 +110,7 @@ class FusedTransitionLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v, x_t, x_next, v_ref, rows, old_log_prob, advantages, weights, settings):
-        kind, reduce, clip_range, beta, kl, block = settings
+        kind, reduce, clip_range, beta, kl, kl_std, block = settings
         batch = v.shape[0]
         size = v.numel() // batch
         num_chunks = triton.cdiv(size, block)
@@ -125,7 +129,7 @@ class FusedTransitionLoss(torch.autograd.Function):
             squares, ref_squares, old_log_prob, advantages, weights, *rows,
             loss, policy, log_prob, divergence, grad_q, grad_r, num_chunks, float(size), float(clip_range), float(beta),
             KIND=code, MEAN=reduce == "mean", HAS_REF=has_ref, LATENT_KL=kl == "latent_mean",
-            FINISH=sde_triton.FINISH_BLOCK,
+            KL_STD_T=kl_std == "std_t" and kind != "cps", FINISH=sde_triton.FINISH_BLOCK,
         )
         ctx.save_for_backward(v, x_t, x_next, v_ref if has_ref else None, *rows, grad_q, grad_r)
         ctx.settings = (code, has_ref, block, num_chunks)
@@ -148,8 +152,8 @@ class FusedTransitionLoss(torch.autograd.Function):
 
 
 def grpo_transition_loss_triton(v, x_t, x_next, v_ref, rows, old_log_prob, advantages, weights, *, kind, reduce,
-                                clip_range, beta, kl) -> TransitionLoss:
+                                clip_range, beta, kl, kl_std="std_t") -> TransitionLoss:
     """Run ``FusedTransitionLoss``; ``rows`` holds the fp32 ``[batch]`` sigma, sigma_next, noise level and scale."""
-    settings = (kind, reduce, clip_range, beta, kl, sde_triton.BLOCK)
+    settings = (kind, reduce, clip_range, beta, kl, kl_std, sde_triton.BLOCK)
     return TransitionLoss(*FusedTransitionLoss.apply(v, x_t, x_next, v_ref, rows, old_log_prob, advantages, weights,
                                                      settings))

@@ -315,12 +315,12 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
 
 
 def test_batch_arithmetic_one_process():
-    message = error("optim.minibatches=2", path=EVERY_STEP)
+    message = error("optim.minibatches=2", "optim.minibatch_split=steps", path=EVERY_STEP)
     assert "optim.minibatches = 2 does not divide the 9 stochastic steps of the noise schedule" in message
     assert "sampling.batch_size = 5 does not divide the 64 samples per process" in error("sampling.batch_size=5")
     # the trained steps are what gets split: 4 chunks of 16 samples x 4 steps = 16 micro-batches, 8 per minibatch
     config = load("step_selection.name=random_subset", "step_selection.count=4", "sampling.batch_size=16",
-                  "optim.minibatches=2", path=EVERY_STEP)
+                  "optim.minibatches=2", "optim.minibatch_split=steps", path=EVERY_STEP)
     layout = config.check_batch(1)
     assert (layout.transitions_per_process, layout.micro_batches_per_process, layout.micro_batches_per_minibatch) == (
         256,
@@ -331,7 +331,8 @@ def test_batch_arithmetic_one_process():
 
 
 def test_batch_arithmetic_several_processes():
-    config = load("data.prompts_per_iteration=6", "data.group_size=5", path=EVERY_STEP)  # 30 samples: fine on 1 process
+    config = load("data.prompts_per_iteration=6", "data.group_size=5", "sampling.batch_size=null", "optim.minibatches=1",
+                  path=EVERY_STEP)  # 30 samples: fine on 1 process
     with pytest.raises(ConfigError, match=re.escape(
         "data.prompts_per_iteration * data.group_size = 30 samples cannot be split over 4 processes"
     )):
@@ -340,7 +341,8 @@ def test_batch_arithmetic_several_processes():
     assert (layout.global_samples, layout.samples_per_process, layout.rollout_batch_size) == (30, 10, 10)
     assert layout.transitions_per_process == 90
 
-    config = load("sampling.batch_size=16", "optim.minibatches=9", path=EVERY_STEP)  # 64 samples x 9 steps
+    config = load("sampling.batch_size=16", "optim.minibatches=9", "optim.minibatch_split=steps",
+                  path=EVERY_STEP)  # 64 samples x 9 steps
     assert config.check_batch(4).rollout_batch_size == 16
     with pytest.raises(ConfigError, match=r"sampling.batch_size = 16 does not divide the 8 samples per process"):
         config.check_batch(8)

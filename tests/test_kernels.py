@@ -146,12 +146,12 @@ def loss_inputs(kind, reduce, seed=1):
     return v_policy, x, step.prev_sample, rows, old_log_prob, v_ref
 
 
-def run_loss(backend, v, x, x_next, rows, old, *, kind, reduce, kl, v_ref, beta=0.1):
+def run_loss(backend, v, x, x_next, rows, old, *, kind, reduce, kl, v_ref, beta=0.1, kl_std="std_t"):
     v = v.detach().clone().requires_grad_()
     out = grpo_transition_loss(v, x, x_next, rows["sigma"], rows["sigma_next"], old, ADVANTAGES, kind=kind,
                                noise_level=rows["noise_level"], noise_scale=rows["noise_scale"], reduce=reduce,
                                clip_range=0.05, weights=WEIGHTS, v_ref=v_ref if kl else None,
-                               beta=beta if kl else 0.0, kl=kl or "latent_mean", backend=backend)
+                               beta=beta if kl else 0.0, kl=kl or "latent_mean", kl_std=kl_std, backend=backend)
     # A non-uniform upstream gradient checks that each row's gradient is scaled by its own grad_output.
     (out.loss * torch.arange(1.0, 7.0, device=DEVICE)).sum().backward()
     return out, v.grad
@@ -174,6 +174,25 @@ def test_loss_kernel_and_its_gradient_match_reference(kind, reduce, kl):
     else:
         assert (ref.kl > 0).all()
     torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4 * float(ref_grad.abs().max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_loss_kernel_reads_the_kl_std_as_the_reference_does(kind):
+    """Both readings of the latent-mean KL's std (``kl_std``) in the fused kernel equal the torch reference's, and
+    ``std_t`` is the ``transition`` KL times ``sigma - sigma_next`` per row (cps: the same KL)."""
+    v, x, x_next, rows, old, v_ref = loss_inputs(kind, "mean")
+    outs = {}
+    for kl_std in ("std_t", "transition"):
+        ref, ref_grad = run_loss("torch", v, x, x_next, rows, old, kind=kind, reduce="mean", kl="latent_mean",
+                                 v_ref=v_ref, kl_std=kl_std)
+        out, grad = run_loss("triton", v, x, x_next, rows, old, kind=kind, reduce="mean", kl="latent_mean",
+                             v_ref=v_ref, kl_std=kl_std)
+        for name in ("loss", "kl"):
+            torch.testing.assert_close(getattr(out, name), getattr(ref, name).detach(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4 * float(ref_grad.abs().max()))
+        outs[kl_std] = out.kl
+    factor = torch.ones_like(outs["std_t"]) if kind == "cps" else rows["sigma"] - rows["sigma_next"]
+    torch.testing.assert_close(outs["std_t"], outs["transition"] * factor, rtol=1e-4, atol=1e-7)
 
 
 def test_loss_kernel_gradient_keeps_the_velocity_dtype():

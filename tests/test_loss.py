@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flowalign.credit.steps import noise_aware_weights
-from flowalign.losses.grpo import grpo_loss, latent_mean_kl, transition_grpo_loss, velocity_mse_kl
+from flowalign.losses.grpo import grpo_loss, kl_std_scale, latent_mean_kl, transition_grpo_loss, velocity_mse_kl
 from flowalign.samplers import sde_step
 
 
@@ -106,10 +106,13 @@ def test_kl_is_logged_without_beta_and_required_with_beta():
         grpo_loss(lp, lp, torch.ones(3), clip_range=0.1)
 
 
+@pytest.mark.parametrize("kl_std", ["std_t", "transition"])
 @pytest.mark.parametrize("kind", ["flow_grpo", "dance", "cps"])
-def test_the_trainers_transition_loss_equals_grpo_loss_on_the_same_transitions(kind):
+def test_the_trainers_transition_loss_equals_grpo_loss_on_the_same_transitions(kind, kl_std):
     """``transition_grpo_loss`` (log-prob, latent-mean KL and clipped loss from the velocity in one op, what the
-    trainer calls) equals ``grpo_loss`` of the SDE step's log-prob and KL: loss, stats and the gradient to ``v``."""
+    trainer calls) equals ``grpo_loss`` of the SDE step's log-prob and KL: loss, stats and the gradient to ``v``.
+    The KL divides by ``2 s^2``: ``s`` the transition std over ``sqrt(sigma - sigma_next)`` (``std_t``, flow_grpo's
+    released code; ``cps`` steps keep their transition std) or the transition std (``transition``)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(6, 4, 8, 8, generator=gen)
     sigma = torch.tensor([0.95, 0.9, 0.8, 0.7, 0.5, 0.3])
@@ -125,13 +128,14 @@ def test_the_trainers_transition_loss_equals_grpo_loss_on_the_same_transitions(k
 
     v_fused = v.clone().requires_grad_()
     loss, stats = transition_grpo_loss(v_fused, x, step.prev_sample, sigma, sigma_next, step.log_prob, advantages,
-                                       kind=kind, noise_level=0.7, v_ref=v_ref, beta=0.1, **settings)
+                                       kind=kind, noise_level=0.7, v_ref=v_ref, beta=0.1, kl_std=kl_std, **settings)
     loss.backward()
 
     v_split = v.clone().requires_grad_()
     policy = sde_step(x, v_split, sigma, sigma_next, kind=kind, noise_level=0.7, prev_sample=step.prev_sample)
     reference = sde_step(x, v_ref, sigma, sigma_next, kind=kind, noise_level=0.7, prev_sample=step.prev_sample)
-    kl = latent_mean_kl(policy.mean, reference.mean, policy.std)
+    s = policy.std if kl_std == "transition" or kind == "cps" else policy.std / (sigma - sigma_next).sqrt()
+    kl = latent_mean_kl(policy.mean, reference.mean, s)
     expected, expected_stats = grpo_loss(policy.log_prob, step.log_prob, advantages, kl=kl, beta=0.1, **settings)
     expected.backward()
 
@@ -157,6 +161,30 @@ def test_latent_mean_kl_hand_computed():
     torch.testing.assert_close(latent_mean_kl(images, refs, std.reshape(3, 1, 1, 1)), torch.tensor([5.0, 0.25, 0.0]))
     with pytest.raises(ValueError, match="rows"):
         latent_mean_kl(mean, ref, torch.ones(2))
+
+
+def test_the_kl_std_hand_computed_on_a_flow_grpo_step():
+    """One flow_grpo step at sigma 0.5 -> 0.4, noise level 0.7, where the policy's and the reference's velocities
+    differ by 1 in every element: std_t = 0.7 sqrt(0.5 / 0.5) = 0.7 and the mean's velocity coefficient is
+    (1 + 0.49 * 0.5 / 1) * (-0.1) = -0.1245, so mu - mu_ref = -0.1245. flow_grpo's released code divides its square
+    by 2 std_t^2 = 0.98; the transition KL by 2 (std_t sqrt(0.1))^2 = 0.098, ten (1/|dt|) times larger."""
+    x = torch.zeros(2, 1, 2, 2)
+    v_ref = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    v = v_ref + 1.0
+    sigma, sigma_next = torch.full((2,), 0.5), torch.full((2,), 0.4)
+    common = dict(kind="flow_grpo", noise_level=0.7, clip_range=0.1, v_ref=v_ref, beta=0.5)
+    x_next = torch.zeros(x.shape)
+    old = torch.zeros(2)
+    std_t, released = transition_grpo_loss(v, x, x_next, sigma, sigma_next, old, torch.zeros(2), **common)
+    _, exact = transition_grpo_loss(v, x, x_next, sigma, sigma_next, old, torch.zeros(2), kl_std="transition",
+                                    **common)
+    assert released["kl"] == pytest.approx(0.1245**2 / 0.98, rel=1e-5)
+    assert exact["kl"] == pytest.approx(0.1245**2 / 0.098, rel=1e-5)
+    assert std_t.item() == pytest.approx(0.5 * 0.1245**2 / 0.98, rel=1e-5)  # zero advantages: the loss is beta KL
+    assert kl_std_scale(torch.tensor([0.7 * 0.1**0.5]), 0.5, 0.4, "flow_grpo", "std_t").item() == pytest.approx(0.7)
+    assert kl_std_scale(torch.tensor([0.3]), 0.5, 0.4, "cps", "std_t").item() == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="kl_std 'exact'"):
+        kl_std_scale(torch.tensor([0.3]), 0.5, 0.4, "flow_grpo", "exact")
 
 
 def test_latent_mean_kl_gradient_reaches_policy_mean_only():

@@ -106,11 +106,13 @@ def assert_rollout_objective_run(name, history):
 
 
 def assert_kl_follows_the_lora(config, history):
-    """With a KL on (loss.grpo.beta > 0) it is exactly 0 at iteration 0, whose one optimizer step comes after every loss
-    (the LoRA is still zero, so policy and reference agree), and > 0 once the LoRA has moved; with none it is 0."""
-    assert config.optim.inner_epochs == config.optim.minibatches == 1
+    """With a KL on (loss.grpo.beta > 0) it is exactly 0 at iteration 0 when its one optimizer step comes after every
+    loss (the LoRA is still zero, so policy and reference agree), and > 0 once the LoRA has moved (from iteration 0's
+    second minibatch on, with several); with none it is 0."""
+    one_step = config.optim.inner_epochs == config.optim.minibatches == 1
     if config.loss["grpo"].beta > 0:
-        assert history[0]["kl"] == 0.0 and all(h["kl"] > 0 for h in history[1:]), [h["kl"] for h in history]
+        assert (history[0]["kl"] == 0.0) is one_step and all(h["kl"] > 0 for h in history[1:]), [
+            h["kl"] for h in history]
     else:
         assert all(h["kl"] == 0.0 for h in history)
 
@@ -263,30 +265,40 @@ SHELL_LCC_OBJECTIVE = {"name": "shell_lcc", "path": "outputs/manifolds/shell_lcc
 GATED_KL = {"name": "gated_kl", "beta": 0.07, "main": None, "auxiliaries": ["toy_geneval", "jpeg_compressibility"],
             "orientation": "reference", "fraction": 0.1, "fraction_min": 0.02, "fraction_max": 0.2, "adapt": 0.1,
             "history": 20, "kl_std": "std_t"}
+# What every preset built on flow_grpo.yaml sets back: one optimizer step over the whole local batch.
+OWN_MINIBATCHES = {"optim.minibatches": 1, "optim.minibatch_split": "steps", "sampling.batch_size": None}
+
+
+def on_flow_grpo(knobs: dict) -> tuple:
+    """A preset built on flow_grpo.yaml with one optimizer step per iteration and its own ``knobs``."""
+    return "flow_grpo", {**OWN_MINIBATCHES, **knobs}
+
+
 PRESET_DIFFS = {
-    "flow_grpo": (None, {"sampling.window_size": None, "sampling.window_start": "fixed", "sampling.window_last": None}),
-    "flow_grpo_fast": ("flow_grpo", {"sampling.window_size": 2, "sampling.window_start": "random",
+    "flow_grpo": (None, {"sampling.window_size": None, "sampling.window_start": "fixed", "sampling.window_last": None,
+                         "sampling.batch_size": 16, "optim.minibatches": 2, "optim.minibatch_split": "samples"}),
+    "flow_grpo_fast": on_flow_grpo({"sampling.window_size": 2, "sampling.window_start": "random",
                                      "sampling.window_last": 4}),
-    "mix_grpo": ("flow_grpo", {"sampling.window_size": 4, "sampling.window_start": "sliding"}),
-    "dance_grpo": ("flow_grpo", {"sampling.kind": "dance", "sampling.noise_level": 0.3, "sampling.shared_noise": True,
+    "mix_grpo": on_flow_grpo({"sampling.window_size": 4, "sampling.window_start": "sliding"}),
+    "dance_grpo": on_flow_grpo({"sampling.kind": "dance", "sampling.noise_level": 0.3, "sampling.shared_noise": True,
                                  "step_selection.name": "random_subset", "step_selection.count": 5}),
-    "branch_grpo": ("flow_grpo", {"rollout.name": "tree", "rollout.split_steps": [0, 2, 4, 6], "rollout.branching": [2],
+    "branch_grpo": on_flow_grpo({"rollout.name": "tree", "rollout.split_steps": [0, 2, 4, 6], "rollout.branching": [2],
                                   "rollout.split_noise_scale": 1.0, "credit.name": "tree", "credit.fusion": "mean",
                                   "credit.width_prune": "none", "credit.width_prune_fraction": 0.5,
                                   "credit.depth_prune_steps": [], "credit.depth_prune_sliding": False}),
-    "tempflow_grpo": ("flow_grpo", {"data.group_size": 8, "rollout.name": "probe", "rollout.probe_steps": [0, 2, 4, 6],
+    "tempflow_grpo": on_flow_grpo({"data.group_size": 8, "rollout.name": "probe", "rollout.probe_steps": [0, 2, 4, 6],
                                     "step_weighting.name": "noise_aware"}),
-    "dense_grpo": ("flow_grpo", {"credit.name": "dense", "credit.clean": "ode", "credit.ode_steps": None}),
-    "tp_grpo": ("flow_grpo", {"sampling.kind": "cps", "credit.name": "turning_point", "credit.clean": "ode",
+    "dense_grpo": on_flow_grpo({"credit.name": "dense", "credit.clean": "ode", "credit.ode_steps": None}),
+    "tp_grpo": on_flow_grpo({"sampling.kind": "cps", "credit.name": "turning_point", "credit.clean": "ode",
                               "credit.ode_steps": None, "credit.semantics": "released", "credit.balanced": False,
                               **{f"credit.{k}": v for k, v in RELEASED_OPTIONS.items()}}),
     "tp_grpo_paper": ("tp_grpo", {"credit.semantics": "paper", "credit.balanced": True}),
-    "register_grpo": ("flow_grpo", {"credit.name": "registers", "credit.register_pass": "policy",
+    "register_grpo": on_flow_grpo({"credit.name": "registers", "credit.register_pass": "policy",
                                     "credit.registers": "outputs/registers/registers.pt"}),
-    "vgpo": ("flow_grpo", {"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,
+    "vgpo": on_flow_grpo({"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,
                            "credit.eps": 1e-4, "credit.std_unbiased": False, "credit.variant": "reconstruction",
                            "credit.x0_pass": "rollout"}),
-    "euphonium": ("flow_grpo", {"sampling.kind": "dance", "sampling.noise_level": 0.25, "sampling.shared_noise": True,
+    "euphonium": on_flow_grpo({"sampling.kind": "dance", "sampling.noise_level": 0.25, "sampling.shared_noise": True,
                                 "credit.name": "euphonium", "credit.process_reward": "toy_geneval_soft",
                                 "credit.reward_kwargs": {}, "credit.scale": 3.0, "credit.kl_beta": None,
                                 "credit.normalize": True, "credit.norm": "sample", "credit.scale_by_dt": True,
@@ -294,16 +306,17 @@ PRESET_DIFFS = {
                                 "credit.credit": "next", "credit.mode": "both", "credit.outcome_weight": 1.0,
                                 "credit.process_weight": 1.0, "credit.eps": 1e-4, "credit.std_unbiased": True,
                                 "credit.clip": 5.0, "credit.registers": None}),
-    "drl": ("flow_grpo", {"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
+    "drl": on_flow_grpo({"sampling.noise_level": 2 ** 0.5, "loss.grpo.beta": 0.04,
+                          "loss.grpo.kl_std": "transition",
                           "reward.rewards": [{"name": "discriminator", "weight": 1.0,
                                               "kwargs": {"path": "outputs/discriminator/discriminator.safetensors"}}]}),
-    "shell_lcc": ("flow_grpo", {"reward.rewards": [{"name": "shell_lcc", "weight": 1.0, "kwargs": {
+    "shell_lcc": on_flow_grpo({"reward.rewards": [{"name": "shell_lcc", "weight": 1.0, "kwargs": {
         "path": "outputs/manifolds/shell_lcc.safetensors", "variant": "band", "tau": None}}]}),
-    "shell_lcc_objective": ("flow_grpo", {"objectives": {"shell_lcc": SHELL_LCC_OBJECTIVE},
+    "shell_lcc_objective": on_flow_grpo({"objectives": {"shell_lcc": SHELL_LCC_OBJECTIVE},
                                           **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
-    "grpo_guard": ("flow_grpo", {"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
+    "grpo_guard": on_flow_grpo({"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
                                  "loss.grpo.step_reweight": "inverse_dt"}),
-    "gardo": ("flow_grpo", {
+    "gardo": on_flow_grpo({
         "reward.rewards": [{"name": "toy_geneval_soft", "weight": 1.0, "kwargs": {}},
                            {"name": "toy_geneval", "weight": 0.0, "kwargs": {"partial_credit": True}},
                            {"name": "jpeg_compressibility", "weight": 0.0, "kwargs": {}}],
@@ -328,16 +341,16 @@ def test_soar_and_sft_presets_train_on_the_same_data_at_the_same_steps():
 # The forward-process presets against flow_grpo: the loss term off, their objective on with these settings (the
 # released defaults but where the page says: the toy model's unshifted table, units of 4 samples).
 FORWARD_PRESETS = {
-    "diffusion_nft": ({"sampling.noise_level": 0.0, "advantage.std": "global"},
+    "diffusion_nft": ({**OWN_MINIBATCHES, "sampling.noise_level": 0.0, "advantage.std": "global"},
                       {"beta": 1.0, "kl_beta": 1e-4, "adv_clip_max": 5.0, "adv_mode": "all", "optimality": "advantage",
                        "timestep_fraction": 0.99, "timesteps": "grid", "adaptive_weighting": True, "batch_size": None,
                        "sample_with_old": True, "old_decay_rate": 0.001, "old_decay_max": 0.5, "old_decay_delay": 0}),
-    "awm": ({"sampling.noise_level": 0.0, "advantage.std": "global"},
+    "awm": ({**OWN_MINIBATCHES, "sampling.noise_level": 0.0, "advantage.std": "global"},
             {"train_sigmas": 6, "timestep_fraction": 0.9, "weighting": "ghuber", "ghuber_power": 0.25,
              "clip_range": 1.0, "adv_clip_max": 5.0, "advantage_max": 1.0, "kl_beta": 1e-3, "kl_weighting": "uniform",
              "ema_kl_beta": 1.0, "ema_kl_weighting": "uniform", "ema_kl_decay": "linear", "ema_kl_decay_max": 0.3,
              "batch_size": 4}),
-    "dpo": ({}, {"beta": 100.0, "pairs": "best_worst", "ties": "skip", "timestep_fraction": 0.99, "logit_mean": 0.0,
+    "dpo": (OWN_MINIBATCHES, {"beta": 100.0, "pairs": "best_worst", "ties": "skip", "timestep_fraction": 0.99, "logit_mean": 0.0,
                  "logit_std": 1.0, "table_shift": 1.0, "ref_update_steps": None, "sample_with_reference": True,
                  "groups_per_unit": 1}),
 }
@@ -381,6 +394,7 @@ def test_sd35_medium_preset_has_the_published_defaults_and_runs_on_a_tiny_sd3(ti
     assert (preset.sampling.num_steps, preset.sampling.noise_level, preset.model.lora_rank, preset.model.lora_alpha,
             preset.optim.lr, preset.data.group_size, preset.loss["grpo"].beta, preset.sampling.image_size) == \
         (10, 0.7, 32, 64, 3e-4, 24, 0.04, 512)
+    assert (preset.loss["grpo"].kl_std, preset.optim.minibatches, preset.optim.minibatch_split) == ("std_t", 2, "samples")
     config = load_config(TrainConfig, REPO / "configs/models/sd35_medium.yaml", small_run(
         tiny_paths["sd3"], tmp_path, **{"sampling.guidance_scale": 4.5}))
     history = GRPOTrainer(config).train()

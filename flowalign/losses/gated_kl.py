@@ -23,7 +23,7 @@ He et al. 2025, "GARDO: Reinforcing Diffusion Models without Reward Hacking" (ar
    the micro-batch is gated. ``mu_ref`` comes from the run's reference policy (``reference: {name: adaptive}`` for
    GARDO's periodically reset one). ``s`` is ``std_t``, the SDE's diffusion coefficient without the step's
    ``sqrt(-dt)`` (``kl_std: std_t``, the reference code's; for ``cps``, whose std has no ``sqrt(-dt)``, the
-   transition std), or the transition std itself (``kl_std: transition``, ``loss.grpo``'s latent-mean KL).
+   transition std), or the transition std itself (``kl_std: transition``): the two readings of ``loss.grpo.kl_std``.
 
 The controller's ``q`` and history are checkpointed. The gate is computed from the gathered rewards, so it is the same
 on every process.
@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig, IterationContext
-from flowalign.kernels.loss_reference import latent_mean_kl
+from flowalign.kernels.loss_reference import kl_std_scale, latent_mean_kl
 from flowalign.kernels.sde_reference import sde_mean_std
 from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss
 from flowalign.settings import at_least, check, finite, option
@@ -99,11 +99,9 @@ def gate_fraction(u: Tensor, controller: RiskController) -> tuple[Tensor, float,
 
 
 def kl_scale(std: Tensor, sigma: Tensor, sigma_next: Tensor, kind: str, mode: str) -> Tensor:
-    """The ``s`` of the KL's ``2 s^2`` per transition (module docstring, step 4)."""
-    std = std.float()
-    if mode == "transition" or kind == "cps":
-        return std
-    return std / torch.sqrt((sigma.float() - sigma_next.float()).clamp_min(1e-12))
+    """The ``s`` of the KL's ``2 s^2`` per transition (module docstring, step 4): ``loss.grpo``'s rule
+    (``flowalign.kernels.loss_reference.kl_std_scale``)."""
+    return kl_std_scale(std, sigma, sigma_next, kind, mode)
 
 
 @dataclass

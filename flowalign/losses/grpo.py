@@ -43,9 +43,10 @@ import torch
 from torch import Tensor
 
 from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
-from flowalign.kernels.loss_reference import check_loss_settings, latent_mean_kl, transition_kl, velocity_mse_kl
+from flowalign.kernels.loss_reference import (check_loss_settings, kl_std_scale, latent_mean_kl, transition_kl,
+                                           velocity_mse_kl)
 
-__all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "latent_mean_kl", "step_reweight",
+__all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl", "step_reweight",
            "transition_grpo_loss", "velocity_mse_kl"]
 
 
@@ -198,6 +199,7 @@ def guard_transition_loss(
     v_ref: Tensor | None = None,
     beta: float = 0.0,
     kl: str = "latent_mean",
+    kl_std: str = "std_t",
 ) -> tuple[Tensor, dict[str, float]]:
     """The GRPO loss with RatioNorm (module docstring) from the policy velocity ``v`` and the rollout's ``v_old``:
     ``mean_n w_n max(-A rho_hat, -A clip(rho_hat, 1 - eps, 1 + eps)) + beta mean_n KL_n``, torch autograd (the
@@ -215,7 +217,7 @@ def guard_transition_loss(
         per = weights.detach().float() * per
     policy_loss = per.mean()
     kl_rows = torch.zeros_like(per) if v_ref is None else transition_kl(
-        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl)
+        x_t, v, v_ref, mean, std, sigma, sigma_next, kind=kind, noise_level=noise_level, kl=kl, kl_std=kl_std)
     kl_mean = kl_rows.mean()
     loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
     stats = loss_stats(loss, policy_loss, kl_mean, log_ratio.detach(), clip_range)
@@ -248,6 +250,11 @@ class GRPOLossConfig(ComponentConfig):
     beta: float = option(0.0, "weight of the KL penalty to the reference model; 0 = none")
     kl: Literal["latent_mean", "velocity_mse"] = option(
         "latent_mean", "KL estimate: between the transition means in latent space, or the velocity MSE")
+    kl_std: Literal["std_t", "transition"] = option(
+        "std_t", "the latent-mean KL's std s in (mu - mu_ref)^2 / (2 s^2): std_t, the SDE's diffusion coefficient "
+        "without the step's sqrt(-dt) (flow_grpo's released train_sd3.py), or transition, the step's own std "
+        "std_t sqrt(-dt): the exact KL of the two transitions, 1/|dt| times larger at the same beta (about 9x on 10 "
+        "steps). cps steps use their transition std in both")
     ratio_norm: bool = option(
         False, "GRPO-Guard's RatioNorm: clip the recentred, rescaled ratio sigma (log p - log p_old + b) instead of "
         "the ratio (the rollout then keeps its velocities)")
@@ -261,6 +268,9 @@ class GRPOLossConfig(ComponentConfig):
     def validate(self) -> None:
         finite("clip_range", self.clip_range, 0.0, strict=True)
         finite("beta", self.beta, 0.0)
+        check(self.kl == "latent_mean" or self.kl_std == "std_t", "kl_std",
+              f"= {self.kl_std!r} is the latent-mean KL's setting, but kl = {self.kl!r}: drop it, or set "
+              "kl: latent_mean")
         check(self.ratio_norm or self.ratio_norm_bias == "batch", "ratio_norm_bias",
               f"= {self.ratio_norm_bias!r} is RatioNorm's setting: set ratio_norm: true, or drop it")
 
@@ -295,12 +305,12 @@ class GRPOLoss(LossTerm):
             return guard_transition_loss(
                 policy.v, st.velocity, x_t, x_next, st.sigma, st.sigma_next, micro.advantages, kind=st.kind,
                 noise_level=st.noise_level, noise_scale=st.noise_scale, clip_range=cfg.clip_range,
-                bias=cfg.ratio_norm_bias, weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl)
+                bias=cfg.ratio_norm_bias, weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl, kl_std=cfg.kl_std)
         # Log-prob, ratio, clip and KL in one op: fused Triton forward and backward on CUDA (model.kernels).
         return transition_grpo_loss(
             policy.v, x_t, x_next, st.sigma, st.sigma_next, st.log_prob, micro.advantages, kind=st.kind,
             noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=st.reduce, clip_range=cfg.clip_range,
-            weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl, backend=self.backend,
+            weights=weights, v_ref=v_ref, beta=cfg.beta, kl=cfg.kl, kl_std=cfg.kl_std, backend=self.backend,
         )
 
     def set_up(self, parts) -> None:

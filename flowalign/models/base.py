@@ -17,6 +17,7 @@ An ODE rollout through an adapter reproduces the pipeline's own ``output_type="l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import copy
 from dataclasses import dataclass, field, replace
@@ -142,9 +143,29 @@ def as_image_size(image_size: int | Sequence[int] | None, default: tuple[int, in
     return int(height), int(width)
 
 
+_UNCONDITIONAL_GRADIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("unconditional_gradient", default=True)
+
+
 def guided(cond: Tensor, uncond: Tensor, scale: float) -> Tensor:
-    """Classifier-free guidance, ``uncond + scale * (cond - uncond)``, in the order the pipelines compute it."""
+    """Classifier-free guidance, ``uncond + scale * (cond - uncond)``, in the order the pipelines compute it.
+
+    Inside ``unconditional_detached()`` the unconditional prediction is a constant (``uncond.detach()``): the guided
+    velocity's gradient then reaches the weights through the conditional branch only, ``scale * d cond``, instead of
+    ``(1 - scale) d uncond + scale d cond``. Its value is the same either way."""
+    if not _UNCONDITIONAL_GRADIENT.get():
+        uncond = uncond.detach()
     return uncond + scale * (cond - uncond)
+
+
+@contextlib.contextmanager
+def unconditional_detached(detached: bool = True) -> Iterator[None]:
+    """A context in which every family's CFG (``guided``) detaches the unconditional prediction (when ``detached``;
+    else a no-op): ``sampling.cfg_gradient: conditional`` in training."""
+    token = _UNCONDITIONAL_GRADIENT.set(not detached and _UNCONDITIONAL_GRADIENT.get())
+    try:
+        yield
+    finally:
+        _UNCONDITIONAL_GRADIENT.reset(token)
 
 
 def norm_rescaled(guided: Tensor, reference: Tensor) -> Tensor:

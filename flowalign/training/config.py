@@ -166,6 +166,10 @@ class SamplingConfig:
         4, "last step the window may start at (random/sliding); null = the latest that fits"
     )
     guidance_scale: float = option(1.0, "classifier-free guidance scale; 1 = no guidance")
+    cfg_gradient: Literal["both", "conditional"] = option(
+        "both", "with CFG in training (guidance_scale > 1): the policy loss backpropagates through both branches of the "
+        "guided velocity (both: flow_grpo's current train_sd3.py) or through the conditional one only, the "
+        "unconditional prediction detached (conditional: its train_sd3.py of July 2025)")
     shared_noise: bool = option(False, "give the images of a group the same initial noise")
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
@@ -221,6 +225,9 @@ class SamplingConfig:
                 _finite(f"sampling.noise_table[{i}]", level, 0.0, high=high, note=note)
         self._validate_window()
         _finite("sampling.guidance_scale", self.guidance_scale, 0.0)
+        _check(self.cfg_gradient == "both" or self.guidance_scale > 1, "sampling.cfg_gradient",
+               f"= {self.cfg_gradient!r} chooses the gradient of CFG in training, but sampling.guidance_scale = "
+               f"{self.guidance_scale:g} (no CFG): set sampling.guidance_scale > 1, or drop it")
         _at_least("sampling.image_size", self.image_size, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
         self._validate_base_tail()
@@ -370,6 +377,11 @@ class OptimConfig:
     max_grad_norm: float = option(1.0, "clip the gradient norm to this")
     inner_epochs: int = option(1, "passes over each rollout's transitions")
     minibatches: int = option(1, "optimizer steps per inner epoch: the transitions are split into this many parts")
+    minibatch_split: Literal["steps", "samples"] = option(
+        "steps", "what a minibatch is a share of: the trained steps, at every sample (steps: minibatches must divide "
+        "the trained steps), or the samples, at every trained step (samples: flow_grpo's released train_sd3.py, whose "
+        "num_batches_per_epoch / gradient_accumulation_steps optimizer steps per epoch are minibatches here; the "
+        "rollout chunks per process, samples / sampling.batch_size, must be a multiple of minibatches)")
     ema_decay: float = option(
         0.99, "EMA of the LoRA weights, updated every optimizer step (used for sampling grids and eval); 0 = no EMA")
     warmup_iterations: int = option(0, "linear learning-rate warmup, in iterations")
@@ -710,12 +722,25 @@ class TrainConfig:
         steps_from = parts.step_selection.count_source() or shape.stochastic_step_source()
         transitions = local * steps
         micro_batches = (local // rollout_batch) * steps
-        _check(
-            steps % optim.minibatches == 0,
-            "optim.minibatches",
-            f"= {optim.minibatches} does not divide the {steps} {steps_from}: a minibatch is a share of the trained "
-            "steps over all samples, so that the updates do not depend on the number of processes",
-        )
+        if optim.minibatch_split == "steps":
+            _check(
+                steps % optim.minibatches == 0,
+                "optim.minibatches",
+                f"= {optim.minibatches} does not divide the {steps} {steps_from}: a minibatch is a share of the "
+                "trained steps over all samples, so that the updates do not depend on the number of processes (or "
+                "set optim.minibatch_split: samples)",
+            )
+        elif self.loss:
+            chunks = local // rollout_batch
+            _check(
+                chunks % optim.minibatches == 0,
+                "optim.minibatches",
+                f"= {optim.minibatches} does not divide the {chunks} rollout chunks per process ({local} samples / "
+                f"sampling.batch_size {rollout_batch}): with optim.minibatch_split: samples a minibatch trains a share "
+                "of the chunks: " + (f"set sampling.batch_size to {local // optim.minibatches} (or a divisor of it)"
+                                     if local % optim.minibatches == 0 else
+                                     f"make the samples per process a multiple of {optim.minibatches}"),
+            )
         return BatchLayout(
             num_processes=num_processes,
             global_samples=samples,

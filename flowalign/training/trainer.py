@@ -66,6 +66,7 @@ from flowalign.training.distributed import agreed, check_distributed_type, check
 from flowalign.training.engine import build_engine
 from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
+from flowalign.training.minibatches import minibatch_units
 from flowalign.training.policy import micro_batch, policy_output, unit_output
 from flowalign.training.scoring import ChunkScoring, score_iteration, state_reward
 from flowalign.training.setup import build_rewards, check_prompts_fit_model, check_prompts_fit_rewards, load_policy
@@ -357,18 +358,21 @@ class GRPOTrainer:
 
     # ---------------------------------------------------------------------------------------------- update
     def update(self, iteration: int, batches, steps: list[int], scores=None) -> dict[str, float]:
-        """Inner epochs of optimizer steps; a minibatch is a share of the trained steps over all batches (shuffled
-        identically on every process) and the same share of each objective's data units."""
+        """Inner epochs of optimizer steps; a minibatch is a share of the trained steps over all batches, or every
+        trained step of a share of the batches (``optim.minibatch_split``, ``flowalign.training.minibatches``; the
+        same draws on every process), and the same share of each objective's data units."""
         cfg = self.config
         data = self.objective_units(iteration, batches, scores)
-        per_minibatch, shares = self.layout.micro_batches_per_minibatch, cfg.optim.minibatches
+        shares = cfg.optim.minibatches
         module = self.model.forward_module or self.model.transformer
         records, objective_records, norms = [], {name: [] for name in data}, []
         for epoch in range(cfg.optim.inner_epochs):
             order = torch.randperm(len(steps), generator=generator(cfg.train.seed, iteration, epoch, Purpose.SHUFFLE))
-            units = [(i, steps[k]) for k in order.tolist() for i in range(len(batches))]
-            for m in range(shares):
-                minibatch = units[m * per_minibatch:(m + 1) * per_minibatch]
+            minibatches = minibatch_units(
+                cfg.optim.minibatch_split, [steps[k] for k in order.tolist()], len(batches),
+                self.accelerator.process_index * len(batches), shares,
+                generator(cfg.train.seed, iteration, epoch, Purpose.MINIBATCH_SHARES))
+            for m, minibatch in enumerate(minibatches):
                 work = [(None, unit, len(minibatch)) for unit in minibatch]
                 for name, items in data.items():
                     share = items[m * len(items) // shares:(m + 1) * len(items) // shares]
@@ -407,7 +411,7 @@ class GRPOTrainer:
         micro = micro_batch(batch, step)
         policy = policy_output(self.model, micro, guidance_scale=self.config.sampling.guidance_scale,
                                autocast=self.accelerator.autocast, reference=self.computes_kl,
-                               reference_policy=self.reference_policy)
+                               reference_policy=self.reference_policy, cfg_gradient=self.config.sampling.cfg_gradient)
         loss, stats = None, {}
         for term in self.parts.losses.values():
             value, term_stats = term.loss(micro, policy)
