@@ -97,7 +97,7 @@ def test_flowalign_sample_takes_plain_prompts_and_refuses_them_for_a_geneval_rew
     def sample(*extra):
         return run_sample(load_config(SampleConfig, None, [
             f"model={tiny_model}", f"prompts={prompts}", "steps=3", "budget=6", "device=cpu",
-            f"out_dir={tmp_path / 'out'}", *extra]))
+            f"out_dir={tmp_path / 'out'}", "overwrite=true", *extra]))  # each call replaces the last one's outputs
 
     summary = sample("reward=brightness", "sampler.name=bon")
     assert [row["prompt"] for row in summary["results"]] == PROMPTS and "geneval" not in summary

@@ -5,6 +5,7 @@ never rewrites a run into one it is not; a torn last line of ``metrics.jsonl`` i
 refused; signals end ``flowalign train`` with 128 + the signal; a closed pipe ends any command quietly."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -120,10 +121,16 @@ def test_a_diverging_run_stops_with_its_last_finite_checkpoint_and_exit_status_1
 
 
 def test_a_closed_pipe_ends_a_command_quietly():
-    process = subprocess.Popen([str(BIN / "flowalign"), "train", "--help-config"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
-    process.stdout.readline()
-    process.stdout.close()  # `| head -1`
+    # `flowalign train --help-config | head -1`, made deterministic: the reading end is closed before the command
+    # writes, so its first write meets the closed pipe (a pipe's buffer would otherwise take the whole text at once
+    # on a fast machine, and no write would ever fail).
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.Popen([str(BIN / "flowalign"), "train", "--help-config"], stdout=write_end,
+                                   stderr=subprocess.PIPE)
+    finally:
+        os.close(write_end)
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=120) == 1 and stderr == "", stderr
 
