@@ -10,6 +10,9 @@ own defaults, which are Flow-GRPO-Fast's settings.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import sys
 from dataclasses import dataclass
 
 from flowalign.settings import at_least, finite, option
@@ -51,20 +54,34 @@ def _run_train(config, args: argparse.Namespace) -> None:
     check_world_is_named(config, set_keys(type(config), path, overrides), path)  # before anything loads
     trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
-    _leave_process_group(trainer.accelerator)
-    if trainer.stop_signal is not None:  # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish
-        raise SystemExit(128 + trainer.stop_signal)
+    # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish, and the exit status says so (128 + signal)
+    _leave_process_group(trainer.accelerator, 0 if trainer.stop_signal is None else 128 + trainer.stop_signal)
 
 
-def _leave_process_group(accelerator) -> None:
-    """Every process waits for the others, then the process group is torn down: a process that exits while another
-    is still in a collective, or with gloo's threads alive, aborts (SIGABRT, "terminate called without an active
-    exception") instead of exiting 0."""
+def _leave_process_group(accelerator, status: int = 0) -> None:
+    """Every process waits for the others, then the process group is torn down and a process of a multi-process run
+    ends here with ``status``. A process that exits while another is still in a collective, or while gloo's threads
+    are alive, aborts (SIGABRT, "terminate called without an active exception") instead of exiting 0; and even after
+    ``destroy_process_group`` the interpreter's own exit (its C++ static destructors) sometimes still met a gloo
+    thread and aborted a finished run. So, once its output and logs are flushed, such a process leaves with
+    ``os._exit``: everything it wrote is closed by then (the trainer ended its tracker, every file is renamed into
+    place), and the destructors have nothing left to do."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        accelerator.wait_for_everyone()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        if status:
+            raise SystemExit(status)
+        return
+    several = dist.get_world_size() > 1
+    accelerator.wait_for_everyone()
+    dist.destroy_process_group()
+    if several:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    if status:
+        raise SystemExit(status)
 
 
 def _run_calibrate(config, args: argparse.Namespace) -> None:
