@@ -143,32 +143,18 @@ def missing_files(checkpoint: Path) -> list[str]:
     return [name for name in needed if not (checkpoint / name).is_file()]
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    iteration: int,
-    *,
-    trainable: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    state: dict[str, Any],
-    config_yaml: str,
-    ema: dict[str, torch.Tensor] | None = None,
-    write_model=None,
-    keep: int | None = None,
-    copies: dict[str, torch.Tensor] | None = None,
-    component_tensors: dict[str, torch.Tensor] | None = None,
-) -> Path:
+def save_checkpoint(run_dir: str | Path, iteration: int, *, keep: int | None = None, **files: Any) -> Path:
     """Write ``run_dir/checkpoint-<iteration>`` of a single process atomically and keep only the newest ``keep``
-    checkpoints (``begin_checkpoint``, ``write_checkpoint_files``, ``finish_checkpoint``; a run of several
-    processes goes through ``flowalign.training.checkpointer``, which adds their RNG files before the rename).
+    checkpoints (``begin_checkpoint``, ``write_checkpoint_files`` with ``files``, its keyword arguments, then
+    ``finish_checkpoint``; a run of several processes goes through ``flowalign.training.checkpointer``, which adds
+    their RNG files before the rename).
 
     ``write_model(directory)`` writes the trained weights in diffusers' format into the checkpoint directory
     (``FlowModel.save_trained``: ``lora/`` or ``transformer/``).
     """
     final, tmp = checkpoint_paths(run_dir, iteration)
     begin_checkpoint(tmp)
-    write_checkpoint_files(tmp, iteration, trainable=trainable, optimizer=optimizer, state=state,
-                           config_yaml=config_yaml, ema=ema, write_model=write_model, copies=copies,
-                           component_tensors=component_tensors)
+    write_checkpoint_files(tmp, iteration, **files)
     return finish_checkpoint(tmp, final, keep)
 
 
