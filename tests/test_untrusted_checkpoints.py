@@ -245,15 +245,19 @@ def drop_sharded_ema(sharded: Path) -> None:
     (sharded / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def delete_ema(checkpoint: Path, engine: str) -> str:
+    """Delete a checkpoint's EMA (its ``ema.safetensors``, or its part of ``sharded/``); returns what a refusal names."""
+    if engine == "ddp":
+        (checkpoint / "ema.safetensors").unlink()
+        return f"'{checkpoint / 'ema.safetensors'}' is missing"
+    drop_sharded_ema(checkpoint / "sharded")
+    return f"'{checkpoint / 'sharded' / '.metadata'}' lists no EMA"
+
+
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_a_missing_ema_is_refused_at_resume_unless_train_restart_ema(runs, tiny_model, tmp_path, capsys, engine):
     run, checkpoint = copy_run(runs, engine, tmp_path)
-    if engine == "ddp":
-        (checkpoint / "ema.safetensors").unlink()
-        named = f"'{checkpoint / 'ema.safetensors'}' is missing"
-    else:
-        drop_sharded_ema(checkpoint / "sharded")
-        named = f"'{checkpoint / 'sharded' / '.metadata'}' lists no EMA"
+    named = delete_ema(checkpoint, engine)
     extra = {"distributed.engine": engine}
     error = resume_fails_with_exit_2(tmp_path / "no-model", run, capsys, **extra)  # before the model would load
     assert named in error and "train.restart_ema=true" in error
@@ -274,12 +278,7 @@ def test_a_checkpoint_whose_ema_is_gone_is_no_silent_ema_source(runs, tmp_path, 
     """``export`` / ``eval`` / ``sample`` default to the EMA of a run that kept one: a missing EMA is named, before
     the model loads; ``--weights last`` still reads the last weights."""
     run, checkpoint = copy_run(runs, engine, tmp_path)
-    if engine == "ddp":
-        (checkpoint / "ema.safetensors").unlink()
-        named = f"'{checkpoint / 'ema.safetensors'}' is missing"
-    else:
-        drop_sharded_ema(checkpoint / "sharded")
-        named = f"'{checkpoint / 'sharded' / '.metadata'}' lists no EMA"
+    named = delete_ema(checkpoint, engine)
     for command in commands(checkpoint, tmp_path).values():
         error = fails_with_exit_2(command, capsys)
         assert named in error and "--weights last" in error
