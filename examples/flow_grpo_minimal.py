@@ -134,6 +134,10 @@ def main(args: Args | None = None) -> dict[str, torch.Tensor]:
     args = args or parse_args()
     P, K, M = args.prompts_per_iteration, args.group_size, args.minibatches
     prompts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    num_chunks = -(-P * K // args.batch_size)
+    if num_chunks % M:
+        raise ValueError(f"--minibatches {M} must divide the {num_chunks} rollout chunks of an iteration "
+                         f"(--prompts-per-iteration x --group-size / --batch-size)")
 
     # -- the policy: the base model frozen, a LoRA (A gaussian, B zero, so it starts as the base) trained in fp32
     with tempfile.TemporaryDirectory() as scratch:
@@ -178,9 +182,10 @@ def main(args: Args | None = None) -> dict[str, torch.Tensor]:
         # 4. the clipped update: the trained steps in a shuffled order; each minibatch (one optimizer step) takes
         #    every trained step of a share of the chunks, dealt by a keyed permutation per block of M chunks
         model.transformer.train()
-        order = torch.randperm(len(trained_steps), generator=generator(args.seed, iteration, 0, Purpose.SHUFFLE))
+        epoch = 0  # one pass over the rollout per iteration, as the preset takes
+        order = torch.randperm(len(trained_steps), generator=generator(args.seed, iteration, epoch, Purpose.SHUFFLE))
         steps = [trained_steps[k] for k in order.tolist()]
-        deal = generator(args.seed, iteration, 0, Purpose.MINIBATCH_SHARES)
+        deal = generator(args.seed, iteration, epoch, Purpose.MINIBATCH_SHARES)
         owner = [m for _ in range(len(chunks) // M) for m in torch.randperm(M, generator=deal).tolist()]
         for m in range(M):
             micro_batches = [(chunk, step) for step in steps for chunk, o in zip(chunks, owner) if o == m]
