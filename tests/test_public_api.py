@@ -73,9 +73,8 @@ def test_an_unknown_attribute_is_an_attribute_error():
 # --- docstrings: every exported name documents its parameters and return value (Google style, as the API page's
 # mkdocstrings renders them into tables) ----------------------------------------------------------------------------
 
-# GRPOTrainer's module is being rewritten into the loop alone: only its constructor, ``train`` and ``step`` are its
-# public API; the other methods are the loop's parts.
-METHODS_OF = {"GRPOTrainer": ("train", "step")}
+# The trainer's public API is its constructor, ``train`` and ``step``; its other methods are the loop's parts.
+METHODS_OF = {"GRPOTrainer": ("train", "step"), "Trainer": ("train", "step")}
 SECTION = re.compile(r"^(Args|Returns|Yields):\s*$")
 ENTRY = re.compile(r"^    (\*{0,2}\w+)(?: \([^)]*\))?:(?: |$)")
 
