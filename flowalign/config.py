@@ -631,6 +631,15 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None, overrides: 
 
     Raises ConfigError (a ValueError) for unknown keys, wrong types, malformed YAML or overrides, and whatever
     the ``validate`` methods reject.
+
+    Args:
+        cls: the config dataclass to build (``flowalign.TrainConfig``, ``SampleConfig``, ...).
+        path: a YAML file (its ``base:`` chain read first), or None for the defaults.
+        overrides: ``key=value`` strings with dotted keys (``"train.iterations=2"``), applied after the file, in
+            order; a value is parsed as YAML.
+
+    Returns:
+        The validated ``cls`` instance.
     """
     flat, sources = _read_config(cls, path, overrides)
     config = _build(cls, cls, flat, "", sources)

@@ -41,7 +41,12 @@ class _Entry:
 
 
 class Registry(Generic[T]):
-    """Components of one ``kind`` by name (module docstring); ``plural`` defaults to ``kind + "s"``."""
+    """Components of one ``kind`` by name (module docstring); ``plural`` defaults to ``kind + "s"``.
+
+    Args:
+        kind: what the registry holds, as error messages name it ("credit estimator").
+        plural: its plural in error messages; None is ``kind + "s"``.
+    """
 
     def __init__(self, kind: str, *, plural: str | None = None):
         self.kind = kind
@@ -54,7 +59,18 @@ class Registry(Generic[T]):
         """Register ``factory`` (a class or callable) under ``name``, built from ``config`` instances when given.
 
         Returns ``factory``; without one, a decorator that registers what it decorates. A name already registered
-        is a ValueError unless ``overwrite``."""
+        is a ValueError unless ``overwrite``.
+
+        Args:
+            name: the name a config uses (``credit: {name: NAME}``); a non-empty string.
+            factory: the class or callable to register; None makes this call a decorator.
+            config: the settings dataclass the component is built from (``factory(config)``), or None for a
+                factory that takes keyword arguments.
+            overwrite: replace a name already registered instead of refusing it.
+
+        Returns:
+            ``factory``, or, without one, a decorator that registers what it decorates and returns it.
+        """
         if factory is None:
             return lambda decorated: self.register(name, decorated, config=config, overwrite=overwrite)
         if not isinstance(name, str) or not name:
@@ -69,27 +85,59 @@ class Registry(Generic[T]):
         return factory
 
     def unregister(self, name: str) -> Callable[..., T]:
-        """Remove ``name``; returns its factory."""
+        """Remove ``name``; returns its factory.
+
+        Args:
+            name: a registered name (an unknown one is a ValueError, as in ``get``).
+
+        Returns:
+            The factory that was registered under ``name``.
+        """
         factory = self.get(name)
         del self._entries[name]
         return factory
 
     # --------------------------------------------------------------------------------------------- looking up
     def names(self) -> list[str]:
-        """The registered names, sorted."""
+        """The registered names, sorted.
+
+        Returns:
+            The names, in sorted order.
+        """
         return sorted(self._entries)
 
     def closest(self, name: str) -> str | None:
-        """The registered name closest to ``name`` (``difflib``, cutoff 0.6), or None."""
+        """The registered name closest to ``name`` (``difflib``, cutoff 0.6), or None.
+
+        Args:
+            name: a name that may be misspelled.
+
+        Returns:
+            The closest registered name, or None when none is close enough.
+        """
         close = difflib.get_close_matches(str(name), self.names(), n=1, cutoff=0.6)
         return close[0] if close else None
 
     def get(self, name: str) -> Callable[..., T]:
-        """The factory of ``name``; an unknown name is a ValueError listing the known ones, with a did-you-mean."""
+        """The factory of ``name``; an unknown name is a ValueError listing the known ones, with a did-you-mean.
+
+        Args:
+            name: a registered name.
+
+        Returns:
+            The class or callable registered under ``name``.
+        """
         return self._entry(name).factory
 
     def config_class(self, name: str) -> type | None:
-        """The config dataclass ``name`` was registered with, or None."""
+        """The config dataclass ``name`` was registered with, or None.
+
+        Args:
+            name: a registered name.
+
+        Returns:
+            Its settings dataclass, or None for a component built from keyword arguments.
+        """
         return self._entry(name).config
 
     def _entry(self, name: str) -> _Entry:
@@ -116,7 +164,15 @@ class Registry(Generic[T]):
     # ------------------------------------------------------------------------------------------------ building
     def make_config(self, name: str, values: Mapping[str, Any] | None = None) -> Any:
         """``name``'s config dataclass from ``values``: an unknown key is a ValueError naming the closest field, a
-        missing required one a ValueError naming it; the instance's ``validate()`` runs when it has one."""
+        missing required one a ValueError naming it; the instance's ``validate()`` runs when it has one.
+
+        Args:
+            name: a name registered with a config dataclass (a TypeError otherwise).
+            values: the settings by field name; None for all defaults.
+
+        Returns:
+            The validated config dataclass instance.
+        """
         cls = self.config_class(name)
         if cls is None:
             raise TypeError(f"{self.kind} {name!r} has no config dataclass; build it with keyword arguments")
@@ -139,7 +195,16 @@ class Registry(Generic[T]):
 
     def build(self, name: str, config: Any = None, /, **kwargs: Any) -> T:
         """Build ``name``: ``factory(**kwargs)``, or, for a component with a config dataclass, ``factory(config)``
-        with ``config`` given or made from ``kwargs`` (``make_config``)."""
+        with ``config`` given or made from ``kwargs`` (``make_config``).
+
+        Args:
+            name: a registered name.
+            config: an instance of ``name``'s config dataclass (positional only); None makes it from ``kwargs``.
+            **kwargs: the factory's keyword arguments, or the settings of its config dataclass.
+
+        Returns:
+            The built component.
+        """
         entry = self._entry(name)
         if entry.config is None:
             if config is not None:

@@ -98,7 +98,18 @@ class Reward(Protocol):
 
     name: str
 
-    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor | list[float]: ...
+    def __call__(self, images: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor | list[float]:
+        """Score a batch, without gradients.
+
+        Args:
+            images: ``[B, 3, H, W]`` in ``[0, 1]``.
+            prompts: the ``B`` prompts the images were made for.
+            metadata: one dict per image: its prompt's entries from the prompt file.
+
+        Returns:
+            ``B`` scores (a tensor or a list of floats); a non-finite score marks an image the reward cannot judge.
+        """
+        ...
 
 
 def _toy_geneval_class() -> type:
@@ -227,7 +238,13 @@ REWARDS.register("vlm_judge", _remote("judge", "VLMJudge", score_range=(0.0, 1.0
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:
     """Add a reward factory (a class, or a callable of the reward's keyword arguments) to ``REWARDS`` under
-    ``name``; a name already registered is a ValueError unless ``overwrite``."""
+    ``name``; a name already registered is a ValueError unless ``overwrite``.
+
+    Args:
+        name: the name ``reward.rewards`` entries use (``{name: NAME, weight: 1.0, kwargs: {...}}``).
+        factory: a ``Reward`` class, or a callable that takes the entry's ``kwargs`` and returns a reward.
+        overwrite: replace a name already registered instead of refusing it.
+    """
     REWARDS.register(name, factory, overwrite=overwrite)
 
 

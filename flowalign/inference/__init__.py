@@ -91,7 +91,11 @@ class GuidedProblem:
 
 
 class GuidedSampler(Component):
-    """A registered guided sampler (module docstring)."""
+    """A registered guided sampler (module docstring).
+
+    Args:
+        config: its settings, an instance of the dataclass it was registered with (None for none).
+    """
 
     needs: ClassVar[frozenset[str]] = frozenset({"reward"})
     # Whether ``SampleConfig.budget`` applies (``none`` spends one trajectory whatever the budget).
@@ -101,21 +105,46 @@ class GuidedSampler(Component):
     trajectories_per_candidate: ClassVar[int | None] = 1
 
     def requirements(self) -> frozenset[str]:
-        """What this sampler, with its settings, needs (``needs`` unless the settings decide)."""
+        """What this sampler, with its settings, needs (``needs`` unless the settings decide).
+
+        Returns:
+            The needs, a subset of ``NEEDS`` ("reward", "differentiable_reward", "registers", "image_embedding").
+        """
         return frozenset(self.needs)
 
     def check(self, config: Any) -> None:
-        """Checks that span the settings and the ``SampleConfig`` (steps, budget); raise ``ConfigError``."""
+        """Checks that span the settings and the ``SampleConfig`` (steps, budget); raise ``ConfigError``.
+
+        Args:
+            config: the ``SampleConfig`` of the run.
+        """
 
     def differentiable_reward(self) -> tuple[str, dict] | None:
-        """The registered differentiable image reward to build, with its constructor arguments, when needed."""
+        """The registered differentiable image reward to build, with its constructor arguments, when needed.
+
+        Returns:
+            ``(reward name, constructor arguments)``, or None when the sampler follows no reward gradient.
+        """
         return None
 
     def registers_checkpoint(self) -> str | None:
-        """The register checkpoint to load, when needed."""
+        """The register checkpoint to load, when needed.
+
+        Returns:
+            The checkpoint's path, or None when the sampler reads no registers.
+        """
         return None
 
     def sample(self, problem: GuidedProblem):
+        """Draw what the sampler returns for each of the problem's prompts, within its NFE budget.
+
+        Args:
+            problem: the prompts, the velocity, the reward, the sigmas, the budget and the per-prompt generators.
+
+        Returns:
+            A ``GuidedResult``: one sample per prompt (or a set of ``k``), their rewards and the NFEs each prompt
+            spent.
+        """
         raise NotImplementedError
 
 

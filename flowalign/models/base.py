@@ -183,7 +183,13 @@ def require_negative(cond: Cond, guidance_scale: float, why: str = "") -> None:
 
 
 class FlowModel:
-    """Base adapter. Subclasses set ``family``, ``pipeline_class``, ``lora_targets`` and the family-specific parts."""
+    """Base adapter. Subclasses set ``family``, ``pipeline_class``, ``lora_targets`` and the family-specific parts.
+
+    Args:
+        pipe: the diffusers pipeline to wrap (``load_flow_model`` or ``wrap_pipeline`` picks the family's class).
+        max_sequence_length: the text encoders' token limit; None is the family's default
+            (``default_max_sequence_length``).
+    """
 
     family: str = ""
     pipeline_class_name: str = ""
@@ -205,6 +211,7 @@ class FlowModel:
     # --- properties ----------------------------------------------------------------------------------------------
     @property
     def transformer(self) -> torch.nn.Module:
+        """The pipeline's transformer (the plain module: config, LoRA and saving use it)."""
         return self.pipe.transformer
 
     # Full fine-tuning (``make_full_finetune``): a frozen copy of the base transformer is the reference policy.
@@ -215,6 +222,15 @@ class FlowModel:
     collective_forwards: bool = False
 
     def run_transformer(self, **inputs):
+        """One forward pass: through the distributed wrapper when the trainer set one (so gradients synchronise), or
+        through the reference copy inside a full fine-tune's ``reference()``.
+
+        Args:
+            **inputs: the transformer's keyword arguments.
+
+        Returns:
+            What the transformer returns.
+        """
         if self._reference_active and self.reference_transformer is not None:
             return self.reference_transformer(**inputs)
         return (self.forward_module or self.transformer)(**inputs)
@@ -231,18 +247,26 @@ class FlowModel:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The transformer's dtype."""
         return self.transformer.dtype
 
     @property
     def vae_scale_factor(self) -> int:
+        """The VAE's spatial downsampling (8 for the families built in)."""
         return self.pipe.vae_scale_factor
 
     @property
     def default_image_size(self) -> tuple[int, int]:
+        """``(height, width)`` in pixels the pipeline samples by default."""
         size = self.pipe.default_sample_size * self.vae_scale_factor
         return size, size
 
     def default_max_sequence_length(self) -> int:
+        """The text encoders' token limit when none is given.
+
+        Returns:
+            The limit (256 unless the family says otherwise).
+        """
         return 256
 
     # --- family-specific ------------------------------------------------------------------------------------------
@@ -250,12 +274,30 @@ class FlowModel:
                images: Sequence[Any] | None = None) -> Cond:
         """The conditioning of ``prompts`` (and of ``negative_prompts`` for CFG). ``images``: each prompt's condition
         images (``condition_images``), for the families that take them (``takes_condition_images``); the others refuse
-        them."""
+        them.
+
+        Args:
+            prompts: the batch's prompts.
+            negative_prompts: one negative prompt per prompt, for classifier-free guidance; None for none.
+            images: one entry of condition images per prompt (editing families only); None for none.
+
+        Returns:
+            The ``Cond`` of the batch, one row per prompt.
+        """
         raise NotImplementedError
 
     def masked_cond(self, encode, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> Cond:
         """``Cond`` of ``encode(prompts) -> (embeds, mask)``, and of ``encode(negative_prompts)`` for its negative
-        fields when they are given: for families whose pipeline encodes the two as separate batches."""
+        fields when they are given: for families whose pipeline encodes the two as separate batches.
+
+        Args:
+            encode: the family's ``encode(prompts) -> (embeds, mask)``.
+            prompts: the batch's prompts (a single string is one prompt).
+            negative_prompts: the negative prompts, or None.
+
+        Returns:
+            The ``Cond`` with ``embeds`` and ``mask`` (and their negatives when given).
+        """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         embeds, mask = encode(prompts)
         cond = Cond(embeds, mask=mask)
@@ -269,6 +311,13 @@ class FlowModel:
         ``images[i]`` is prompt ``i``'s condition image (a tensor ``[3, H, W]`` in [0, 1] or a PIL image), a list of
         them, or None / ``[]`` for none. A family that takes no condition images refuses any (ValueError naming the
         families that do); one that takes at most ``max_condition_images`` per prompt refuses more.
+
+        Args:
+            images: one entry per prompt, or None.
+            count: the number of prompts.
+
+        Returns:
+            One list of condition images per prompt, or None when no prompt has any.
         """
         if images is None:
             return None
@@ -294,21 +343,58 @@ class FlowModel:
         return rows
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        """The transformer's velocity at latents ``x``, as the pipeline's denoising loop computes it.
+
+        Args:
+            x: latents in the unpacked layout ``[B, C, h, w]``.
+            sigma: the noise level, a scalar or one per row.
+            cond: the conditioning of the ``B`` rows (``encode``).
+            guidance_scale: classifier-free guidance (or the guidance embedding's scale); 1 is none.
+
+        Returns:
+            The velocity, shaped as ``x``.
+        """
         raise NotImplementedError
 
     def latent_shape(self, batch: int, image_size: int | Sequence[int] | None = None) -> tuple[int, ...]:
         """``(B, in_channels, H / s, W / s)`` for the VAE's downsampling ``s``: the unpacked latents of the families
-        whose transformer patches them itself (SD3, SANA, CogView4); families that pack or patchify override it."""
+        whose transformer patches them itself (SD3, SANA, CogView4); families that pack or patchify override it.
+
+        Args:
+            batch: the number of samples.
+            image_size: the image size in pixels (an int for a square, or ``(height, width)``); None is the default.
+
+        Returns:
+            The shape of the initial noise.
+        """
         height, width = as_image_size(image_size, self.default_image_size)
         scale = self.vae_scale_factor
         return batch, self.transformer.config.in_channels, height // scale, width // scale
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
+        """What the pipeline passes to ``scheduler.set_timesteps`` (a resolution-dependent ``mu`` with dynamic
+        shifting); ``sigmas`` is built on it.
+
+        Args:
+            num_steps: the number of sampling steps.
+            image_size: ``(height, width)`` in pixels.
+
+        Returns:
+            The keyword arguments (empty when the scheduler needs none).
+        """
         raise NotImplementedError
 
     # --- shared ---------------------------------------------------------------------------------------------------
     def sigmas(self, num_steps: int, image_size: int | Sequence[int] | None = None) -> Tensor:
-        """The pipeline's sigma schedule for ``num_steps`` steps, fp32, ending with the terminal 0."""
+        """The pipeline's sigma schedule for ``num_steps`` steps, fp32, ending with the terminal 0.
+
+        Args:
+            num_steps: the number of sampling steps, at least 1.
+            image_size: the image size in pixels (an int or ``(height, width)``); None is the default.
+
+        Returns:
+            ``[num_steps + 1]`` sigmas.
+        """
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         size = as_image_size(image_size, self.default_image_size)
@@ -323,14 +409,32 @@ class FlowModel:
         generator: torch.Generator | list[torch.Generator] | None = None,
         dtype: torch.dtype | None = None,
     ) -> Tensor:
-        """Initial latents drawn exactly as the pipeline's ``prepare_latents`` draws them for the same generator."""
+        """Initial latents drawn exactly as the pipeline's ``prepare_latents`` draws them for the same generator.
+
+        Args:
+            batch: the number of samples.
+            image_size: the image size in pixels (an int or ``(height, width)``); None is the default.
+            generator: one generator, or one per sample (as diffusers' ``randn_tensor`` takes them).
+            dtype: the latents' dtype; None is the transformer's.
+
+        Returns:
+            The noise, shaped as ``latent_shape(batch, image_size)``, on the model's device.
+        """
         from diffusers.utils.torch_utils import randn_tensor
 
         shape = self.latent_shape(batch, image_size)
         return randn_tensor(shape, generator=generator, device=self.device, dtype=dtype or self.dtype)
 
     def velocity_fn(self, cond: Cond, guidance_scale: float = 1.0):
-        """``velocity(x, sigma)`` closed over ``cond``, for the samplers; counts 2 evaluations per sample with CFG."""
+        """``velocity(x, sigma)`` closed over ``cond``, for the samplers; counts 2 evaluations per sample with CFG.
+
+        Args:
+            cond: the conditioning of the rows.
+            guidance_scale: classifier-free guidance; 1 is none.
+
+        Returns:
+            The function, with ``evals_per_sample`` (1, or 2 with CFG) for the NFE accounting.
+        """
 
         def velocity(x: Tensor, sigma: Tensor) -> Tensor:
             return self.velocity(x, sigma, cond, guidance_scale)
@@ -339,13 +443,26 @@ class FlowModel:
         return velocity
 
     def uses_cfg(self, guidance_scale: float) -> bool:
-        """True when ``guidance_scale`` means a second (unconditional) forward pass."""
+        """True when ``guidance_scale`` means a second (unconditional) forward pass.
+
+        Args:
+            guidance_scale: the classifier-free guidance scale.
+
+        Returns:
+            Whether each velocity costs two forward passes.
+        """
         return guidance_scale > 1.0
 
     def decode(self, latents: Tensor) -> Tensor:
         """Latents ``[B, C, h, w]`` to images in [0, 1], ``[B, 3, H, W]`` fp32, as the pipeline's postprocess does.
 
         Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
+
+        Args:
+            latents: ``[B, C, h, w]`` in the layout ``velocity`` takes.
+
+        Returns:
+            Images ``[B, 3, H, W]`` in [0, 1], fp32.
         """
         vae = self.pipe.vae
         return self.decode_vae_latents(latents.to(vae.dtype) / vae.config.scaling_factor
@@ -353,7 +470,14 @@ class FlowModel:
 
     def decode_vae_latents(self, latents: Tensor) -> Tensor:
         """Latents in the VAE's own space (scaling and normalisation undone) to images in [0, 1], fp32: the VAE's
-        decode in its dtype, then the pipelines' postprocess ``(x / 2 + 0.5).clamp(0, 1)``."""
+        decode in its dtype, then the pipelines' postprocess ``(x / 2 + 0.5).clamp(0, 1)``.
+
+        Args:
+            latents: latents in the VAE's own space.
+
+        Returns:
+            Images ``[B, 3, H, W]`` in [0, 1], fp32.
+        """
         vae = self.pipe.vae
         images = vae.decode(latents.to(vae.dtype), return_dict=False)[0]
         return (images.float() / 2 + 0.5).clamp(0, 1)
@@ -379,6 +503,15 @@ class FlowModel:
         ``(z - shift_factor) * scaling_factor``. The result is in the unpacked layout ``velocity`` and
         ``prepare_noise`` use (FLUX packs its 2x2 patches inside ``velocity``), in ``dtype`` (default: the
         transformer's, as ``prepare_noise``). Differentiable: wrap in ``torch.no_grad()`` when no gradient is wanted.
+
+        Args:
+            images: ``[B, 3, H, W]`` float in [0, 1], sides multiples of ``image_multiple``.
+            generator: for ``sample=True``: one generator, or one per row.
+            sample: draw from the VAE's posterior instead of taking its mean.
+            dtype: the latents' dtype; None is the transformer's.
+
+        Returns:
+            Latents ``[B, C, h, w]``.
         """
         vae = self.pipe.vae
         latents = self.vae_posterior_latents(images, generator=generator, sample=sample)
@@ -387,7 +520,16 @@ class FlowModel:
 
     def vae_posterior_latents(self, images: Tensor, *, generator=None, sample: bool = False) -> Tensor:
         """``images`` checked (``_check_images``), as ``2 x - 1`` in the VAE's dtype through its encoder: the
-        posterior's mean, or with ``sample=True`` a draw with ``generator``; in the VAE's own space (no scaling)."""
+        posterior's mean, or with ``sample=True`` a draw with ``generator``; in the VAE's own space (no scaling).
+
+        Args:
+            images: ``[B, 3, H, W]`` float in [0, 1].
+            generator: for ``sample=True``: one generator, or one per row.
+            sample: draw from the posterior instead of taking its mean.
+
+        Returns:
+            The posterior latents in the VAE's own space.
+        """
         self._check_images(images)
         vae = self.pipe.vae
         pixels = (2.0 * images.float() - 1.0).to(device=vae.device, dtype=vae.dtype)
@@ -396,7 +538,16 @@ class FlowModel:
 
     def checked_latents(self, latents: Tensor, images: Tensor, dtype: torch.dtype | None = None) -> Tensor:
         """Encoded ``latents`` of ``images`` in ``dtype`` (default: the transformer's); a RuntimeError when their shape
-        is not the ``latent_shape`` the transformer takes for that image size."""
+        is not the ``latent_shape`` the transformer takes for that image size.
+
+        Args:
+            latents: the encoded latents.
+            images: the images they encode.
+            dtype: the dtype to return; None is the transformer's.
+
+        Returns:
+            ``latents`` in ``dtype``.
+        """
         expected = self.latent_shape(images.shape[0], tuple(images.shape[-2:]))
         if tuple(latents.shape) != tuple(expected):
             raise RuntimeError(
@@ -436,7 +587,15 @@ class FlowModel:
         """The resolution-dependent shift ``mu`` for ``image_seq_len`` image tokens, linear between the scheduler
         config's ``(base_image_seq_len, base_shift)`` and ``(max_image_seq_len, max_shift)`` (defaults 256, 0.5, 4096,
         ``max_shift``): diffusers' ``calculate_shift``, which the FLUX, Chroma, Qwen-Image, Z-Image, Lumina2 and SD3
-        pipelines each carry a copy of."""
+        pipelines each carry a copy of.
+
+        Args:
+            image_seq_len: the number of image tokens.
+            max_shift: the shift at ``max_image_seq_len`` when the scheduler config has none.
+
+        Returns:
+            ``mu``.
+        """
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = self.scheduler.config
@@ -449,7 +608,15 @@ class FlowModel:
         )
 
     def timestep(self, sigma: float | Tensor, batch: int) -> Tensor:
-        """The pipeline's timestep for ``sigma``: ``sigma * num_train_timesteps`` in fp32, one per row."""
+        """The pipeline's timestep for ``sigma``: ``sigma * num_train_timesteps`` in fp32, one per row.
+
+        Args:
+            sigma: a scalar, or one per row.
+            batch: the number of rows.
+
+        Returns:
+            ``[batch]`` timesteps on the model's device.
+        """
         sigma = torch.as_tensor(sigma, dtype=torch.float32, device=self.device)
         t = sigma * self.scheduler.config.num_train_timesteps
         return t.expand(batch) if t.ndim == 0 else t
@@ -468,6 +635,14 @@ class FlowModel:
         """Attach a peft LoRA adapter to the transformer (Flow-GRPO defaults: r=32, alpha=64, gaussian init).
 
         The adapter's B matrices start at zero, so the adapted model starts equal to the base model.
+
+        Args:
+            rank: the LoRA rank, at least 1.
+            alpha: the LoRA alpha; None is ``2 * rank``.
+            target_modules: the module names to wrap; None is the family's ``lora_targets``.
+            dropout: the LoRA dropout.
+            init: peft's ``init_lora_weights``.
+            adapter_name: the adapter's name.
         """
         from peft import LoraConfig
 
@@ -488,6 +663,7 @@ class FlowModel:
 
     @property
     def has_lora(self) -> bool:
+        """Whether the transformer has a LoRA adapter (``add_lora``)."""
         return bool(getattr(self.transformer, "_hf_peft_config_loaded", False))
 
     @property
@@ -505,6 +681,7 @@ class FlowModel:
 
     @property
     def full_finetune(self) -> bool:
+        """Whether every transformer weight trains (``make_full_finetune``)."""
         return self.reference_transformer is not None
 
     def make_full_finetune(self, *, offload: bool = False) -> None:
@@ -513,7 +690,11 @@ class FlowModel:
         fp32 master weights (compute in a lower dtype comes from autocast, ``model.mixed_precision``).
 
         At the start the policy and the copy hold the same values, so the reference is bitwise the policy while the
-        base weights are fp32 (the toy world), and the policy's autocast compute otherwise."""
+        base weights are fp32 (the toy world), and the policy's autocast compute otherwise.
+
+        Args:
+            offload: keep the reference copy on the CPU between reference passes.
+        """
         if self.has_lora:
             raise RuntimeError("make_full_finetune: this model has a LoRA adapter; full fine-tuning trains the base "
                                "weights themselves")
@@ -531,7 +712,11 @@ class FlowModel:
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
         """The reference policy: the transformer with its LoRA adapter disabled (bitwise the base model), or for a
-        full fine-tune the frozen copy of the base transformer (``make_full_finetune``)."""
+        full fine-tune the frozen copy of the base transformer (``make_full_finetune``).
+
+        Yields:
+            Nothing: inside the ``with`` block the model's passes are the reference policy's.
+        """
         if self.reference_transformer is not None:
             if self.reference_offload:
                 self.reference_transformer.to(self.device)
@@ -552,7 +737,14 @@ class FlowModel:
             self.transformer.enable_adapters()
 
     def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """The adapter's tensors in peft's naming (from ``state_dict`` when given: a sharded run's gathered ones)."""
+        """The adapter's tensors in peft's naming (from ``state_dict`` when given: a sharded run's gathered ones).
+
+        Args:
+            state_dict: the transformer's tensors to read the adapter from; None reads the module.
+
+        Returns:
+            The adapter's tensors by name.
+        """
         from peft.utils import get_peft_model_state_dict
 
         if not self.has_lora:
@@ -565,6 +757,13 @@ class FlowModel:
         A pipeline class without a LoRA loader (no ``save_lora_weights``) gets the transformer's own adapter format
         instead, which ``transformer.load_lora_adapter(directory, prefix=None, use_safetensors=True)`` reads back; a
         warning says so.
+
+        Args:
+            directory: the folder to write (made when missing).
+            state_dict: the transformer's tensors to save the adapter from; None reads the module.
+
+        Returns:
+            ``directory``.
         """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -596,7 +795,15 @@ class FlowModel:
         with the fp32 master weights, read back by the transformer class's ``from_pretrained``). Returns the folder.
 
         ``state_dict`` (a sharded run's all-gathered tensors: the trainable ones, or the whole transformer state of a
-        full fine-tune) replaces reading the module's own parameters."""
+        full fine-tune) replaces reading the module's own parameters.
+
+        Args:
+            checkpoint: the checkpoint folder to write under.
+            state_dict: a sharded run's gathered tensors; None reads the module.
+
+        Returns:
+            The folder written: ``lora/`` or ``transformer/`` under ``checkpoint``.
+        """
         if self.full_finetune:
             folder = Path(checkpoint) / "transformer"
             if state_dict is None:
@@ -611,6 +818,11 @@ class FlowModel:
         return self.save_lora(Path(checkpoint) / "lora", state_dict=state_dict)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """The transformer's parameters that require a gradient.
+
+        Returns:
+            The parameters, in the module's order.
+        """
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def freeze_base(self) -> None:
@@ -621,5 +833,10 @@ class FlowModel:
             param.requires_grad_("lora_" in name)
 
     def text_encoders(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders that are present.
+
+        Returns:
+            ``text_encoder``, ``text_encoder_2`` and ``text_encoder_3``, those the pipeline has.
+        """
         names = ("text_encoder", "text_encoder_2", "text_encoder_3")
         return [getattr(self.pipe, n) for n in names if getattr(self.pipe, n, None) is not None]

@@ -89,6 +89,17 @@ def load_flow_model(
     """Load a pipeline of a registered model family with ``from_pretrained`` and wrap it.
 
     ``family`` (a registered name: "sd3", "flux", ...) must agree with the pipeline class in ``model_index.json`` when given.
+
+    Args:
+        path_or_id: a local pipeline folder (with ``model_index.json``) or a hub id.
+        family: the registered family to expect; None picks it from the pipeline class in ``model_index.json``.
+        dtype: the pipeline's dtype (a torch dtype or its name: "float32", "bfloat16", ...).
+        device: where the pipeline is moved.
+        max_sequence_length: the text encoders' token limit; None is the family's default.
+        **pipeline_kwargs: passed on to the pipeline class's ``from_pretrained``.
+
+    Returns:
+        The family's ``FlowModel`` wrapping the loaded pipeline.
     """
     path_or_id = str(path_or_id)
     class_name = pipeline_class_name(path_or_id)

@@ -574,7 +574,30 @@ class Components:
 
 @dataclass
 class TrainConfig:
-    """Everything ``flowalign train`` needs; see the module docstring for the vocabulary."""
+    """Everything ``flowalign train`` needs; see the module docstring for the vocabulary.
+
+    Each field is a section of the YAML file and of the dotted overrides (``train.iterations=2``); the keys of every
+    section are in the config reference (``docs/reference/config.md``, or ``flowalign train --help-config``).
+
+    Args:
+        model: the model and its LoRA adapter (``ModelConfig``).
+        data: the prompts and the rollout's size (``DataConfig``).
+        sampling: rollout sampling and the noise schedule (``SamplingConfig``).
+        rollout: the rollout shape, a registered component: independent chains, branching trees or probed trunks.
+        credit: the credit estimator, a registered component: how rewards become per-transition advantages.
+        step_selection: which stochastic steps are trained each iteration (a registered component).
+        step_weighting: the weight of each trained step's loss (a registered component).
+        reward: the reward models and how their scores combine (``RewardConfig``).
+        advantage: the advantage normalization (``AdvantageConfig``).
+        loss: the loss terms on the rollout's transitions by name, summed; none (every term null) with an
+            objective is an objective-only run.
+        objectives: the losses on data units by name, interleaved into the minibatches.
+        reference: the reference policy the KL terms read (a registered component).
+        collapse: the collapse metrics: within-group diversity, saturated pixels, a held-out reward.
+        optim: the optimizer and the minibatching (``OptimConfig``).
+        train: run length, logging, checkpoints and evaluation (``RunConfig``).
+        distributed: the distributed engine: DDP or FSDP2 sharding (``DistributedConfig``).
+    """
 
     model: ModelConfig = section(ModelConfig, "the model and its LoRA adapter")
     data: DataConfig = section(DataConfig, "prompts and rollout size")
@@ -607,14 +630,25 @@ class TrainConfig:
     @classmethod
     def migrate(cls, layer: Any) -> tuple[Any, list[str]]:
         """Keys of the schema before the component redesign, moved to their components (``flowalign.training.
-        migration``)."""
+        migration``).
+
+        Args:
+            layer: one layer of a config (a YAML file's mapping, or one override's).
+
+        Returns:
+            ``(the migrated layer, one notice per key moved)``.
+        """
         from flowalign.training.migration import migrate_layer
 
         return migrate_layer(layer)
 
     def components(self) -> Components:
         """The registered parts this config names (``flowalign.rollout``, ``.credit``, ``.credit.steps``,
-        ``.losses``, ``.objectives``), built from their settings."""
+        ``.losses``, ``.objectives``), built from their settings.
+
+        Returns:
+            The built parts (cheap: nothing is loaded).
+        """
         from flowalign.config import resolve_reference
 
         def build(ref: str, settings: ComponentConfig):
@@ -631,12 +665,20 @@ class TrainConfig:
         )
 
     def noise_schedule_spec(self) -> dict[str, Any]:
-        """The dict ``flowalign.samplers.noise_schedule`` accepts."""
+        """The dict ``flowalign.samplers.noise_schedule`` accepts.
+
+        Returns:
+            The noise schedule's specification from the ``sampling`` section.
+        """
         return self.sampling.noise_schedule_spec()
 
     def progress_dependent(self) -> list[str]:
         """The features that read the run's progress ``iteration / train.iterations``: with any of them on, a run
-        resumed with another ``train.iterations`` would equal no uninterrupted run."""
+        resumed with another ``train.iterations`` would equal no uninterrupted run.
+
+        Returns:
+            One description per such feature that is on; empty when none is.
+        """
         features = []
         if self.sampling.window_size is not None and self.sampling.window_start == "sliding":
             features.append("sampling.window_start = 'sliding' (MixGRPO's moving SDE window)")
@@ -648,7 +690,11 @@ class TrainConfig:
 
     def resumable_keys(self) -> list[str]:
         """The dotted keys a resumed run may change: what each section (``resumable`` of its class) and each
-        component (``Component.resumable``) declares changes no math."""
+        component (``Component.resumable``) declares changes no math.
+
+        Returns:
+            The dotted keys (``train.iterations``, ``loss.grpo.KEY``, ...).
+        """
         parts = self.components()
         owners = [(f.name, getattr(self, f.name)) for f in fields(self) if hasattr(getattr(self, f.name), "resumable")]
         owners += [("rollout", parts.shape), ("credit", parts.credit), ("step_selection", parts.step_selection),
@@ -659,11 +705,23 @@ class TrainConfig:
         return [f"{prefix}.{key}" for prefix, owner in owners for key in owner.resumable]
 
     def samples_per_prompt(self) -> int:
-        """Final images per prompt: data.group_size, times the probe steps for probes."""
+        """Final images per prompt: data.group_size, times the probe steps for probes.
+
+        Returns:
+            The number of final images per prompt.
+        """
         return self.components().shape.samples_per_prompt(self.data.group_size)
 
     def check_batch(self, num_processes: int) -> BatchLayout:
-        """Check that an iteration's samples and transitions split evenly; return the resulting sizes."""
+        """Check that an iteration's samples and transitions split evenly; return the resulting sizes.
+
+        Args:
+            num_processes: the number of processes the run trains on.
+
+        Returns:
+            The ``BatchLayout``: the samples, transitions and micro-batches per process. A split that does not
+            divide is a ``ConfigError`` naming the key to change.
+        """
         if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
             raise ConfigError(f"the number of processes must be an integer >= 1, got {num_processes!r}")
         data, sampling, optim = self.data, self.sampling, self.optim

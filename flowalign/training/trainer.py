@@ -79,7 +79,14 @@ __all__ = ["GRPOTrainer"]
 class GRPOTrainer:
     """``GRPOTrainer(config).train()``. ``rewards`` (reward callables ``(images, prompts, metadata) -> scores``, a
     mapping of names to them, or ``(name, weight, fn)`` triples) replace ``config.reward.rewards``; ``model`` (a
-    ``FlowModel``) replaces loading ``model.path``."""
+    ``FlowModel``) replaces loading ``model.path``.
+
+    Args:
+        config: the run's ``TrainConfig`` (``flowalign.load_config``).
+        rewards: reward callables that replace ``config.reward.rewards``; None builds the configured ones.
+        model: a ``FlowModel`` to train instead of loading ``config.model.path``.
+        accelerator: an ``accelerate.Accelerator`` to run on; None makes one from the config.
+    """
 
     def __init__(self, config: TrainConfig, *, rewards=None, model: FlowModel | None = None, accelerator=None):
         with setup_phase():  # every mistake of the user's surfaces here, as a SetupError, before any update
@@ -169,6 +176,13 @@ class GRPOTrainer:
 
     # --------------------------------------------------------------------------------------------- the loop
     def train(self) -> list[dict[str, float]]:
+        """Run the remaining iterations to ``train.iterations``, checkpointing and logging as configured, then the
+        final evaluation (``train.eval_at_end``). SIGINT or SIGTERM stops after the current iteration, with a
+        checkpoint.
+
+        Returns:
+            The metrics of every iteration run so far, one dict per iteration.
+        """
         log, cfg = RunLog(self), self.config.train
         log.start()
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -201,7 +215,11 @@ class GRPOTrainer:
         return self.history
 
     def step(self) -> dict[str, float]:
-        """Run the next iteration (``self.iteration``) without checkpoints, logs or grids; returns its metrics."""
+        """Run the next iteration (``self.iteration``) without checkpoints, logs or grids; returns its metrics.
+
+        Returns:
+            The iteration's metrics (also appended to ``history``).
+        """
         metrics, *_ = self.train_iteration(self.iteration)
         self.iteration += 1
         self.history.append(metrics)
