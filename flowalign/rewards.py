@@ -176,7 +176,9 @@ def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
     return factory
 
 
-REWARDS: Registry[Reward] = Registry("reward")  # name -> factory (flowalign.registry); add with register_reward
+# name -> factory (flowalign.registry); add with register_reward. A reward named by reference (module.path:Class,
+# file.py:Class) is a class of the user's own, checked against the Reward protocol before anything is built.
+REWARDS: Registry[Reward] = Registry("reward", protocol=Reward)
 REWARDS.register("toy_geneval", _toy_geneval)
 REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
 REWARDS.register("brightness", BrightnessReward)
