@@ -319,3 +319,29 @@ def test_a_registrys_protocol_is_given_or_inferred_from_its_registered_classes()
 
     assert CREDIT.protocol is CreditEstimator and REWARDS.protocol is Reward
     assert OBJECTIVES.protocol.__name__ == "Objective"
+
+
+def test_flowalign_samples_guided_sampler_may_be_a_class_of_ones_own(tmp_path, monkeypatch):
+    from flowalign.cli import parse_command
+
+    (tmp_path / "guided.py").write_text(textwrap.dedent('''
+        from dataclasses import dataclass
+
+        from flowalign.components import ComponentConfig
+        from flowalign.inference import GuidedSampler
+
+
+        @dataclass
+        class ShrinkSettings(ComponentConfig):
+            shrink: float = 1.0
+
+
+        class Shrunk(GuidedSampler):
+            config_class = ShrinkSettings
+        '''))
+    monkeypatch.chdir(tmp_path)  # --guidance is a command-line option: a relative path is read from here
+    _, config = parse_command(["sample", "--guidance", "guided.py:Shrunk", "sampler.shrink=0.5", "--model",
+                               str(tmp_path / "no-model")])
+    assert config.sampler.name == f"{tmp_path / 'guided.py'}:Shrunk" and config.sampler.shrink == 0.5
+    with pytest.raises(ConfigError, match=r"sampler.name: .*has no class 'Shrnk'; did you mean 'Shrunk'\?"):
+        parse_command(["sample", "--guidance", "guided.py:Shrnk", "--model", str(tmp_path / "no-model")])
