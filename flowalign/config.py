@@ -289,8 +289,8 @@ def _flatten_component(meta: Mapping[str, Any], value: Any, dotted: str, where: 
     for entry, settings in value.items():
         entry_key = f"{dotted}.{entry}"
         if ":" in str(entry) or "." in str(entry):
-            raise ConfigError(f"{entry_key}: an entry of {dotted} is keyed by a plain label; name a class of your own "
-                              f"in its 'name': {dotted}: {{mine: {{name: {entry}}}}} {_source_tag(where)}",
+            raise ConfigError(f"{entry_key}: an entry of {dotted} is keyed by a plain label; name a class of your "
+                              f"own in its 'name': {dotted}: {{mine: {{name: {entry}}}}} {_source_tag(where)}",
                               key=entry_key)
         if settings is None:
             out[entry_key] = None

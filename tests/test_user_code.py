@@ -31,8 +31,20 @@ class RedReward:
 
     name = "red"
 
+    def __init__(self, channel: int = 0):
+        self.channel = channel
+
     def __call__(self, images, prompts, metadata):
-        return images[:, 0].flatten(1).mean(dim=1)
+        return images[:, self.channel].flatten(1).mean(dim=1)
+
+
+class Plain:
+    """A reward without a constructor of its own: it takes no settings."""
+
+    name = "plain"
+
+    def __call__(self, images, prompts, metadata):
+        return images.flatten(1).mean(dim=1)
 '''
 
 PARTS_FILE = '''
@@ -250,7 +262,7 @@ def test_a_missing_class_lists_the_modules_classes_with_a_did_you_mean(tmp_path)
                                           r"classes are: AnchorObjective \[from"):
         _load(tmp_path, "objectives: {anchor: {name: parts/training.py:AnchorObjectiv}}\n")  # only the objectives
     with pytest.raises(ConfigError, match=r"reward.rewards\[0\].name: .*has no class 'Red'; its classes are: "
-                                          r"RedReward"):
+                                          r"Plain, RedReward \["):
         _load(tmp_path, "reward: {rewards: [{name: parts/rewards.py:Red}]}\n")
 
 
@@ -277,6 +289,18 @@ def test_the_settings_of_a_class_of_ones_own_are_checked_like_a_registered_ones(
         _load(tmp_path, "credit: {name: parts/training.py:RankCredit, scale: 0}\n")
     with pytest.raises(ConfigError, match=r"credit.name: .*subclassing flowalign.components.ComponentConfig"):
         _load(tmp_path, "credit: {name: parts/training.py:PlainSettingsCredit}\n")
+
+
+def test_a_rewards_settings_are_checked_against_its_constructor_before_the_model_loads(tmp_path):
+    import flowalign
+
+    config = _load(tmp_path, "reward: {rewards: [{name: parts/rewards.py:RedReward, kwargs: {chanel: 1}}]}\n")
+    with pytest.raises(ValueError, match=r"reward.rewards\[0\].kwargs.chanel is not a setting of the .*RedReward' "
+                                         r"reward; known: channel; did you mean 'channel'\?"):
+        flowalign.GRPOTrainer(config)  # its model path does not exist: the check came first
+    config = _load(tmp_path, "reward: {rewards: [{name: parts/rewards.py:Plain, kwargs: {scale: 1}}]}\n")
+    with pytest.raises(ValueError, match=r"kwargs.scale is not a setting of the .*Plain' reward; known: \(none\)$"):
+        flowalign.GRPOTrainer(config)
 
 
 def test_a_file_that_raises_is_named_with_its_error_chained(tmp_path):

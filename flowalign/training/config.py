@@ -314,8 +314,8 @@ class SamplingConfig:
 class RewardSpec:
     """One reward model and its weight in the total reward."""
 
-    name: str = names("flowalign.rewards:REWARDS", option("toy_geneval", "registered reward name, or a class of your own: "
-                                                          "module.path:ClassName or path/to/file.py:ClassName"))
+    name: str = names("flowalign.rewards:REWARDS", option(
+        "toy_geneval", "registered reward name, or a class of your own: module.path:Class or path/to/file.py:Class"))
     weight: float = option(1.0, "weight of this reward in the combination")
     kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor")
 
