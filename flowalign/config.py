@@ -504,7 +504,8 @@ def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any
     values = {k[len(dotted) + 1:]: v for k, v in flat.items() if k.startswith(dotted + ".")}
     if name is not None and values.get("name", name) == name:  # a map entry may repeat its key as its name
         values.pop("name", None)
-    if name is None or "name" in values:  # a plain section: its 'name' key, or the default; a labelled map entry
+    if name is None or is_reference(values.get("name")):  # a plain section: its 'name' key, or the default; a map
+        # entry keyed by a label, naming a class of the user's own
         name = values.pop("name", meta.get("default"))
         where = sources.get(dotted + ".name", "the config")
         if is_reference(name):
@@ -521,7 +522,7 @@ def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any
         if settings_cls is None or not issubclass(settings_cls, ComponentConfig):
             raise ConfigError(f"{dotted}.name: {name!r}: the settings of a {registry.kind} are a dataclass "
                               "subclassing flowalign.components.ComponentConfig, its class's config_class; got "
-                              f"{settings_cls!r}", key=dotted + ".name")
+                              f"{settings_cls!r} {_source_tag(where)}", key=dotted + ".name")
     hints = _hints(settings_cls)
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
