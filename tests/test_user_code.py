@@ -369,3 +369,20 @@ def test_flowalign_samples_guided_sampler_may_be_a_class_of_ones_own(tmp_path, m
     assert config.sampler.name == f"{tmp_path / 'guided.py'}:Shrunk" and config.sampler.shrink == 0.5
     with pytest.raises(ConfigError, match=r"sampler.name: .*has no class 'Shrnk'; did you mean 'Shrunk'\?"):
         parse_command(["sample", "--guidance", "guided.py:Shrnk", "--model", str(tmp_path / "no-model")])
+
+
+def test_a_registry_resolves_a_reference_wherever_a_name_is_looked_up(tmp_path, monkeypatch):
+    """``in``, ``get`` and ``build`` take a reference too (a reward named in a component's settings, ``flowalign
+    sample --reward``): a relative path is then read from the current directory; ``names()`` stays the registered
+    names."""
+    write_parts(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    count = len(REWARDS)
+    assert "parts/rewards.py:RedReward" in REWARDS and "parts/rewards.py:Nothing" not in REWARDS
+    assert "parts/nothing.py:RedReward" not in REWARDS and "parts/training.py:RankCredit" not in REWARDS
+    reward = REWARDS.build("parts/rewards.py:RedReward", channel=1)
+    assert type(reward).__name__ == "RedReward" and reward.channel == 1
+    absolute = f"{tmp_path / 'parts/rewards.py'}:RedReward"
+    assert REWARDS.get(absolute) is type(reward) and len(REWARDS) == count and absolute not in REWARDS.names()
+    REWARDS.unregister(absolute)
+    assert absolute in REWARDS  # loaded again from the file the module cache holds
