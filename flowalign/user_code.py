@@ -18,7 +18,7 @@ resolve); a file that raises while it runs is not kept, so the next try runs it 
 Every mistake (no such file or module, no such class, a name that is not a class, a file that raises) is a
 ``flowalign.errors.SetupError`` (exit status 2 on the command line; the config loader makes it a ``ConfigError``
 naming the key and the file) that names the reference and says what to fix; a missing class lists the classes the
-module defines, closest first.
+module defines, with a did-you-mean.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 import types
 import typing
 
@@ -53,7 +54,7 @@ def _split(reference: str) -> tuple[str, str]:
         raise SetupError(f"{reference!r} is not a reference to a class: write {FORM}")
     if not _is_file(where) and not all(part.isidentifier() for part in where.split(".")):
         raise SetupError(f"{reference!r}: {where!r} is neither a module path (dotted names) nor a Python file "
-                          f"(ending in .py): write {FORM}")
+                         f"(ending in .py): write {FORM}")
     return where, attribute
 
 
@@ -94,8 +95,10 @@ def _load_file(path: str, reference: str, folder: str | os.PathLike | None) -> t
         sys.modules.pop(name, None)
         if not isinstance(error, Exception):
             raise
-        raise SetupError(f"{reference!r}: running {path} raised {type(error).__name__}: {error} (fix the file; the "
-                          "traceback is chained below this error)") from error
+        lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == real]
+        where = f"{path}, line {lines[-1]}" if lines else path
+        raise SetupError(f"{reference!r}: running {where} raised {type(error).__name__}: {error} (fix the file; "
+                         "its traceback is chained to this error)") from error
     _FILES[real] = module
     return module
 
@@ -106,8 +109,8 @@ def _import_module(module: str, reference: str) -> types.ModuleType:
     except ModuleNotFoundError as error:
         if error.name is not None and (module == error.name or module.startswith(error.name + ".")):
             raise SetupError(f"{reference!r}: no module named {error.name!r} (a module path is imported like "
-                              "'import module.path': install its package or put its folder on PYTHONPATH; for a "
-                              "file, write path/to/file.py:ClassName)") from None
+                             "'import module.path': install its package or put its folder on PYTHONPATH; for a "
+                             "file, write path/to/file.py:ClassName)") from None
         raise SetupError(f"{reference!r}: importing {module} failed: {error}") from error
     except Exception as error:
         raise SetupError(f"{reference!r}: importing {module} raised {type(error).__name__}: {error}") from error
@@ -138,7 +141,7 @@ def load_class(reference: str, folder: str | os.PathLike | None = None,
         raise SetupError(f"{reference!r}: {origin} has no class {attribute!r}; {hint}its classes are: {listed}")
     if not isinstance(found, type):
         raise SetupError(f"{reference!r}: {attribute} in {origin} is a {type(found).__name__}, not a class: name a "
-                          "class")
+                         "class")
     return found
 
 

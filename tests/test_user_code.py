@@ -304,8 +304,8 @@ def test_a_rewards_settings_are_checked_against_its_constructor_before_the_model
 
 
 def test_a_file_that_raises_is_named_with_its_error_chained(tmp_path):
-    (tmp_path / "broken.py").write_text("raise RuntimeError('half-written file')\n")
-    with pytest.raises(ConfigError, match=r"running .*broken.py raised RuntimeError: half-written file") as error:
+    (tmp_path / "broken.py").write_text("import os\n\nraise RuntimeError('half-written file')\n")
+    with pytest.raises(ConfigError, match=r"running .*broken.py, line 3 raised RuntimeError: half-written") as error:
         _load(tmp_path, f"credit: {{name: {tmp_path / 'broken.py'}:Anything}}\n")
     assert isinstance(error.value.__cause__.__cause__, RuntimeError)
 
