@@ -16,6 +16,15 @@ gave another component are dropped). ``component_map(registry, defaults)`` is a 
 name, several active at once (the loss terms): ``loss: {grpo: {clip_range: 1e-4}, rg_opd: {weight: 0.5}}``; an entry
 set to ``null`` is switched off.
 
+User code. A component's ``name`` may also name a class of the user's own, ``module.path:ClassName`` or
+``path/to/file.py:ClassName`` (``flowalign.user_code``): the loader loads it, checks it against the registry's
+protocol and builds its settings from its ``config_class`` as for a registered one (``Registry.resolve``). A relative
+file path is read from the folder of the config file that names it, or from the current directory when a command-line
+override names it; the config keeps the absolute path, so a saved config loads the same file from anywhere. In a
+component map the entry's key is then a label of the user's choosing and its ``name`` the reference
+(``objectives: {mine: {name: my_objectives.py:Mine}}``). A string field made with ``names(registry, field)`` (the
+rewards' ``name``) is resolved the same way when it holds a reference.
+
 A schema may define ``migrate(layer) -> (layer, notices)`` (a classmethod): every YAML file and override passes through
 it before its keys are checked, so keys of an older schema keep working (each moved key is announced once).
 
@@ -39,6 +48,7 @@ from typing import Any, Iterable, Mapping, Sequence, TypeVar, Union
 import yaml
 
 from .errors import SetupError
+from .user_code import is_reference
 
 T = TypeVar("T")
 
@@ -138,6 +148,28 @@ def component_map(registry: str, defaults: Sequence[str], help: str) -> Any:
         default_factory=lambda: {n: resolve_reference(registry).make_config(n, {"name": n}) for n in defaults},
         metadata={"help": help, "registry": registry, "defaults": tuple(defaults), "map": True},
     )
+
+
+def names(registry: str, field: Any) -> Any:
+    """``field`` (a str field) marked as naming an entry of the ``Registry`` ``registry`` (``"module:NAME"``): a
+    reference to a class of the user's own in it is resolved when the config loads (module docstring)."""
+    return dataclasses.field(default=field.default, default_factory=field.default_factory,
+                             metadata={**field.metadata, "names": registry})
+
+
+def _folder_of(where: str) -> str | None:
+    """The folder of the config file ``where`` names (a layer's source), or None (an override: the current
+    directory) for the folder a relative path of user code is read from."""
+    return os.path.dirname(os.path.abspath(where)) if os.path.isfile(where) else None
+
+
+def _resolve_name(registry: Any, name: str, key: str, where: str) -> str:
+    """``registry.resolve(name)`` for a reference, with a relative path read from the folder of ``where``'s file; its
+    mistakes as a ConfigError naming ``key`` and ``where``."""
+    try:
+        return registry.resolve(name, _folder_of(where))
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e} {_source_tag(where)}", key=key) from e
 
 
 def resolve_reference(ref: str) -> Any:
@@ -256,6 +288,10 @@ def _flatten_component(meta: Mapping[str, Any], value: Any, dotted: str, where: 
         return
     for entry, settings in value.items():
         entry_key = f"{dotted}.{entry}"
+        if ":" in str(entry) or "." in str(entry):
+            raise ConfigError(f"{entry_key}: an entry of {dotted} is keyed by a plain label; name a class of your "
+                              f"own in its 'name': {dotted}: {{mine: {{name: {entry}}}}} {_source_tag(where)}",
+                              key=entry_key)
         if settings is None:
             out[entry_key] = None
             continue
@@ -418,7 +454,12 @@ def _coerce(value: Any, tp: Any, key: str, root: type, where: str) -> Any:
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if required and f.name not in value:
                 raise _Mismatch(key, f"{_describe(tp)} including '{f.name}'", value)
-        return tp(**{str(k): _coerce(v, hints[str(k)], f"{key}.{k}", root, where) for k, v in value.items()})
+        built = {str(k): _coerce(v, hints[str(k)], f"{key}.{k}", root, where) for k, v in value.items()}
+        for f in dataclasses.fields(tp):
+            if "names" in f.metadata and is_reference(built.get(f.name)):
+                built[f.name] = _resolve_name(resolve_reference(f.metadata["names"]), built[f.name],
+                                              f"{key}.{f.name}", where)
+        return tp(**built)
     raise TypeError(f"unsupported config field type {tp!r} for {key}")
 
 
@@ -463,15 +504,25 @@ def _build_component(meta: Mapping[str, Any], root: type, flat: Mapping[str, Any
     values = {k[len(dotted) + 1:]: v for k, v in flat.items() if k.startswith(dotted + ".")}
     if name is not None and values.get("name", name) == name:  # a map entry may repeat its key as its name
         values.pop("name", None)
-    if name is None:  # a plain section: its 'name' key, or the default
+    if name is None or is_reference(values.get("name")):  # a plain section: its 'name' key, or the default; a map
+        # entry keyed by a label, naming a class of the user's own
         name = values.pop("name", meta.get("default"))
         where = sources.get(dotted + ".name", "the config")
-        if not isinstance(name, str) or name not in registry:
+        if is_reference(name):
+            name = _resolve_name(registry, name, dotted + ".name", where)
+        elif not isinstance(name, str) or name not in registry:
             close = registry.closest(str(name))
             hint = f"; did you mean {close!r}?" if close else ""
             raise ConfigError(f"{dotted}.name: unknown {registry.kind} {name!r} {_source_tag(where)}: known "
                               f"{registry.plural} are {', '.join(registry.names())}{hint}", key=dotted + ".name")
     settings_cls = registry.config_class(name)
+    if is_reference(name):
+        from .components import ComponentConfig
+
+        if settings_cls is None or not issubclass(settings_cls, ComponentConfig):
+            raise ConfigError(f"{dotted}.name: {name!r}: the settings of a {registry.kind} are a dataclass "
+                              "subclassing flowalign.components.ComponentConfig, its class's config_class; got "
+                              f"{settings_cls!r} {_source_tag(where)}", key=dotted + ".name")
     hints = _hints(settings_cls)
     kwargs: dict[str, Any] = {}
     for key, value in values.items():
@@ -501,7 +552,7 @@ def _build_component_map(meta: Mapping[str, Any], root: type, flat: Mapping[str,
         key = f"{dotted}.{entry}"
         if flat.get(key, {}) is None:
             continue
-        if entry not in registry:
+        if entry not in registry and not is_reference(flat.get(f"{key}.name")):
             close = registry.closest(entry)
             hint = f"; did you mean '{dotted}.{close}'?" if close else ""
             where = sources.get(key) or next((sources[k] for k in sources if k.startswith(key + ".")), "the config")

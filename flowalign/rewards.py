@@ -187,7 +187,9 @@ def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
     return factory
 
 
-REWARDS: Registry[Reward] = Registry("reward")  # name -> factory (flowalign.registry); add with register_reward
+# name -> factory (flowalign.registry); add with register_reward. A reward named by reference (module.path:Class,
+# file.py:Class) is a class of the user's own, checked against the Reward protocol before anything is built.
+REWARDS: Registry[Reward] = Registry("reward", protocol=Reward)
 REWARDS.register("toy_geneval", _toy_geneval)
 REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
 REWARDS.register("brightness", BrightnessReward)
@@ -289,7 +291,8 @@ def check_reward_kwargs(cls: type, kwargs: Mapping[str, Any], key: str, name: st
     """The keyword arguments of the reward class ``cls`` (registered as ``name``), checked against its constructor's
     signature: a name it does not take is a ValueError naming ``key.<name>``, the names it takes and the closest one;
     a value that does not fit the parameter's annotation (``partial_credit: maybe`` for a bool) is a ConfigError naming
-    ``key.<name>`` (``flowalign.config.check_value``). A constructor with ``**kwargs`` takes any name."""
+    ``key.<name>`` (``flowalign.config.check_value``). A constructor with ``**kwargs`` takes any name; a class
+    without a constructor of its own takes none."""
     import difflib
     import inspect
     import typing
@@ -300,12 +303,14 @@ def check_reward_kwargs(cls: type, kwargs: Mapping[str, Any], key: str, name: st
     parameters = inspect.signature(init).parameters
     known = [p for p, spec in parameters.items() if p != "self" and spec.kind not in (spec.VAR_POSITIONAL,
                                                                                         spec.VAR_KEYWORD)]
-    takes_any = any(spec.kind is spec.VAR_KEYWORD for spec in parameters.values())
+    # object.__init__'s (self, /, *args, **kwargs) takes nothing: a class without an __init__ of its own
+    takes_any = init is not object.__init__ and any(spec.kind is spec.VAR_KEYWORD for spec in parameters.values())
     label = name or getattr(cls, "name", None) or cls.__name__
     for arg in kwargs:
         if arg not in known and not takes_any:
             close = difflib.get_close_matches(arg, known, n=1)
-            raise ValueError(f"{key}.{arg} is not a setting of the {label!r} reward; known: {', '.join(known)}"
+            raise ValueError(f"{key}.{arg} is not a setting of the {label!r} reward; known: "
+                             f"{', '.join(known) or '(none)'}"
                              + (f"; did you mean {close[0]!r}?" if close else ""))
     try:
         hints = typing.get_type_hints(init)

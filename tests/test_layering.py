@@ -22,7 +22,7 @@ FOLDERS = {"flowalign": "flowalign", "samplers": "flowalign.samplers", "reward_m
 # The foundation: plain Python (and torch) that every layer may use; it imports only itself.
 FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.normalization",
               "flowalign.serialization", "flowalign.sharded_reading", "flowalign.lr_schedule", "flowalign.config",
-              "flowalign.settings", "flowalign.components", "flowalign.outputs")
+              "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code")
 COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives",
               "flowalign.step_rewards")
 UPPER = ("flowalign.inference", "flowalign.training", "flowalign.cli")

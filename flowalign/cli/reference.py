@@ -188,6 +188,13 @@ def config_page() -> str:
         "under each built-in component. A component map (`loss`, `objectives`) holds several components at once, "
         "keyed by name; an entry set to `null` is switched off. Defaults are written as in YAML.",
         "",
+        "A component's `name`, and a reward's (`reward.rewards[].name`), may also name a class of your own: "
+        "`module.path:ClassName` (imported like `import module.path`) or `path/to/file.py:ClassName`, a relative "
+        "path read from the folder of the config file that names it (from the current directory in a command-line "
+        "override); the resolved config keeps the absolute path. In a component map, key the entry by a label and "
+        "name the class in it: `objectives: {mine: {name: my_parts.py:MyObjective}}`. Naming a file runs it, like "
+        "`python file.py`. See [Your own code from the config](../extending.md#your-own-code-from-the-config).",
+        "",
     ]
     seen: dict[str, str] = {}
     for path, parser in commands():

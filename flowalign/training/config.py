@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
 from flowalign.components import REFERENCE_POLICY, ComponentConfig
-from flowalign.config import ConfigError, component, component_map
+from flowalign.config import ConfigError, component, component_map, names
 from flowalign.settings import at_least as _at_least, check as _check, finite as _finite, option, section
 
 __all__ = [
@@ -314,7 +314,8 @@ class SamplingConfig:
 class RewardSpec:
     """One reward model and its weight in the total reward."""
 
-    name: str = option("toy_geneval", "registered reward name")
+    name: str = names("flowalign.rewards:REWARDS", option(
+        "toy_geneval", "registered reward name, or a class of your own: module.path:Class or path/to/file.py:Class"))
     weight: float = option(1.0, "weight of this reward in the combination")
     kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor")
 
