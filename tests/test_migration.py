@@ -54,7 +54,7 @@ def test_a_turning_point_config_saved_before_credit_semantics_loads_as_the_paper
     """A config.yaml written before credit.semantics existed (its credit section: name, clean, ode_steps, balanced)
     ran the paper's reading: it loads as tp_grpo_paper, so its checkpoints resume with the same math."""
     from flowalign.config import save_config
-    from flowalign.step_rewards import RELEASED_OPTIONS
+    from flowalign.credit.tp_grpo import RELEASED_OPTIONS
 
     paper = load_config(TrainConfig, REPO / "configs/methods/tp_grpo_paper.yaml")
     save_config(paper, tmp_path / "config.yaml")

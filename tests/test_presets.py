@@ -9,7 +9,7 @@ import yaml
 
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.step_rewards import RELEASED_OPTIONS
+from flowalign.credit.tp_grpo import RELEASED_OPTIONS
 from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import GRPOTrainer

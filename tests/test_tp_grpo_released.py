@@ -1,4 +1,4 @@
-"""TP-GRPO as its released code runs (flowalign.step_rewards.tp_grpo_process_rewards), against hand-computed cases,
+"""TP-GRPO as its released code runs (flowalign.credit.tp_grpo.tp_grpo_process_rewards), against hand-computed cases,
 and the turning_point estimator's released semantics, settings and window mapping."""
 
 import json
@@ -11,7 +11,8 @@ import torch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.credit.step_credit import TurningPointConfig, TurningPointCredit
-from flowalign.step_rewards import RELEASED_OPTIONS, tp_grpo_process_rewards, turning_point_rewards
+from flowalign.credit.step_rewards import turning_point_rewards
+from flowalign.credit.tp_grpo import RELEASED_OPTIONS, tp_grpo_process_rewards
 from flowalign.training.config import TrainConfig
 
 # R_0 .. R_4 (R_4 = R_sde, as the released code reuses the final image for R_n), as in tests/test_step_rewards.py.
