@@ -72,9 +72,9 @@ def sample_memoryless(velocity: Callable[[Tensor, Tensor], Tensor], x: Tensor, s
                       generator: torch.Generator | None = None, delta: float | None = None, eps: float | None = None,
                       integrator: Integrator = "local_linear") -> list[Tensor]:
     """A trajectory ``X_0 .. X_K`` of the memoryless SDE from the noise ``x`` on ``sigmas`` (the paper's grid:
-    ``torch.linspace(1, 0, K + 1)``), the last step one deterministic denoising call ``X_K = X_{K-1} - sigma_{K-1} v`` (in
-    float64 like the steps, so not ``predict_x0``, which is fp32)
-    (the paper's Alg. 2); ``delta`` and ``eps`` default to the first step's size."""
+    ``torch.linspace(1, 0, K + 1)``), the last step one deterministic denoising call ``X_K = X_{K-1} - sigma_{K-1} v``
+    (the paper's Alg. 2; in float64 like the steps, so not ``predict_x0``, which is fp32); ``delta`` and ``eps``
+    default to the first step's size."""
     check_sigmas(sigmas)
     step = float(sigmas[0] - sigmas[1])
     delta = step if delta is None else delta

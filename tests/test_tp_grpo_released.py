@@ -170,7 +170,7 @@ def test_unknown_options_and_bad_input_are_named():
 # ------------------------------------------------------------------------------------------------ the estimator
 def test_every_released_option_is_a_credit_setting_of_the_same_name_and_default():
     defaults = TurningPointConfig()
-    assert defaults.semantics == "released"
+    assert defaults.process_rewards == "released_code"
     assert {key: getattr(defaults, key) for key in RELEASED_OPTIONS} == RELEASED_OPTIONS
     released = {"take_delta_global_as_main": False, "use_delta_global": False, "use_sde_minus_rt": True, "eta": 0.5,
                 "apply_first_step_bonus": False, "select_first_step_only_from_consistent_trajectory": True,
@@ -187,7 +187,7 @@ def test_every_released_option_is_a_credit_setting_of_the_same_name_and_default(
 
 @pytest.mark.parametrize("overrides, key", [
     (["credit.balanced=true"], "credit.balanced"),
-    (["credit.semantics=paper", "credit.use_balanced_bonus=true"], "credit.use_balanced_bonus"),
+    (["credit.process_rewards=paper", "credit.use_balanced_bonus=true"], "credit.use_balanced_bonus"),
     (["credit.eta=.inf"], "credit.eta"),
     (["credit.turn_on_bonus_global_step=-1"], "credit.turn_on_bonus_global_step"),
 ])
