@@ -62,7 +62,7 @@ from torch import Tensor
 from .guided import BudgetTooSmall, GuidedResult, as_scores, check_sampling, initial_noise
 from .rgs import x0_hat_gradient
 from .rollout import count_nfe
-from .sde import sde_mean_std, standard_normal
+from .sde import predict_x0, sde_mean_std, standard_normal
 
 __all__ = [
     "CLONE_SEED_STRIDE",
@@ -432,7 +432,7 @@ def _pass_b(velocity_features, guide_reward, x, sigma, rows, v_prev, features, q
                                         cal.beta_d).reshape(n)[part]
             if through_velocity:
                 v_use = v_live.float() if v_prev is None else 0.5 * (v_live.float() + v_prev[part])
-                scores = guide_reward(x_in.float() - s * v_use, rows[part]).reshape(count)
+                scores = guide_reward(predict_x0(x_in, v_use, s), rows[part]).reshape(count)
                 (grad,) = torch.autograd.grad((floor_grad.reshape(n)[part] * scores).sum(), x_in, retain_graph=True)
                 g_rew[part] = grad.float()
                 passes += count
@@ -534,7 +534,7 @@ def satisdive_sampling(
         if i in scoring:
             p = _progress(i, num_steps)
             v_use = v if v_prev is None else 0.5 * (v + v_prev)
-            x0 = x.float() - s * v_use
+            x0 = predict_x0(x, v_use, s)
             with torch.no_grad():
                 r = grouped(guide_reward(x0, rows).detach().float().reshape(n))
             d = cosine_distances(grouped(phi))

@@ -1,4 +1,5 @@
-"""Adjoint matching, DRL's stage 2. Its math (``flowalign.losses.adjoint_matching``): the local-linear and offset
+"""Adjoint matching, DRL's stage 2. Its math (``flowalign.objectives.adjoint_matching_math``, the
+memoryless SDE ``flowalign.samplers.memoryless``): the local-linear and offset
 Euler steps against hand-computed coefficients and the analytic Gaussian flow, the lean adjoint against a linear
 velocity and against the pathwise gradient, the loss, the stratified steps and the outlier clipping. Its objective
 (``flowalign.objectives.adjoint_matching``, the drl_adjoint preset): units recomputed from their keyed draws and the
@@ -18,17 +19,14 @@ from flowalign.seeding import Purpose
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import GRPOTrainer
 
-from flowalign.losses.adjoint_matching import (
+from flowalign.objectives.adjoint_matching_math import (
     OutlierClip,
     adjoint_matching_loss,
-    diffusion_coefficient,
     lean_adjoint_step,
     lean_adjoints,
-    local_linear_coefficients,
-    memoryless_step,
-    sample_memoryless,
     stratified_steps,
 )
+from flowalign.samplers.memoryless import diffusion_coefficient, local_linear_coefficients, memoryless_step, sample_memoryless
 
 from golden_runs import small_run_values
 

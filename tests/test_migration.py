@@ -54,17 +54,17 @@ def test_a_turning_point_config_saved_before_credit_semantics_loads_as_the_paper
     """A config.yaml written before credit.semantics existed (its credit section: name, clean, ode_steps, balanced)
     ran the paper's reading: it loads as tp_grpo_paper, so its checkpoints resume with the same math."""
     from flowalign.config import save_config
-    from flowalign.step_rewards import RELEASED_OPTIONS
+    from flowalign.credit.tp_grpo import RELEASED_OPTIONS
 
     paper = load_config(TrainConfig, REPO / "configs/methods/tp_grpo_paper.yaml")
     save_config(paper, tmp_path / "config.yaml")
     saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    for key in ("semantics", *RELEASED_OPTIONS):
+    for key in ("process_rewards", *RELEASED_OPTIONS):
         del saved["credit"][key]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
     with caplog.at_level("WARNING", logger="flowalign.config"):
         assert to_dict(load_config(TrainConfig, tmp_path / "config.yaml")) == to_dict(paper)
-    assert any("credit.semantics = paper" in r.getMessage() for r in caplog.records)
+    assert any("credit.process_rewards = paper" in r.getMessage() for r in caplog.records)
     # a partial section (an override) is not guessed at: credit.balanced alone is the paper variant's, refused
     with pytest.raises(SetupError, match="credit.balanced is the paper variant's setting"):
         load_config(TrainConfig, REPO / "configs/methods/tp_grpo.yaml", ["credit.balanced=true"])
@@ -79,7 +79,7 @@ def test_a_turning_point_config_saved_before_credit_semantics_loads_as_the_paper
     (["loss.rg_opd_weight=0.5", "loss.rg_opd_reward=toy_geneval_soft"],
      ["loss.rg_opd.weight=0.5", "loss.rg_opd.reward=toy_geneval_soft"]),
     (["step_reward.estimator=turning_point", "step_reward.balanced=true"],
-     ["credit.name=turning_point", "credit.semantics=paper", "credit.balanced=true"]),
+     ["credit.name=turning_point", "credit.process_rewards=paper", "credit.balanced=true"]),
 ])
 def test_old_command_line_keys_land_on_their_components(old, new):
     every_step = ["sampling.window_size=null", "sampling.window_start=fixed", "sampling.window_last=null"]
@@ -151,3 +151,23 @@ def test_a_pre_redesign_checkpoint_resumes_like_the_uninterrupted_old_run(name, 
     assert digests == _resume(name, PRE / name, tiny_sd3, tmp_path / "new", record, new_format=True)
     if fingerprint() == record["fingerprint"]:  # the platform the old run was recorded on: the old run, bitwise
         assert digests == record["runs"][name]["digests"]
+
+
+@pytest.mark.parametrize("old, new", [("released", "released_code"), ("paper", "paper")])
+def test_the_old_credit_semantics_key_loads_as_process_rewards_with_a_warning(old, new, tmp_path, caplog):
+    """``credit.semantics: released | paper`` (before 0.2) is ``credit.process_rewards: released_code | paper``: a YAML
+    file and a command line with the old key load as the new one, with a one-line warning naming both."""
+    preset = "tp_grpo" if new == "released_code" else "tp_grpo_paper"
+    expected = to_dict(load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml"))
+    config = yaml.safe_load((REPO / "configs/methods" / f"{preset}.yaml").read_text())
+    config["base"] = str(REPO / "configs/methods" / config["base"])
+    config["credit"]["semantics"] = config["credit"].pop("process_rewards")
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(config))
+    with caplog.at_level("WARNING", logger="flowalign.config"):
+        assert to_dict(load_config(TrainConfig, tmp_path / "old.yaml")) == expected
+        assert to_dict(load_config(TrainConfig, REPO / "configs/methods/tp_grpo.yaml",
+                                   [f"credit.semantics={old}"] + (["credit.balanced=true"] if old == "paper" else []))
+                       ) == expected
+    warnings = [r.getMessage() for r in caplog.records if "credit.semantics was renamed" in r.getMessage()]
+    assert len(warnings) == 2 and f"credit.process_rewards = {new}" in warnings[0]
+    assert all(message.count("\n") == 0 for message in warnings)

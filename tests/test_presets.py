@@ -9,7 +9,7 @@ import yaml
 
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
-from flowalign.step_rewards import RELEASED_OPTIONS
+from flowalign.credit.tp_grpo import RELEASED_OPTIONS
 from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import GRPOTrainer
@@ -290,9 +290,10 @@ PRESET_DIFFS = {
                                     "step_weighting.name": "noise_aware"}),
     "dense_grpo": on_flow_grpo({"credit.name": "dense", "credit.clean": "ode", "credit.ode_steps": None}),
     "tp_grpo": on_flow_grpo({"sampling.kind": "cps", "credit.name": "turning_point", "credit.clean": "ode",
-                              "credit.ode_steps": None, "credit.semantics": "released", "credit.balanced": False,
+                              "credit.ode_steps": None, "credit.process_rewards": "released_code",
+                              "credit.balanced": False,
                               **{f"credit.{k}": v for k, v in RELEASED_OPTIONS.items()}}),
-    "tp_grpo_paper": ("tp_grpo", {"credit.semantics": "paper", "credit.balanced": True}),
+    "tp_grpo_paper": ("tp_grpo", {"credit.process_rewards": "paper", "credit.balanced": True}),
     "register_grpo": on_flow_grpo({"credit.name": "registers", "credit.register_pass": "policy",
                                     "credit.registers": "outputs/registers/registers.pt"}),
     "vgpo": on_flow_grpo({"credit.name": "vgpo", "credit.gamma": 0.9, "credit.k": 0.5, "credit.alpha_steps": 5,

@@ -1,4 +1,4 @@
-"""SOAR's math (flowalign.losses.soar) against the released code's numbers, and the ``soar`` objective.
+"""SOAR's math (flowalign.objectives.soar_math) against the released code's numbers, and the ``soar`` objective.
 
 The reference numbers were computed by running the released code's own functions
 (Tencent-Hunyuan/HY-SOAR ``soar/utils/algorithm.py``: ``t_to_sigma_timestep``, ``sigma_to_t``,
@@ -10,14 +10,15 @@ num_train_timesteps=1000, shift=3.0)``, with ``torch.rand`` / ``torch.randn_like
 import pytest
 import torch
 
-from flowalign.losses import soar_aux_points, soar_loss
 from flowalign.objectives import DataUnit
-from flowalign.losses.soar import (
+from flowalign.objectives.soar_math import (
     aux_model_sigma,
     aux_sigmas,
     clean_boundary,
     next_time,
     rollout_step,
+    soar_aux_points,
+    soar_loss,
     table_sigma,
     training_table,
 )

@@ -1,4 +1,4 @@
-"""TP-GRPO as its released code runs (flowalign.step_rewards.tp_grpo_process_rewards), against hand-computed cases,
+"""TP-GRPO as its released code runs (flowalign.credit.tp_grpo.tp_grpo_process_rewards), against hand-computed cases,
 and the turning_point estimator's released semantics, settings and window mapping."""
 
 import json
@@ -11,7 +11,8 @@ import torch
 
 from flowalign.config import ConfigError, load_config
 from flowalign.credit.step_credit import TurningPointConfig, TurningPointCredit
-from flowalign.step_rewards import RELEASED_OPTIONS, tp_grpo_process_rewards, turning_point_rewards
+from flowalign.credit.step_rewards import turning_point_rewards
+from flowalign.credit.tp_grpo import RELEASED_OPTIONS, tp_grpo_process_rewards
 from flowalign.training.config import TrainConfig
 
 # R_0 .. R_4 (R_4 = R_sde, as the released code reuses the final image for R_n), as in tests/test_step_rewards.py.
@@ -169,7 +170,7 @@ def test_unknown_options_and_bad_input_are_named():
 # ------------------------------------------------------------------------------------------------ the estimator
 def test_every_released_option_is_a_credit_setting_of_the_same_name_and_default():
     defaults = TurningPointConfig()
-    assert defaults.semantics == "released"
+    assert defaults.process_rewards == "released_code"
     assert {key: getattr(defaults, key) for key in RELEASED_OPTIONS} == RELEASED_OPTIONS
     released = {"take_delta_global_as_main": False, "use_delta_global": False, "use_sde_minus_rt": True, "eta": 0.5,
                 "apply_first_step_bonus": False, "select_first_step_only_from_consistent_trajectory": True,
@@ -186,7 +187,7 @@ def test_every_released_option_is_a_credit_setting_of_the_same_name_and_default(
 
 @pytest.mark.parametrize("overrides, key", [
     (["credit.balanced=true"], "credit.balanced"),
-    (["credit.semantics=paper", "credit.use_balanced_bonus=true"], "credit.use_balanced_bonus"),
+    (["credit.process_rewards=paper", "credit.use_balanced_bonus=true"], "credit.use_balanced_bonus"),
     (["credit.eta=.inf"], "credit.eta"),
     (["credit.turn_on_bonus_global_step=-1"], "credit.turn_on_bonus_global_step"),
 ])

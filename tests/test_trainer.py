@@ -323,7 +323,7 @@ SHARDED_CREDIT = {
     "tree": TREE,
     "dense": {"credit.name": "dense"},
     "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
-    "tp_grpo": {"credit.name": "turning_point", "credit.semantics": "released", "sampling.kind": "cps"},
+    "tp_grpo": {"credit.name": "turning_point", "credit.process_rewards": "released_code", "sampling.kind": "cps"},
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
     "euphonium": {"credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
                   "credit.normalize": "true", "credit.scale": 1.0},

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
 from flowalign.settings import option
 
 __all__ = ["DiversityCredit", "DiversityCreditConfig", "diversity_advantages", "nearest_neighbour_distances"]

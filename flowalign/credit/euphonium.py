@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
 from flowalign.normalization import ZERO_STD
 from flowalign.rollout import RolloutGuidance
 from flowalign.settings import at_least, check, finite, option

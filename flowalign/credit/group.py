@@ -5,7 +5,7 @@ the gathered batch before credit is assigned."""
 from __future__ import annotations
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
 
 __all__ = ["GroupCredit"]
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
 from flowalign.credit.step_credit import normalized_step_credit
 from flowalign.credit.step_rewards import dense_increments
 from flowalign.errors import SetupError

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit, trained_mask
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit, trained_mask
 from flowalign.normalization import group_normalize
 from flowalign.credit.step_rewards import dense_increments, return_to_go, turning_point_rewards
 from flowalign.credit.tp_grpo import RELEASED_OPTIONS, released_process_rewards
@@ -42,11 +42,11 @@ _R = RELEASED_OPTIONS
 
 @dataclass
 class TurningPointConfig(StepRewardConfig):
-    semantics: Literal["released", "paper"] = option(
-        "released", "released: the public code's process rewards (every step the global gain R_T - R_0, turning points "
-        "add their local gain; the settings below are its options); paper: the paper's reading (local gains, replaced "
-        "by R_T - R_t at turning points)")
-    balanced: bool = option(False, "paper semantics: keep as many positive as negative turning points per group")
+    process_rewards: Literal["released_code", "paper"] = option(
+        "released_code", "whose rule makes the process rewards: released_code: the public code's (every step the "
+        "global gain R_T - R_0, turning points add their local gain; the settings below are its options); paper: the "
+        "paper's reading (local gains, replaced by R_T - R_t at turning points)")
+    balanced: bool = option(False, "process_rewards paper: keep as many positive as negative turning points per group")
     take_delta_global_as_main: bool = option(
         _R["take_delta_global_as_main"], "released: every step gets the global gain, turning points add d_t; false: "
         "every step gets d_t, turning points add the global gain (or R_T - R_t with use_sde_minus_rt)")
@@ -82,14 +82,15 @@ class TurningPointConfig(StepRewardConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.semantics == "paper":
+        if self.process_rewards == "paper":
             changed = [key for key in RELEASED_OPTIONS if getattr(self, key) != RELEASED_OPTIONS[key]]
-            check(not changed, changed[0] if changed else "semantics",
-                  "is an option of credit.semantics = 'released'; with 'paper' leave it at its default, or set "
-                  "credit.semantics = released")
+            check(not changed, changed[0] if changed else "process_rewards",
+                  "is an option of credit.process_rewards = 'released_code'; with 'paper' leave it at its default, or "
+                  "set credit.process_rewards = released_code")
         else:
-            check(not self.balanced, "balanced", "is the paper variant's setting; with credit.semantics = 'released' "
-                  "balance with credit.use_balanced_bonus = true, or set credit.semantics = paper")
+            check(not self.balanced, "balanced", "is the paper variant's setting; with credit.process_rewards = "
+                  "'released_code' balance with credit.use_balanced_bonus = true, or set "
+                  "credit.process_rewards = paper")
         check(math.isfinite(self.eta), "eta", f"must be a finite number, got {self.eta}")
         at_least("turn_on_bonus_global_step", self.turn_on_bonus_global_step, 0)
 
@@ -143,17 +144,18 @@ class ReturnToGoCredit(StepRewardCredit):
 
 @register_credit("turning_point", config=TurningPointConfig)
 class TurningPointCredit(StepRewardCredit):
-    """TP-GRPO: step rewards as its released code computes them (semantics released) or as its paper reads (paper).
+    """TP-GRPO: step rewards as its released code computes them (process_rewards released_code) or as its paper reads
+    (paper).
 
-    ``released``: the public code's process rewards over the SDE window (``released_process_rewards``), with ``R_0``
-    from the trajectory's own initial noise and the GRPO groups as the pools of its balancing; ``paper``: incremental
-    rewards, and the aggregated R_T - R_t at turning points."""
+    ``released_code``: the public code's process rewards over the SDE window (``released_process_rewards``), with
+    ``R_0`` from the trajectory's own initial noise and the GRPO groups as the pools of its balancing; ``paper``:
+    incremental rewards, and the aggregated R_T - R_t at turning points."""
 
     def positions(self, steps, num_steps):
         return set(range(num_steps + 1))
 
     def assign(self, batch, scores, context):
-        if self.config.semantics == "paper":
+        if self.config.process_rewards == "paper":
             return super().assign(batch, scores, context)
         t = batch.rollout.transitions
         window = sorted({int(s) for s in t.step[t.stochastic]})

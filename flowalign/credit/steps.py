@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import Component, ComponentConfig
-from flowalign.credit import trained_mask
+from flowalign.credit.base import trained_mask
 from flowalign.registry import Registry
 from flowalign.seeding import Purpose, numpy_rng
 from flowalign.settings import at_least, check, option

@@ -35,11 +35,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
+from flowalign.components import ComponentConfig
+from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
 from flowalign.normalization import ZERO_STD
+from flowalign.settings import at_least, check, finite, option
 
 __all__ = [
     "FUSIONS",
@@ -255,13 +260,6 @@ def sliding_prune_steps(drop_steps: Sequence[int], progress: float, last_step: i
 
 
 # ------------------------------------------------------------------------------------------------ the estimator
-
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
-
-from flowalign.components import ComponentConfig  # noqa: E402
-from flowalign.credit import BatchScores, Credit, CreditContext, CreditEstimator, register_credit  # noqa: E402
-from flowalign.settings import at_least, check, finite, option  # noqa: E402
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.credit import BatchScores, Credit, CreditContext, register_credit, trained_mask
+from flowalign.credit.base import BatchScores, Credit, CreditContext, register_credit, trained_mask
 from flowalign.credit.step_credit import StepRewardCredit, intermediate_rewards
 from flowalign.credit.value_anchored import VARIANTS, value_anchored_advantages
 from flowalign.normalization import ZERO_STD

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 import torch
 
 from flowalign.data.images import open_image_dataset
+from flowalign.samplers import predict_x0
 from flowalign.seeding import generator
 
 __all__ = ["exposure_bias", "paired_rows"]
@@ -74,7 +75,7 @@ def exposure_bias(model, data: str = "toy", *, count: int = 32, start_sigma: flo
         teacher_state = (1 - s_m) * z0 + s_m * eps
         errors = []
         for state in (x, teacher_state):
-            x0_hat = state - s_m * velocity(state, s_m)
+            x0_hat = predict_x0(state, velocity(state, s_m), s_m)
             errors.append((x0_hat - z0).pow(2).flatten(1).mean(1))
         rows += [{"row": start + k, "generated": float(g), "teacher": float(t)}
                  for k, (g, t) in enumerate(zip(*errors))]

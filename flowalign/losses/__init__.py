@@ -8,75 +8,31 @@ term may hold a teacher set up from the model (RG-OPD's targets on the reference
 
 The micro-batch loss is the sum of the terms, in the order of ``loss`` in the config (the default ``grpo`` first), and
 the stats of all terms are logged together.
+
+The protocol (registry, base class, dataclasses) is ``flowalign.losses.base``; this package re-exports it and imports
+the built-in modules so they register.
 """
 
-from __future__ import annotations
+import warnings
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-from torch import Tensor
-
-from flowalign.components import Component
-from flowalign.registry import Registry
-
-__all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss", "soar_aux_points", "soar_loss"]
-
-LOSSES: Registry = Registry("loss term")
-register_loss = LOSSES.register
-"""Register a loss term: ``@register_loss("name", config=Settings)`` on its class, or
-``register_loss("name", factory, config=...)`` (``Registry.register``)."""
-
-
-@dataclass
-class MicroBatch:
-    """The transitions of one batch at one step. ``sources`` are the unique source nodes (the states the policy is
-    evaluated at, ``x``), ``inverse`` maps each transition to its source and ``rows`` each source to its conditioning
-    row of ``batch.cond``; ``metadata[i]`` is source ``i``'s prompt entry."""
-
-    batch: Any
-    step: int
-    transitions: Any
-    advantages: Tensor
-    weights: Tensor
-    sources: Tensor
-    inverse: Tensor
-    rows: Tensor
-    x: Tensor
-    sigma: Tensor
-    sigma_next: Tensor
-    cond: Any
-    metadata: list[dict]
-
-
-@dataclass
-class PolicyOutput:
-    """The policy velocity per transition ``v`` (with gradient) and at the sources ``v_sources``; the reference
-    velocity likewise (``None`` unless a term needs it). ``v_copies``: at an objective's data unit, the velocity of
-    each policy copy the objective declares (``Component.policy_copies``), by name, without gradient, computed in the
-    same autocast and batch as ``v``."""
-
-    v: Tensor
-    v_ref: Tensor | None = None
-    v_sources: Tensor | None = None
-    v_ref_sources: Tensor | None = None
-    v_copies: dict[str, Tensor] = field(default_factory=dict)
-
-
-class LossTerm(Component):
-    """One term of the micro-batch loss (module docstring)."""
-
-    needs_reference: ClassVar[bool] = False
-
-    def wants_reference(self) -> bool:
-        """Whether this term, with its settings, reads the reference velocity."""
-        return self.needs_reference
-
-    def loss(self, micro: MicroBatch, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
-        raise NotImplementedError
-
-
+from flowalign.losses.base import LOSSES, LossTerm, MicroBatch, PolicyOutput, register_loss
 # The built-in terms register themselves on import.
-from flowalign.losses import gated_kl, grpo, reference, rg_opd  # noqa: E402,F401
-# SOAR's pure math (the objective on data is flowalign.objectives.soar).
-from flowalign.losses.soar import soar_aux_points, soar_loss  # noqa: E402
+from flowalign.losses import gated_kl, grpo, reference, rg_opd  # noqa: F401
+
+__all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss"]
+
+_MOVED = {"soar_aux_points": "flowalign.objectives.soar_math", "soar_loss": "flowalign.objectives.soar_math"}
+
+
+def __getattr__(name: str):
+    """``soar_aux_points`` and ``soar_loss`` (SOAR's math, not loss terms) moved to ``flowalign.objectives.soar_math``:
+    still importable from here for one release, with a ``DeprecationWarning``, through the deprecated
+    ``flowalign.losses.soar``."""
+    if name not in _MOVED:
+        raise AttributeError(f"module 'flowalign.losses' has no attribute {name!r}")
+    warnings.warn(f"flowalign.losses.{name} moved to {_MOVED[name]}; import it from there (the old path goes in the "
+                  "next release)", DeprecationWarning, stacklevel=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from flowalign.losses import soar
+    return getattr(soar, name)

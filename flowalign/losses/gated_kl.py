@@ -41,7 +41,7 @@ from torch import Tensor
 from flowalign.components import ComponentConfig, IterationContext
 from flowalign.kernels.loss_reference import kl_std_scale, latent_mean_kl
 from flowalign.kernels.sde_reference import sde_mean_std
-from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss
+from flowalign.losses.base import LossTerm, MicroBatch, PolicyOutput, register_loss
 from flowalign.settings import at_least, check, finite, option
 
 __all__ = ["GatedKL", "GatedKLConfig", "RiskController", "descending_ranks", "gate_fraction", "kl_scale",

@@ -39,12 +39,18 @@ term, both off by default:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 from torch import Tensor
 
+from flowalign.components import ComponentConfig
 from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
 from flowalign.kernels.loss_reference import (check_loss_settings, kl_std_scale, latent_mean_kl, transition_kl,
                                            velocity_mse_kl)
+from flowalign.losses.base import LossTerm, MicroBatch, PolicyOutput, register_loss
+from flowalign.settings import check, finite, option
 
 __all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl", "step_reweight",
            "transition_grpo_loss", "velocity_mse_kl"]
@@ -235,13 +241,6 @@ def _check_shape(name: str, tensor: Tensor, shape: torch.Size) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ the term
-
-from dataclasses import dataclass  # noqa: E402
-from typing import Literal  # noqa: E402
-
-from flowalign.components import ComponentConfig  # noqa: E402
-from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss  # noqa: E402
-from flowalign.settings import check, finite, option  # noqa: E402
 
 
 @dataclass

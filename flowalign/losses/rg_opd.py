@@ -23,7 +23,7 @@ from torch import Tensor
 
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError
-from flowalign.losses import LossTerm, MicroBatch, PolicyOutput, register_loss
+from flowalign.losses.base import LossTerm, MicroBatch, PolicyOutput, register_loss
 from flowalign.settings import check, finite, option
 
 __all__ = ["RGOPDConfig", "RGOPDLoss"]

@@ -1,4 +1,8 @@
-"""Load a FlowModel from a local directory or a hub id, or wrap a pipeline already in memory."""
+"""Load a FlowModel from a local directory or a hub id, or wrap a pipeline already in memory.
+
+The built-in families are registered by the package (``flowalign/models/__init__.py`` imports every family module,
+and Python runs it before any of its submodules is used), so this module imports only the registry.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,6 @@ from pathlib import Path
 import torch
 
 from ..devices import resolve_dtype
-# The built-in families register themselves on import.
-from . import (chroma, cogview4, flux, flux2, flux_kontext, hidream, lumina2, qwen_image,  # noqa: F401
-               qwen_image_edit, sana, sd3, z_image)
 from .base import MODEL_FAMILIES, FlowModel
 
 ADAPTERS = MODEL_FAMILIES  # the registered adapters by family name

@@ -1,7 +1,7 @@
 """Adjoint matching, DRL's stage 2 (Beltran-Velez et al. 2026, arXiv 2606.19162, Alg. 2; Domingo-Enrich et al. 2025):
 fine-tune toward ``p_base exp(lambda r)`` for a differentiable reward ``r`` (DRL: the discriminator's logit) by
 regressing the policy's control onto the lean adjoint of the memoryless SDE. The math is
-``flowalign.losses.adjoint_matching``; no public code exists, so this follows the paper's equations
+``flowalign.objectives.adjoint_matching_math`` and the sampler ``flowalign.samplers.memoryless``; no public code exists, so this follows the paper's equations
 (``../shared/METHODS.md`` §3).
 
 Each data unit is ``B`` trajectories, every draw from the generator keyed ``(seed, iteration, unit, OBJECTIVE)`` in
@@ -43,16 +43,10 @@ from torch import Tensor
 
 from flowalign.components import ComponentConfig
 from flowalign.errors import SetupError
-from flowalign.losses.adjoint_matching import (
-    INTEGRATORS,
-    OutlierClip,
-    adjoint_matching_loss,
-    lean_adjoints,
-    sample_memoryless,
-    stratified_steps,
-)
 from flowalign.models.base import as_image_size
-from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.objectives.adjoint_matching_math import OutlierClip, adjoint_matching_loss, lean_adjoints, stratified_steps
+from flowalign.objectives.base import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.samplers.memoryless import INTEGRATORS, sample_memoryless
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
 

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import PolicyCopy
-from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, register_objective
+from flowalign.objectives.base import DataUnit, ObjectiveContext, PolicyOutput, register_objective
 from flowalign.objectives.forward import ForwardObjective, ForwardObjectiveConfig, forward_generator, latent_mse, noised
 from flowalign.settings import check, finite, option
 

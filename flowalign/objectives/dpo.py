@@ -38,9 +38,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowalign.components import REFERENCE_POLICY, PolicyCopy
-from flowalign.losses.soar import training_table
-from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, register_objective
+from flowalign.objectives.base import DataUnit, ObjectiveContext, PolicyOutput, register_objective
 from flowalign.objectives.forward import ForwardObjective, ForwardObjectiveConfig, forward_generator, latent_mse, noised
+from flowalign.objectives.soar_math import training_table
 from flowalign.settings import check, finite, option
 
 __all__ = ["DPO", "DPOConfig", "dpo_loss", "dpo_pairs", "dpo_sigmas"]

@@ -31,7 +31,7 @@ from flowalign.components import ComponentConfig
 from flowalign.data.images import ImageCaptionDataset, ToySceneDataset, check_image_dataset, open_image_dataset
 from flowalign.errors import SetupError
 from flowalign.models.base import as_image_size
-from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.objectives.base import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
 from flowalign.seeding import Purpose, numpy_rng
 from flowalign.settings import check, finite, option
 

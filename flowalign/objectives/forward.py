@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.objectives import Objective, RolloutSamples
+from flowalign.objectives.base import Objective, RolloutSamples
 from flowalign.seeding import Purpose, generator
 from flowalign.settings import check, finite, option
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from flowalign.components import ComponentConfig
 from flowalign.errors import SetupError
 from flowalign.models.base import as_image_size
-from flowalign.objectives import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.objectives.base import DataUnit, Objective, ObjectiveContext, PolicyOutput, register_objective, unit_keys
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
 

@@ -1,6 +1,6 @@
 """SOAR (Qin et al. 2026, arXiv 2604.12617): reward-free self-correction on real (image, caption) pairs, as the released
 training script (Tencent-Hunyuan/HY-SOAR, ``soar/train_soar_sd3_5m.py``) computes it; the math is
-``flowalign.losses.soar``.
+``flowalign.objectives.soar_math``.
 
 For each pair ``(z0, c)`` of a unit of ``B`` pairs, every draw keyed by ``(seed, iteration, unit, OBJECTIVE)`` in this
 order (so any process layout makes the same units): ``t0 = sigmoid(m + s n)``, the noise ``z1``, the posterior draw
@@ -36,7 +36,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flowalign.losses.soar import (
+from flowalign.objectives.base import DataUnit, ObjectiveContext, PolicyOutput, register_objective, unit_keys
+from flowalign.objectives.flow_matching import DataObjectiveConfig, FlowMatching
+from flowalign.objectives.soar_math import (
     ROLLOUT_KINDS,
     aux_model_sigma,
     aux_sigmas,
@@ -47,8 +49,6 @@ from flowalign.losses.soar import (
     table_sigma,
     training_table,
 )
-from flowalign.objectives import DataUnit, ObjectiveContext, PolicyOutput, register_objective, unit_keys
-from flowalign.objectives.flow_matching import DataObjectiveConfig, FlowMatching
 from flowalign.seeding import Purpose
 from flowalign.settings import check, finite, option
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowalign.rollout import Batch, RolloutContext, RolloutShape, register_shape
+from flowalign.rollout.base import Batch, RolloutContext, RolloutShape, register_shape
 from flowalign.components import ComponentConfig
 from flowalign.samplers import rollout
 from flowalign.seeding import Purpose

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.rollout import Batch, RolloutContext, RolloutShape, register_shape
+from flowalign.rollout.base import Batch, RolloutContext, RolloutShape, register_shape
 from flowalign.samplers import probe_rollout
 from flowalign.seeding import Purpose
 from flowalign.settings import check, option

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flowalign.components import ComponentConfig
-from flowalign.rollout import Batch, RolloutContext, RolloutShape, register_shape
+from flowalign.rollout.base import Batch, RolloutContext, RolloutShape, register_shape
 from flowalign.samplers import TreeSchedule, tree_rollout
 from flowalign.seeding import Purpose
 from flowalign.settings import at_least, check, finite, option

@@ -9,9 +9,14 @@ naming the moved keys). The moves:
                                                      -> credit.* (tree credit)
     step_reward.estimator                            -> credit.name (terminal: the shape's own credit, group or tree)
     step_reward.clean / ode_steps / balanced         -> credit.* (dense, return_to_go, turning_point)
-    step_reward.estimator: turning_point             -> also credit.semantics: paper (the reading those configs ran)
-    credit: {name: turning_point, clean, ode_steps, balanced} without semantics (a whole turning-point section written
-    before credit.semantics existed: a saved config.yaml, the old preset) -> credit.semantics: paper
+    step_reward.estimator: turning_point             -> also credit.process_rewards: paper (the reading those configs
+                                                        ran)
+    credit: {name: turning_point, clean, ode_steps, balanced} without semantics or process_rewards (a whole
+    turning-point section written before credit.semantics existed: a saved config.yaml, the old preset)
+                                                     -> credit.process_rewards: paper
+    credit.semantics: released | paper               -> credit.process_rewards: released_code | paper (renamed in 0.2,
+                                                        #42: the option says what it switches; the old key goes in the
+                                                        release after)
     step_reward.registers / register_pass            -> credit.* (registers); RG-OPD's registers -> loss.rg_opd.registers
     sampling.train_steps_per_rollout: N              -> step_selection: {name: random_subset, count: N}
     loss.clip_range / beta / kl                      -> loss.grpo.*
@@ -37,6 +42,8 @@ TREE_SHAPE_KEYS = ("split_steps", "branching", "split_noise_scale")
 STEP_REWARD_KEYS = {"dense": ("clean", "ode_steps"), "return_to_go": ("clean", "ode_steps"),
                     "turning_point": ("clean", "ode_steps", "balanced"), "registers": ("registers", "register_pass")}
 OLD_TURNING_POINT_KEYS = ("clean", "ode_steps", "balanced")
+# credit.semantics (TP-GRPO, before 0.2) -> credit.process_rewards: old value -> new value
+OLD_SEMANTICS = {"released": "released_code", "paper": "paper"}
 OLD_LOSS_KEYS = ("clip_range", "beta", "kl", "step_weighting", "rg_opd_weight", "rg_opd_reward",
                  "rg_opd_reward_kwargs", "rg_opd_bands")
 
@@ -88,7 +95,7 @@ def migrate_layer(layer: Any) -> tuple[Any, list[str]]:
             section("credit")["name"] = estimator
             kept = STEP_REWARD_KEYS.get(estimator, ())
             if estimator == "turning_point":
-                section("credit")["semantics"] = "paper"
+                section("credit")["process_rewards"] = "paper"
         else:
             kept = tuple(step)
         for key in kept:
@@ -133,15 +140,24 @@ def migrate_layer(layer: Any) -> tuple[Any, list[str]]:
         data["loss"] = new_loss
 
     credit = data.get("credit")
-    if (isinstance(credit, Mapping) and credit.get("name") == "turning_point" and "semantics" not in credit
+    renamed = []
+    if isinstance(credit, Mapping) and "semantics" in credit:
+        credit = data["credit"] = dict(credit)
+        old = credit.pop("semantics")
+        new = OLD_SEMANTICS.get(old, old) if isinstance(old, str) else old
+        credit.setdefault("process_rewards", new)
+        renamed = [f"credit.semantics was renamed credit.process_rewards (credit.semantics = {old} -> "
+                   f"credit.process_rewards = {new}); the old key goes in the next release: write the new one "
+                   "(flowalign.training.migration)"]
+    if (isinstance(credit, Mapping) and credit.get("name") == "turning_point" and "process_rewards" not in credit
             and all(key in credit for key in OLD_TURNING_POINT_KEYS)):
-        data["credit"] = {**credit, "semantics": "paper"}
+        data["credit"] = {**credit, "process_rewards": "paper"}
         return data, ["a turning_point credit section written before credit.semantics existed runs the paper's "
-                      "reading: credit.semantics = paper added (tp_grpo now follows the released code; "
+                      "reading: credit.process_rewards = paper added (tp_grpo now follows the released code; "
                       "flowalign.training.migration)"] + _notice(moved)
-    if not moved:
+    if not moved and not renamed:
         return layer, []
-    return data, _notice(moved)
+    return data, renamed + _notice(moved)
 
 
 def _notice(moved: list[str]) -> list[str]:
