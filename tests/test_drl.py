@@ -120,7 +120,7 @@ def test_train_discriminator_separates_data_from_samples_and_repeats_bitwise(toy
     from flowalign.cli import main
     from flowalign.data.images import open_image_dataset
     from flowalign.models.loading import load_flow_model
-    from flowalign.training.discriminator import DiscriminatorTrainConfig, _fakes
+    from flowalign.prep.train_discriminator import DiscriminatorTrainConfig, _fakes
 
     with torch_threads(1):
         for name in ("a", "b"):
@@ -188,7 +188,7 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
     with torch.no_grad():
         next(transformer.parameters()).add_(1.0)  # a fine-tuned transformer of the same architecture
     transformer.save_pretrained(tmp_path / "copy" / "transformer")
-    with pytest.raises(ValueError, match=r"d\.safetensors.*another base model.*flowalign reward train-discriminator"):
+    with pytest.raises(ValueError, match=r"d\.safetensors.*another base model.*flowalign prep train-discriminator"):
         check_discriminator(path, model=str(copy), image_size=32)
     with pytest.raises(ValueError, match=r"d\.safetensors.*trained on 32x32 images, the run samples 64x64"):
         check_discriminator(path, model=str(tmp_path / "tiny"), image_size=64)
@@ -197,7 +197,7 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
     (tmp_path / "d.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"d\.safetensors.*other segmenter features.*train-discriminator"):
         check_discriminator(path, model=str(tmp_path / "tiny"), image_size=32)
-    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors.*flowalign reward train-discriminator"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors.*flowalign prep train-discriminator"):
         check_discriminator(tmp_path / "missing.safetensors", model=str(tmp_path / "tiny"))
 
 
@@ -211,7 +211,7 @@ def test_the_trainer_refuses_a_missing_or_foreign_discriminator_before_the_model
     values = {**small_run_values(TOY, tmp_path / "run"), "reward.rewards": rewards(tmp_path / "absent.safetensors")}
     config = load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])
     with pytest.raises(SetupError, match=r"reward\.rewards\[0\]\.kwargs\.path.*absent\.safetensors.*"
-                                         r"flowalign reward train-discriminator"):
+                                         r"flowalign prep train-discriminator"):
         GRPOTrainer(config)
     other = untrained_discriminator(tmp_path / "elsewhere", tmp_path / "d.safetensors", image_size=32, width=8)
     values["reward.rewards"] = rewards(other)

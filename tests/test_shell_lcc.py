@@ -201,7 +201,7 @@ def test_a_manifold_for_another_model_is_refused_before_the_model_loads(tiny_sd3
         reward = f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {path}}}}}]"
         with pytest.raises(SetupError, match=says) as error:
             GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", reward))
-        assert str(path) in str(error.value) and "flowalign reward fit-manifold" in str(error.value)
+        assert str(path) in str(error.value) and "flowalign prep fit-manifold" in str(error.value)
         with pytest.raises(SetupError, match=says):
             GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2", f"objectives.shell_lcc.path={path}",
                                      preset="shell_lcc_objective"))
@@ -213,11 +213,11 @@ def test_a_missing_manifold_names_the_command_that_makes_it(tiny_sd3, tmp_path, 
 
     refuse_loading(monkeypatch)
     missing = tmp_path / "none.safetensors"
-    with pytest.raises(SetupError, match="flowalign reward fit-manifold") as error:
+    with pytest.raises(SetupError, match="flowalign prep fit-manifold") as error:
         GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", f"objectives.shell_lcc.path={missing}",
                                  preset="shell_lcc_objective"))
     assert str(missing) in str(error.value)
-    with pytest.raises(Exception, match="flowalign reward fit-manifold"):
+    with pytest.raises(Exception, match="flowalign prep fit-manifold"):
         GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2",
                                  f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {missing}}}}}]"))
 

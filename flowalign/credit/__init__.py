@@ -105,7 +105,7 @@ def trained_mask(transitions, steps: list[int]) -> Tensor:
 
 
 # The built-in estimators and step components register themselves on import.
-from flowalign.credit import diversity, euphonium, group, registers, steps, step_credit, tree, vgpo  # noqa: E402,F401
+from flowalign.credit import diversity, euphonium, group, register_grpo, steps, step_credit, tree, vgpo  # noqa: E402,F401
 from flowalign.credit.diversity import diversity_advantages  # noqa: E402
 from flowalign.credit.euphonium import euphonium_advantages  # noqa: E402
 from flowalign.credit.value_anchored import value_anchored_advantages  # noqa: E402

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from flowalign.normalization import ZERO_STD
+from flowalign.advantages import ZERO_STD
 
 __all__ = [
     "FUSIONS",

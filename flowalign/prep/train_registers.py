@@ -1,11 +1,11 @@
-"""``flowalign registers train``: fit latent reward registers on the model's own samples
+"""``flowalign prep registers``: fit latent reward registers on the model's own samples
 (docs/design/math.md#registers).
 
 Each iteration draws prompts, samples ``K`` trajectories per prompt with the frozen model, labels the final images
 with a reward, and keeps the register taps' hidden states of every visited state ``x_t`` (captured by the
 registers' read hooks during the sampling passes themselves, so the features cost no extra NFE). Pairs are the
 states of two trajectories of the same prompt at the same step whose final rewards differ; the registers minimise
-the pairwise Thurstone loss over them (``reward_models.registers.thurstone_loss``) for a few updates per batch.
+the pairwise Thurstone loss over them (``reward_models.latent_registers.thurstone_loss``) for a few updates per batch.
 
 A validation split of the training prompts (``val_prompt_count``; never the held-out ones) is scored every
 ``eval_every`` iterations with the mean band accuracy (``selection_score``), and the checkpoint keeps the weights of
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RegisterTrainConfig:
-    """Settings of ``flowalign registers train``."""
+    """Settings of ``flowalign prep registers``."""
 
     model: str = option("assets/toy-sd3", "diffusers pipeline directory of the frozen model")
     prompts: str | None = option(None, "training metadata jsonl (default: assets/prompts/train.jsonl)")
@@ -158,7 +158,7 @@ def pair_index(labels: Tensor, groups: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def register_loss(registers, batch: StateBatch) -> Tensor:
-    from flowalign.reward_models.registers import thurstone_loss
+    from flowalign.reward_models.latent_registers import thurstone_loss
 
     scores = registers.features_to_scores(batch.features, batch.sigma)[:, 0]
     i, j = pair_index(batch.label, batch.group)
@@ -170,7 +170,7 @@ def register_loss(registers, batch: StateBatch) -> Tensor:
 @torch.no_grad()
 def evaluate_registers(registers, batch: StateBatch) -> dict:
     """Pairwise accuracy per sigma band of the registers (and of the x0-projection baseline when collected)."""
-    from flowalign.reward_models.registers import pairwise_accuracy
+    from flowalign.reward_models.latent_registers import pairwise_accuracy
 
     scores = registers.features_to_scores(batch.features, batch.sigma)[:, 0].cpu()
     out = {"registers": pairwise_accuracy(scores, batch.label, batch.group, batch.sigma.cpu())}
@@ -187,7 +187,7 @@ def selection_score(accuracy: dict[str, dict]) -> float:
 
 
 def format_accuracy(report: dict) -> str:
-    from flowalign.reward_models.registers import SIGMA_BANDS
+    from flowalign.reward_models.latent_registers import SIGMA_BANDS
 
     methods = list(report)
     lines = ["| sigma band | pairs | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
@@ -210,7 +210,8 @@ def train_registers(config: RegisterTrainConfig) -> dict:
 def _set_up(config: RegisterTrainConfig):
     """Check the config, read the prompt splits, build the reward and load the model (all the user's to fix)."""
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.evaluation.toy_eval import default_prompts_path, resolve_model_path
+    from flowalign.evaluation.toy_eval import default_prompts_path
+    from flowalign.lora_loading import resolve_model_path
     from flowalign.models.loading import load_flow_model
     from flowalign.rewards import build_reward
     from flowalign.seeding import numpy_rng
@@ -233,7 +234,7 @@ def _set_up(config: RegisterTrainConfig):
 
 
 def _train_registers(config: RegisterTrainConfig, model, reward_fn, train_meta, val_meta, eval_meta, device) -> dict:
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
     from flowalign.seeding import numpy_rng
 
     model.transformer.requires_grad_(False)

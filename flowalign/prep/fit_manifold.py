@@ -1,4 +1,4 @@
-"""``flowalign reward fit-manifold``: fit a Shell-LCC manifold on a model's VAE latents of data images.
+"""``flowalign prep fit-manifold``: fit a Shell-LCC manifold on a model's VAE latents of data images.
 
 The data images (an image-caption dataset, or ``toy`` / ``toy:N``: the toy world's exact scenes,
 ``flowalign.data.images.open_image_dataset``) are encoded with ``model.encode_images`` (the VAE posterior mean with
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class FitManifoldConfig:
-    """Settings of ``flowalign reward fit-manifold``."""
+    """Settings of ``flowalign prep fit-manifold``."""
 
     model: str = option("assets/toy-sd3", "diffusers pipeline directory whose VAE latents the manifold models")
     data: str = option("toy", "data images: an image-caption JSONL, a folder with metadata.jsonl, or toy / toy:N "

@@ -21,7 +21,7 @@ A checkpoint is a directory ``checkpoint-<iteration>`` holding everything a run 
 A sharded run (``distributed.engine: fsdp2``) writes ``sharded/`` (``torch.distributed.checkpoint``: every process
 its shards of the trainable weights, the EMA, the policy copies and the optimizer state) instead of
 ``trainable.safetensors``, ``ema.safetensors``, ``copies.safetensors`` and ``optimizer.pt``; the rest is the same
-(``flowalign.training.engine``).
+(``flowalign.training.parallel_engines``).
 
 Every process writes its files into a temporary sibling directory ``.tmp-checkpoint-<iteration>``; once they all
 agree that every write succeeded, the main process renames it into place (exchanging it atomically with an earlier

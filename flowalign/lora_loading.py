@@ -1,47 +1,41 @@
-"""A trained LoRA outside the trainer: load it into a model for sampling or evaluation, or export it for diffusers.
+"""A trained LoRA outside the trainer: find it, check it, and load it into a model for sampling or evaluation.
 
 A LoRA source (``resolve_lora``) is one of two directories that ``flowalign train`` writes:
 
-* a **checkpoint** ``checkpoint-NNNNNN/`` (``flowalign.training.checkpoint``), with ``trainable.safetensors`` (the last
-  weights), ``ema.safetensors`` (their EMA, when ``optim.ema_decay > 0``) and the run's ``config.yaml``. ``weights``
-  picks ``"ema"`` or ``"last"`` (default: ``ema`` when the checkpoint has it). Loading re-creates the trainer's
-  adapter exactly: ``FlowModel.add_lora`` with the config's ``model.lora_rank`` / ``lora_alpha`` / ``lora_targets``,
-  LoRA parameters in fp32 as the trainer keeps them, then every tensor copied in by parameter name. This is bitwise
-  the model that the trainer's final evaluation samples (``GRPOTrainer.evaluate_before_after`` swaps the EMA into the
-  same parameters), so ``flowalign eval toy --lora CHECKPOINT`` with the run's evaluation settings reproduces its
-  "after" column exactly.
+* a **checkpoint** ``checkpoint-NNNNNN/`` (``flowalign.training.checkpoint_files``), with ``trainable.safetensors``
+  (the last weights), ``ema.safetensors`` (their EMA, when ``optim.ema_decay > 0``) and the run's ``config.yaml``.
+  ``weights`` picks ``"ema"`` or ``"last"`` (default: ``ema`` when the checkpoint has it). Loading re-creates the
+  trainer's adapter exactly: ``FlowModel.add_lora`` with the config's ``model.lora_rank`` / ``lora_alpha`` /
+  ``lora_targets``, LoRA parameters in fp32 as the trainer keeps them, then every tensor copied in by parameter name.
+  This is bitwise the model that the trainer's final evaluation samples (``GRPOTrainer.evaluate_before_after`` swaps
+  the EMA into the same parameters), so ``flowalign eval toy --lora CHECKPOINT`` with the run's evaluation settings
+  reproduces its "after" column exactly.
 * a **diffusers LoRA folder** (``pytorch_lora_weights.safetensors``, e.g. a checkpoint's ``lora/``, which holds the
-  *last* weights, or the output of ``export_lora``). It is loaded with the pipeline's own ``load_lora_weights``, after
-  a check that every LoRA layer names a linear module of the transformer with matching sizes. Its samples equal those
-  of the checkpoint's weights to fp32 tolerance (in practice bitwise for an fp32 model; with a bf16/fp16 base,
-  diffusers keeps the adapter in the base dtype where the trainer keeps it in fp32).
+  *last* weights, or the output of ``flowalign.export.export_lora``). It is loaded with the pipeline's own
+  ``load_lora_weights``, after a check that every LoRA layer names a linear module of the transformer with matching
+  sizes. Its samples equal those of the checkpoint's weights to fp32 tolerance (in practice bitwise for an fp32 model;
+  with a bf16/fp16 base, diffusers keeps the adapter in the base dtype where the trainer keeps it in fp32).
 
-``export_lora(checkpoint, out, weights=..., merge=...)`` writes the chosen weights as a diffusers LoRA folder
-(``pipe.load_lora_weights(out)``), or with ``merge`` a whole pipeline directory whose transformer has the update
-``W + (alpha / r) B A`` folded into its weights (``StableDiffusion3Pipeline.from_pretrained(out)`` /
-``FluxPipeline.from_pretrained(out)``, no peft needed). Its ODE samples equal the adapter's to fp32 rounding. An
-existing non-empty ``out`` is refused, and the output is written to a temporary sibling and renamed into place, so no
-earlier output is ever modified and an interrupted export leaves nothing half-written.
+The base model is ``--model`` when given, else the checkpoint's ``model.path`` (``base_model_path``), checked by
+``resolve_model_path`` (a local-looking path must exist; ``assets/toy-sd3`` is also looked up in the repository).
 
 Every check on the paths runs before a model loads (``resolve_lora``); a LoRA that does not fit the model is an error
-naming both before anything is sampled (``apply_lora``).
+naming both before anything is sampled (``apply_lora``). Writing a LoRA out for diffusers is ``flowalign.export``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["LORA_FILE", "WEIGHTS", "LoraSource", "apply_lora", "base_model_path", "export_lora", "load_model",
-           "resolve_lora"]
+__all__ = ["DEFAULT_MODEL", "LORA_FILE", "WEIGHTS", "LoraSource", "apply_lora", "base_model_path", "load_model",
+           "resolve_lora", "resolve_model_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +45,7 @@ _WEIGHT_FILES = {"ema": "ema.safetensors", "last": "trainable.safetensors"}
 _CHECKPOINT_NAME = re.compile(r"^checkpoint-\d+$")
 # diffusers' LoRA keys: "transformer.<module path>.lora_A.weight" (down, [r, in]) / "lora_B.weight" (up, [out, r]).
 _LORA_KEY = re.compile(r"^transformer\.(?P<module>.+)\.lora_(?P<side>[AB])\.weight$")
-EXPORT_RECORD = "flowalign_export.json"
+DEFAULT_MODEL = "assets/toy-sd3"  # the toy world's model: looked up in the repository too
 
 
 @dataclass(frozen=True)
@@ -168,11 +162,34 @@ def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSou
                             f"config.yaml) nor a LoRA folder ({LORA_FILE}){hint}")
 
 
-def base_model_path(model: str | None, lora: LoraSource | None, default: str | None = None) -> str:
-    """The base model to load, checked as ``toy_eval.resolve_model_path`` checks it: ``model`` when given, else the
-    checkpoint's ``model.path``, else ``default``; FileNotFoundError / ValueError say which one is missing."""
-    from flowalign.evaluation.toy_eval import resolve_model_path
+def resolve_model_path(model: str) -> str:
+    """The model to load, with a clear FileNotFoundError for a local-looking path that does not exist.
 
+    The default ``assets/toy-sd3`` is always local: relative to the working directory, else to the repository (as
+    ``assets/prompts`` is). Any other relative ``dir/name`` is also what a hub id looks like; it counts as local
+    when ``dir`` exists here, so a missing local model is not looked up on the hub.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        return model
+    if model == DEFAULT_MODEL:
+        from flowalign.toy.prompts import PROMPT_ASSET_DIR
+
+        in_repo = Path(PROMPT_ASSET_DIR).parents[1] / DEFAULT_MODEL
+        if in_repo.exists():
+            return str(in_repo)
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist here nor at {str(in_repo)!r} (build it with `flowalign toy pretrain`)"
+        )
+    parent = path.parent
+    if path.is_absolute() or model.startswith((".", "~")) or (str(parent) != "." and parent.is_dir()):
+        raise FileNotFoundError(f"model path {model!r} does not exist")
+    return model  # a hub id: load_flow_model fetches it or explains why it cannot
+
+
+def base_model_path(model: str | None, lora: LoraSource | None, default: str | None = None) -> str:
+    """The base model to load, checked by ``resolve_model_path``: ``model`` when given, else the checkpoint's
+    ``model.path``, else ``default``; FileNotFoundError / ValueError say which one is missing."""
     from_checkpoint = model is None and lora is not None and lora.kind == "checkpoint" and bool(lora.model_path)
     chosen = model if model is not None else lora.model_path if from_checkpoint else default
     if chosen is None:
@@ -273,58 +290,3 @@ def _check_lora_folder(model, lora: LoraSource, what: str) -> None:
     if problems:
         raise ValueError(f"{lora.describe()} does not fit {what}: {problems} of its {layers} LoRA tensors do not match "
                          f"({'; '.join(found)}); was it trained on another base model? pass that one as --model")
-
-
-# ---------------------------------------------------------------------------------------------------- export
-
-
-def check_out_dir(out: str | os.PathLike) -> Path:
-    """``out`` as a Path when it is absent or an empty directory; otherwise FileExistsError suggesting another."""
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        kind = "a non-empty directory" if out.is_dir() else "a file"
-        suggestion = next(f"{out}-{n}" for n in range(2, 10_000) if not Path(f"{out}-{n}").exists())
-        raise FileExistsError(f"--out {str(out)!r} is {kind}: nothing in it is overwritten; choose a new path, "
-                              f"e.g. --out {suggestion}")
-    return out
-
-
-def export_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: str | None = None,
-                merge: bool = False, model: str | None = None, dtype: str | None = None,
-                device: str | torch.device = "cpu") -> Path:
-    """Write a checkpoint's ``weights`` (``ema`` / ``last``) to ``out``: a diffusers LoRA folder, or with ``merge``
-    a full pipeline directory with the LoRA folded into the transformer. ``model`` overrides the checkpoint's base
-    model (``model.path``), ``dtype`` its ``model.dtype``. Returns ``out``.
-
-    Also writes ``flowalign_export.json`` (the checkpoint, the weights, the base model). All checks on the paths run
-    before the model loads.
-    """
-    source = resolve_lora(checkpoint, weights)
-    if source.kind != "checkpoint":
-        raise ValueError(f"{str(checkpoint)!r} is already a diffusers LoRA folder: `flowalign export` takes the "
-                         "checkpoint directory it came from (checkpoint-NNNNNN)")
-    out = check_out_dir(out)
-    base = base_model_path(model, source)
-    dtype = dtype or source.model_config.get("dtype", "fp32")
-    flow_model = load_model(base, source, dtype=dtype, device=device)
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        if merge:
-            flow_model.transformer.fuse_lora()  # W += (alpha / r) B A, per peft's merge
-            flow_model.transformer.unload_lora()
-            flow_model.pipe.save_pretrained(tmp, safe_serialization=True)
-        else:
-            flow_model.save_lora(tmp)
-        record = {"checkpoint": str(source.path), "weights": source.weights, "merged": merge, "base_model": base,
-                  "dtype": str(dtype)}
-        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        check_out_dir(out)  # again: nothing may have appeared there while the model loaded
-        if out.exists():
-            out.rmdir()  # empty: os.replace cannot rename onto a directory on every platform
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.debug("exported %s to %s", source.describe(), out)  # the command line says "wrote" itself
-    return out

@@ -18,7 +18,7 @@ registers), built as forward hooks that only *read* the blocks' outputs: the gen
 are bitwise those of the model without registers (tests/test_registers.py), and one transformer pass yields both
 the velocity and the register scores. Gradients reach ``x_t`` through the tapped hidden states, which RGS uses.
 
-Training (``flowalign.training.registers``) uses the pairwise Thurstone loss on noisy latents of one prompt
+Training (``flowalign.prep.train_registers``) uses the pairwise Thurstone loss on noisy latents of one prompt
 (docs/design/math.md#registers): with scores ``r_i, r_j`` of two states at sigma ``s`` whose final images got rewards
 ``y_i != y_j``,
 
@@ -89,7 +89,7 @@ def check_transformer_config(saved: dict, actual: dict, where: str = "register c
         raise ValueError(
             f"{where} was trained on a different transformer config (checkpoint vs this model): {'; '.join(diff)}. "
             "Registers read one transformer's hidden states; train registers for this model with "
-            "`flowalign registers train --model PATH`"
+            "`flowalign prep registers --model PATH`"
         )
 
 
@@ -247,7 +247,7 @@ def read_checkpoint(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"register checkpoint {str(path)!r} does not exist (train one with "
-                                "`flowalign registers train`)")
+                                "`flowalign prep registers`)")
     blob = safe_load(path, "a register checkpoint")
     if not isinstance(blob, dict) or "settings" not in blob or "state_dict" not in blob:
         raise ValueError(f"{path} is not a register checkpoint (no settings/state_dict)")

@@ -2,8 +2,8 @@
 
 accelerate's distributed types the trainer launches on: one process, or processes over CPU (gloo), GPU or XPU. How the
 model is laid out over them is the trainer's engine (``distributed.engine``: DDP or FSDP2,
-``flowalign.training.engine``), not accelerate's: an accelerate config with its own FSDP or DeepSpeed plugin is
-refused. Before anything loads, every process checks that all of them run the same config (a node launched with
+``flowalign.training.parallel_engines``), not accelerate's: an accelerate config with its own FSDP or DeepSpeed plugin
+is refused. Before anything loads, every process checks that all of them run the same config (a node launched with
 other overrides would train another run in lockstep, or hang).
 """
 

@@ -1,4 +1,4 @@
-"""``flowalign calibrate``: DenseGRPO's per-step noise calibration, written as a config ``flowalign train`` takes.
+"""``flowalign prep calibrate``: DenseGRPO's per-step noise calibration, written as a config ``flowalign train`` takes.
 
 Reference: Deng et al. 2026, "DenseGRPO" (arXiv:2601.20218), Algorithm 1, and docs/design/math.md#calibration. Before
 training, each
@@ -15,7 +15,12 @@ The output is a YAML config: ``base:`` the input config (when there is one), the
 ``flowalign train calibrated.yaml``. Calibration runs SDE on every stochastic step of the base levels (an SDE window
 in the config is kept for training but ignored while calibrating, so every step is measured).
 
-On several processes (``torchrun ... flowalign calibrate``) every round gathers the dense rewards of all processes'
+What calibration needs of the training config's parts, each part declares: the rollout shape that it grows
+independent trajectories (``RolloutShape.independent_trajectories``: chains do, trees and probed trunks share a
+trunk and do not), and the SDE kind the largest noise level it accepts
+(``flowalign.kernels.sde_reference.max_noise_level``: 1 for ``cps``), to which the calibrated levels are clamped.
+
+On several processes (``torchrun ... flowalign prep calibrate``) every round gathers the dense rewards of all processes'
 trajectories before updating the levels, so every process holds the same table (the one a single process computes
 from the same samples), and only the main process writes the file.
 """
@@ -35,9 +40,11 @@ import torch
 import yaml
 
 from flowalign.config import parse_yaml
-from flowalign.samplers import PerStepNoise
 from flowalign.credit.step_credit import intermediate_rewards
 from flowalign.credit.step_rewards import calibrate_noise, dense_increments
+from flowalign.kernels.sde_reference import max_noise_level
+from flowalign.rollout import SHAPES
+from flowalign.samplers import PerStepNoise
 from flowalign.training.config import TrainConfig
 
 __all__ = ["calibrate", "write_calibrated_config"]
@@ -54,9 +61,10 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
 
     if rounds < 1:
         raise SetupError(f"rounds must be >= 1, got {rounds}")
-    if config.rollout.name != "group":
-        raise SetupError(f"calibration samples independent trajectories: rollout.name must be 'group', got "
-                         f"{config.rollout.name!r}")
+    if not _independent_trajectories(config.rollout.name):
+        growing = ", ".join(repr(n) for n in SHAPES.names() if _independent_trajectories(n))
+        raise SetupError(f"calibration samples independent trajectories: rollout.name must be a shape that grows "
+                         f"them ({growing}), got {config.rollout.name!r}")
     # Calibration samples with the trainer's parts but is no training run: it writes nothing into train.out_dir, so
     # the trainer gets an empty scratch directory (its run-directory checks then never refuse it), the same one on
     # every process (they check that they run one config).
@@ -66,7 +74,7 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     num_steps = config.sampling.num_steps
     levels = torch.tensor(config.sampling.base_levels(), dtype=torch.float64)
     stochastic = [t for t in range(num_steps) if levels[t] > 0]
-    high = 1.0 if config.sampling.kind == "cps" else None
+    high = max_noise_level(config.sampling.kind)  # the SDE kind's bound on its noise level, if any
     history = []
     trainer.model.transformer.eval()
     for r in range(rounds):
@@ -88,6 +96,11 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
         logger.info("round %d: dR>0 %s, dR<0 %s -> levels %s", r, history[-1]["positive"], history[-1]["negative"],
                     [round(float(x), 3) for x in levels])
     return [round(float(x), 6) for x in levels], history
+
+
+def _independent_trajectories(shape: str) -> bool:
+    """Whether the rollout shape ``shape`` declares that it grows independent trajectories (``RolloutShape``)."""
+    return bool(getattr(SHAPES.get(shape), "independent_trajectories", False))
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ def check_register_file(path: str, key: str) -> None:
 
 def load_for(path: str, model):
     """The register heads of ``path`` (checked against ``model``'s transformer), on the model's device."""
-    from flowalign.reward_models.registers import load_registers
+    from flowalign.reward_models.latent_registers import load_registers
 
     registers = load_registers(path, dict(model.transformer.config))
     registers.to(model.device)

@@ -5,7 +5,7 @@ The trainer asks its engine (``distributed.engine``) for four things, and knows 
 * ``prepare(trainer)``: wrap the model for its forward passes and return the trainable parameters;
 * ``optimizer(params, **adamw)`` and ``clip_grad_norm(params, max_norm)``;
 * ``save(trainer, directory)`` / ``load(trainer, checkpoint)``: the trainable weights, their EMA and the optimizer
-  state of a checkpoint (the rest of a checkpoint is ``flowalign.training.checkpoint``'s).
+  state of a checkpoint (the rest of a checkpoint is ``flowalign.training.checkpoint_files``'s).
 
 ``ddp`` (the default): every process holds the whole model; with several processes accelerate wraps the transformer
 in ``DistributedDataParallel``, which all-reduces the gradients. The main process writes ``trainable.safetensors``,

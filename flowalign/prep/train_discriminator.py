@@ -1,4 +1,4 @@
-"""``flowalign reward train-discriminator``: DRL's stage 1 (Beltran-Velez et al., arXiv 2606.19162, Alg. 1).
+"""``flowalign prep train-discriminator``: DRL's stage 1 (Beltran-Velez et al., arXiv 2606.19162, Alg. 1).
 
 A projection discriminator (``flowalign.reward_models.discriminator``) between data images and the base model's
 samples of the same prompts, on frozen features, with the logistic loss and R1.
@@ -40,7 +40,7 @@ _VALIDATION_ROWS, _VALIDATION_FAKES, _BUFFER_ROWS, _BUFFER_FAKES, _SHUFFLE = ran
 
 @dataclass
 class DiscriminatorTrainConfig:
-    """Settings of ``flowalign reward train-discriminator``."""
+    """Settings of ``flowalign prep train-discriminator``."""
 
     model: str = option("assets/toy-sd3", "diffusers pipeline directory (or hub id) of the base model whose samples "
                         "are the fakes; the checkpoint records its fingerprint")
@@ -110,7 +110,7 @@ def train_discriminator(config: DiscriminatorTrainConfig) -> dict:
 def _set_up(config: DiscriminatorTrainConfig):
     from flowalign.data.images import check_image_dataset, open_image_dataset
     from flowalign.devices import resolve_device
-    from flowalign.evaluation.toy_eval import resolve_model_path
+    from flowalign.lora_loading import resolve_model_path
     from flowalign.models.loading import load_flow_model
     from flowalign.outputs import check_new_files
     from flowalign.reward_models.discriminator import build_features, feature_spec, sidecar_path
