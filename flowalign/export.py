@@ -1,0 +1,96 @@
+"""Export a training checkpoint's LoRA for diffusers: a LoRA folder, or a whole pipeline with the LoRA merged.
+
+``export_lora(checkpoint, out, weights=..., merge=...)`` writes the chosen weights as a diffusers LoRA folder
+(``pipe.load_lora_weights(out)``), or with ``merge`` a whole pipeline directory whose transformer has the update
+``W + (alpha / r) B A`` folded into its weights (``StableDiffusion3Pipeline.from_pretrained(out)`` /
+``FluxPipeline.from_pretrained(out)``, no peft needed). Its ODE samples equal the adapter's to fp32 rounding. An
+existing non-empty ``out`` is refused, and the output is written to a temporary sibling and renamed into place, so no
+earlier output is ever modified and an interrupted export leaves nothing half-written.
+
+The checkpoint is found, checked and loaded by ``flowalign.lora_loading`` (every check on the paths runs before the
+model loads). The LoRA-loading names this module used to hold (``resolve_lora``, ``load_model``, ...) are still
+importable from here for one release, with a ``DeprecationWarning``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from flowalign import lora_loading
+from flowalign.lora_loading import WEIGHTS
+
+__all__ = ["EXPORT_RECORD", "WEIGHTS", "check_out_dir", "export_lora"]
+
+logger = logging.getLogger(__name__)
+
+EXPORT_RECORD = "flowalign_export.json"
+# Names that moved to flowalign.lora_loading in 0.2 (issue #42): still importable from here, with a warning.
+_MOVED = ("LORA_FILE", "LoraSource", "apply_lora", "base_model_path", "load_model", "resolve_lora")
+
+
+def check_out_dir(out: str | os.PathLike) -> Path:
+    """``out`` as a Path when it is absent or an empty directory; otherwise FileExistsError suggesting another."""
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        kind = "a non-empty directory" if out.is_dir() else "a file"
+        suggestion = next(f"{out}-{n}" for n in range(2, 10_000) if not Path(f"{out}-{n}").exists())
+        raise FileExistsError(f"--out {str(out)!r} is {kind}: nothing in it is overwritten; choose a new path, "
+                              f"e.g. --out {suggestion}")
+    return out
+
+
+def export_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weights: str | None = None,
+                merge: bool = False, model: str | None = None, dtype: str | None = None,
+                device: str | torch.device = "cpu") -> Path:
+    """Write a checkpoint's ``weights`` (``ema`` / ``last``) to ``out``: a diffusers LoRA folder, or with ``merge``
+    a full pipeline directory with the LoRA folded into the transformer. ``model`` overrides the checkpoint's base
+    model (``model.path``), ``dtype`` its ``model.dtype``. Returns ``out``.
+
+    Also writes ``flowalign_export.json`` (the checkpoint, the weights, the base model). All checks on the paths run
+    before the model loads.
+    """
+    source = lora_loading.resolve_lora(checkpoint, weights)
+    if source.kind != "checkpoint":
+        raise ValueError(f"{str(checkpoint)!r} is already a diffusers LoRA folder: `flowalign export` takes the "
+                         "checkpoint directory it came from (checkpoint-NNNNNN)")
+    out = check_out_dir(out)
+    base = lora_loading.base_model_path(model, source)
+    dtype = dtype or source.model_config.get("dtype", "fp32")
+    flow_model = lora_loading.load_model(base, source, dtype=dtype, device=device)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if merge:
+            flow_model.transformer.fuse_lora()  # W += (alpha / r) B A, per peft's merge
+            flow_model.transformer.unload_lora()
+            flow_model.pipe.save_pretrained(tmp, safe_serialization=True)
+        else:
+            flow_model.save_lora(tmp)
+        record = {"checkpoint": str(source.path), "weights": source.weights, "merged": merge, "base_model": base,
+                  "dtype": str(dtype)}
+        (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        check_out_dir(out)  # again: nothing may have appeared there while the model loaded
+        if out.exists():
+            out.rmdir()  # empty: os.replace cannot rename onto a directory on every platform
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.debug("exported %s to %s", source.describe(), out)  # the command line says "wrote" itself
+    return out
+
+
+def __getattr__(name: str):
+    """The LoRA-loading names of ``flowalign.export`` before 0.2, from ``flowalign.lora_loading``, with a warning."""
+    if name in _MOVED:
+        warnings.warn(f"flowalign.export.{name} moved to flowalign.lora_loading.{name}; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return getattr(lora_loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
