@@ -119,7 +119,7 @@ def test_registers_train_then_rgs_sampling_through_the_cli(tmp_path):
     from flowalign.cli import main
 
     checkpoint = tmp_path / "reg" / "registers.pt"
-    assert main(["registers", "train", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
+    assert main(["prep", "registers", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
                  "--steps", "3", "--updates-per-iteration", "2", "--eval-prompt-count", "2", "--num-registers", "4",
                  "--iterations", "3", "--eval-every", "2", "--val-prompt-count", "3", "--out", str(checkpoint)]) == 0
     summary = json.loads((checkpoint.parent / "report.json").read_text())

@@ -149,12 +149,16 @@ def tiny_sd3(tmp_path_factory):
 def test_fit_manifold_is_bitwise_repeatable_and_its_checkpoint_loads(tiny_sd3, tmp_path, capsys):
     from flowalign.cli import main
 
-    args = ["reward", "fit-manifold", "--model", str(tiny_sd3), "--data", "toy:1", "--max-images", "16",
+    args = ["--model", str(tiny_sd3), "--data", "toy:1", "--max-images", "16",
             "--num-bases", "16", "--hidden-dim", "16", "--epochs-lcc", "2", "--epochs-shell", "2", "--batch-size", "4",
             "--device", "cpu"]
-    for name in ("a", "b"):
-        assert main(args + ["--out", str(tmp_path / f"{name}.safetensors")]) == 0
-    assert "wrote" in capsys.readouterr().out
+    # b with the deprecated name: the same command, bitwise, plus a line on stderr naming the new one
+    for name, command in (("a", ["prep", "fit-manifold"]), ("b", ["reward", "fit-manifold"])):
+        assert main(command + args + ["--out", str(tmp_path / f"{name}.safetensors")]) == 0
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out
+    assert captured.err.count("deprecated: use `flowalign prep fit-manifold`") == 1, captured.err
+    args = ["prep", "fit-manifold", *args]
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     # an existing output is refused before the model loads, as export refuses one: nothing is overwritten
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
