@@ -138,7 +138,7 @@ class EuphoniumConfig(ComponentConfig):
         "x0_hat (its gradient on x0_hat, v held fixed, guides the SDE mean); null with registers")
     registers: str | None = option(
         None, "the process reward instead of process_reward (set that to null): a register checkpoint (`flowalign "
-        "registers train`) trained on this model, scoring the noisy states; its gradient through a reference "
+        "prep registers`) trained on this model, scoring the noisy states; its gradient through a reference "
         "forward guides the SDE mean")
     reward_kwargs: dict[str, Any] = option({}, "keyword arguments for the process reward's constructor")
     scale: float = option(0.01, "guidance scale c; < 0 means c = noise_level^2 / (2 kl_beta)")

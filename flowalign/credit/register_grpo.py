@@ -32,7 +32,7 @@ __all__ = ["RegisterCredit", "RegisterCreditConfig", "RegisterReader", "check_re
 class RegisterCreditConfig(ComponentConfig):
     registers: str = option(
         "outputs/registers/registers.pt",
-        "the register checkpoint (`flowalign registers train`) trained on this model; checked at start-up")
+        "the register checkpoint (`flowalign prep registers`) trained on this model; checked at start-up")
     register_pass: Literal["reference", "policy"] = option(
         "reference",
         "reference = one extra forward of the reference model (LoRA off, the transformer the registers were trained "
