@@ -44,8 +44,8 @@ class RegisterCreditConfig(ComponentConfig):
 def check_register_file(path: str, key: str) -> None:
     """A start-up error naming ``key`` when the register checkpoint ``path`` does not exist."""
     if not Path(path).is_file():
-        raise SetupError(f"{key} = {path!r} does not exist: train registers for this model with `flowalign registers "
-                         f"train --model PATH --out {path}` or point {key} at a register checkpoint")
+        raise SetupError(f"{key} = {path!r} does not exist: train registers for this model with `flowalign prep "
+                         f"registers --model PATH --out {path}` or point {key} at a register checkpoint")
 
 
 def load_for(path: str, model):
