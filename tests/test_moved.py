@@ -38,6 +38,7 @@ MOVED_NAMES = {
                                                     "load_model", "resolve_lora"]),
     "flowalign.cli.train": ("flowalign.cli.prep", ["CalibrateOptions", "add_calibrate"]),
     "flowalign.cli.tools": ("flowalign.cli.prep", ["add_registers_train"]),
+    "flowalign.evaluation.toy_eval": ("flowalign.lora_loading", ["resolve_model_path"]),
 }
 
 

@@ -37,7 +37,7 @@ from flowalign.config import ConfigError
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
-from flowalign.lora_loading import DEFAULT_MODEL, resolve_model_path
+from flowalign.lora_loading import DEFAULT_MODEL
 from flowalign.outputs import OutputFolder
 from flowalign.seeding import mixed_seed
 from flowalign.settings import option, redefault
@@ -526,3 +526,17 @@ def run_eval(config: EvalConfig) -> dict:
     logger.info("%s", markdown.split("\n", 4)[-1].rstrip())
     logger.info("%s", f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'grid.png'}")
     return summary
+
+
+def __getattr__(name: str):
+    """``resolve_model_path``, which moved to ``flowalign.lora_loading`` in 0.2, with a warning."""
+    if name == "resolve_model_path":
+        import warnings
+
+        from flowalign import lora_loading
+
+        warnings.warn("flowalign.evaluation.toy_eval.resolve_model_path moved to "
+                      "flowalign.lora_loading.resolve_model_path; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return lora_loading.resolve_model_path
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
