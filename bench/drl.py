@@ -1,7 +1,7 @@
 """DRL on the toy world: train the discriminator, run the drl preset on its logit, and report the distance to the data
 before and after.
 
-1. ``flowalign reward train-discriminator`` (``--disc key=value`` overrides its settings) against the base model.
+1. ``flowalign prep train-discriminator`` (``--disc key=value`` overrides its settings) against the base model.
 2. The ``drl`` preset (``--set key=value`` overrides) for ``--iterations`` iterations, scored by that checkpoint.
 3. Before (LoRA off) and after (EMA weights when there are any), on the held-out toy prompts, the same captions and
    seeds: the Fréchet distance in the discriminator's frozen feature space between exact renders of the prompts and
@@ -131,7 +131,7 @@ def main() -> None:
     from flowalign.reward_models.discriminator import DiscriminatorReward
     from flowalign.rewards import bind_reward_model
     from flowalign.training.config import TrainConfig
-    from flowalign.training.discriminator import DiscriminatorTrainConfig, train_discriminator
+    from flowalign.prep.train_discriminator import DiscriminatorTrainConfig, train_discriminator
     from flowalign.training.trainer import GRPOTrainer
 
     out = args.out

@@ -3,7 +3,7 @@
 Every method samples the held-out prompts (assets/prompts/test.jsonl) with the same per-prompt randomness, guided by
 the toy verifier with partial credit (``toy_geneval``), and its chosen images are judged with the binary GenEval
 rules. Plain ODE sampling (``none``, T NFEs) is the reference. RGS needs a gradient source, a register checkpoint
-(``--registers``; trained with ``flowalign registers train``; its stored held-out pairwise accuracy by sigma band is
+(``--registers``; trained with ``flowalign prep registers``; its stored held-out pairwise accuracy by sigma band is
 copied into the results) or a differentiable image reward (``--rgs-reward toy_geneval_soft``, with ``--rgs-gradient
 full|x0``), and is skipped without one.
 
@@ -175,7 +175,7 @@ def main() -> None:
     registers, register_report = None, None
     guide_reward = build_guide_reward(args.rgs_reward) if args.rgs_reward else None
     if args.registers:
-        from flowalign.reward_models.registers import load_registers, read_checkpoint
+        from flowalign.reward_models.latent_registers import load_registers, read_checkpoint
 
         registers = load_registers(args.registers, dict(model.transformer.config))
         register_report = read_checkpoint(args.registers)["extra"].get("held_out")
@@ -242,7 +242,7 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=1))
     text = table(rows)
     if register_report:
-        from flowalign.training.registers import format_accuracy
+        from flowalign.prep.train_registers import format_accuracy
 
         text += "\n\nRegister pairwise accuracy by sigma band (held-out):\n\n" + format_accuracy(register_report)
     out.with_suffix(".md").write_text(text + "\n")

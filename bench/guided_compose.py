@@ -35,7 +35,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import paired_difference
-    from flowalign.export import load_model, resolve_lora
+    from flowalign.lora_loading import load_model, resolve_lora
     from flowalign.inference.sample import SampleConfig
     from flowalign.toy.reward import ToyGenEvalReward
 

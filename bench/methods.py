@@ -32,9 +32,9 @@ PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo
            "tp_grpo", "euphonium", "register_grpo", "drl", "drl_adjoint", "shell_lcc", "shell_lcc_objective", "soar",
            "sft",
            "diffusion_nft", "awm", "dpo", "grpo_guard", "gardo")
-# register_grpo reads outputs/registers/registers.pt (flowalign registers train); drl and drl_adjoint read
-# outputs/discriminator/discriminator.safetensors (flowalign reward train-discriminator); shell_lcc and
-# shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign reward fit-manifold); soar and sft are
+# register_grpo reads outputs/registers/registers.pt (flowalign prep registers); drl and drl_adjoint read
+# outputs/discriminator/discriminator.safetensors (flowalign prep train-discriminator); shell_lcc and
+# shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign prep fit-manifold); soar and sft are
 # data objectives alone, their nfe counts every training forward (bench/soar.py compares them); diffusion_nft, awm and
 # dpo count their rollout and every training forward of their objectives (the policy's, the old or reference
 # policy's and the KL's)

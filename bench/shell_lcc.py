@@ -1,6 +1,6 @@
 """Shell-LCC on the toy world: fit the manifold, fine-tune with it (plain and band), and measure what it moves.
 
-1. ``flowalign reward fit-manifold`` on the toy model's VAE latents of the toy world's exact scenes (``--data``,
+1. ``flowalign prep fit-manifold`` on the toy model's VAE latents of the toy world's exact scenes (``--data``,
    ``--num-bases``, ``--fit-epochs``); reused when ``<out>/manifold.safetensors`` exists.
 2. Each run (``--runs``) trains ``--iterations`` from the same toy model:
    ``plain`` / ``band``: the released objective (``shell_lcc_objective.yaml``, ``objectives.shell_lcc.variant``);
@@ -32,7 +32,7 @@ COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0
 
 
 def fit(out: Path, args) -> Path:
-    from flowalign.training.manifold import FitManifoldConfig, fit_model_manifold
+    from flowalign.prep.fit_manifold import FitManifoldConfig, fit_model_manifold
 
     path = out / "manifold.safetensors"
     if not path.is_file():

@@ -46,8 +46,9 @@ allow-listed ``files_root`` (``files_read``).
 * ``sum_then_normalize``: ``r_b = sum_k w_k s_kb``; the group normalisation happens once, in the advantages. A reward
   with a larger scale then dominates the ranking inside a group.
 * ``normalize_then_sum``: ``r_b = sum_k w_k (s_kb - mean_g(s_k)) / (std(s_k) + eps)``, each reward first normalised
-  within its group with the same group/global std rule and eps as the advantages (``flowalign.normalization.group_normalize``), so
-  the weights, not the scales, set each reward's influence. (The advantages then normalise the sum once more.)
+  within its group with the same group/global std rule and eps as the advantages
+  (``flowalign.advantages.group_normalize``), so the weights, not the scales, set each reward's influence. (The
+  advantages then normalise the sum once more.)
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ import torch
 from torch import Tensor
 
 from flowalign.errors import RunStopped
-from flowalign.normalization import STD_MODES, group_normalize
+from flowalign.advantages import STD_MODES, group_normalize
 from flowalign.registry import Registry
 
 __all__ = [
@@ -206,7 +207,7 @@ REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", 
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward", score_range=(0.0, 1.0)))
 # Editing: how much of its condition image (the prompt line's "images") a sample keeps.
 REWARDS.register("source_similarity", _lazy("source_similarity", "SourceSimilarity"))
-# DRL's discriminator logit (`flowalign reward train-discriminator` writes the checkpoint its path= names).
+# DRL's discriminator logit (`flowalign prep train-discriminator` writes the checkpoint its path= names).
 REWARDS.register("discriminator", _lazy("discriminator", "DiscriminatorReward",
                                         negative_scores="it is a logit, log q/p_base: negative where a sample looks "
                                         "more like the base model's than the data"))

@@ -41,13 +41,23 @@ def check_reduce(reduce: str) -> str:
     return reduce
 
 
+# The largest noise level of the kinds that have one: cps draws std = s' sin(a pi / 2), which needs a <= 1.
+MAX_NOISE_LEVELS = {"cps": 1.0}
+
+
+def max_noise_level(kind: str | None) -> float | None:
+    """The largest noise level ``kind`` accepts (``MAX_NOISE_LEVELS``), or None when it has no bound."""
+    return MAX_NOISE_LEVELS.get(kind)
+
+
 def check_noise_level(noise_level: float | Tensor, kind: str | None = None) -> None:
     """Noise levels are >= 0 for every kind, and at most 1 for ``cps`` (``sin(a pi / 2)`` must not exceed 1)."""
     level = torch.as_tensor(noise_level, dtype=torch.float32)
     if torch.isnan(level).any() or (level < 0).any():
         raise ValueError(f"noise_level must be >= 0 (0 means a deterministic ODE step), got {show_values(noise_level)}")
-    if kind == "cps" and (level > 1).any():
-        raise ValueError(f"noise_level for kind 'cps' must lie in [0, 1], got {show_values(noise_level)}")
+    high = max_noise_level(kind)
+    if high is not None and (level > high).any():
+        raise ValueError(f"noise_level for kind {kind!r} must lie in [0, {high:g}], got {show_values(noise_level)}")
 
 
 def sde_mean_std(

@@ -48,7 +48,7 @@ __all__ = ["CONDITIONING", "DEFAULT_PATH", "FEATURE_KINDS", "DiscriminatorReward
 FEATURE_KINDS = ("segmenter", "dinov2")
 CONDITIONING = ("text", "none")
 DEFAULT_PATH = "outputs/discriminator/discriminator.safetensors"
-TRAIN_COMMAND = "flowalign reward train-discriminator"
+TRAIN_COMMAND = "flowalign prep train-discriminator"
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 _CHUNK = 1 << 20
 
@@ -342,7 +342,7 @@ class TextEmbeddings:
 
 class DiscriminatorReward:
     """The discriminator's logit as a reward (``discriminator``, ``path=`` a checkpoint of
-    ``flowalign reward train-discriminator``). Differentiable in the images (``forward``)."""
+    ``flowalign prep train-discriminator``). Differentiable in the images (``forward``)."""
 
     name = "discriminator"
     reads_geneval_metadata = False

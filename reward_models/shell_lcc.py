@@ -49,7 +49,7 @@ __all__ = ["FIT_COMMAND", "ShellLCC", "ShellLCCReward", "check_fitted_for", "fit
 
 logger = logging.getLogger(__name__)
 
-FIT_COMMAND = "flowalign reward fit-manifold"
+FIT_COMMAND = "flowalign prep fit-manifold"
 FORMAT = "flowalign.shell_lcc/1"
 
 
@@ -383,7 +383,7 @@ def fit_manifold(latents: Tensor, *, num_bases: int = 256, hidden_dim: int = 512
 VARIANTS = ("distance", "band")
 
 
-DEFAULT_PATH = "outputs/manifolds/shell_lcc.safetensors"  # where `flowalign reward fit-manifold` writes by default
+DEFAULT_PATH = "outputs/manifolds/shell_lcc.safetensors"  # where `flowalign prep fit-manifold` writes by default
 
 
 class ShellLCCReward:

@@ -15,7 +15,7 @@ sigma bands: 0.30 for ``s > 0.8``, 0.05 for ``s > 0.2``, else 0 (no gradient is 
 
 The reward enters through ``guide(x, sigma, rows) -> (v, scores [n, H])``, evaluated with ``x`` requiring grad:
 
-* on register heads, ``v`` and the scores come from one transformer pass (``reward_models.registers``);
+* on register heads, ``v`` and the scores come from one transformer pass (``reward_models.latent_registers``);
 * on any differentiable reward of the one-step estimate ``x0_hat = x - s v`` (``x0_guide``), the gradient flows
   back through the velocity.
 

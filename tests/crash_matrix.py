@@ -127,7 +127,7 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _rng_globals():
-    from flowalign.training.checkpoint import _numpy_array_globals
+    from flowalign.training.checkpoint_files import _numpy_array_globals
 
     return _numpy_array_globals()
 

@@ -354,7 +354,7 @@ def test_bad_rewards_and_settings_are_refused_before_the_model_loads(tiny_sd3, t
         GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "a", **{"objectives.adjoint_matching.reward": "toy_geneval"}))
     absent = tmp_path / "absent.safetensors"
     with pytest.raises(SetupError, match=r"objectives\.adjoint_matching\.reward_kwargs\.path.*absent\.safetensors.*"
-                                         r"flowalign reward train-discriminator"):
+                                         r"flowalign prep train-discriminator"):
         GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "b", **{
             "objectives.adjoint_matching.reward": "discriminator",
             "objectives.adjoint_matching.reward_kwargs": "{path: " + str(absent) + "}"}))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowalign.normalization import group_advantages, group_normalize
+from flowalign.advantages import group_advantages, group_normalize
 
 EPS = 1e-4
 REWARDS = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 2.0, 4.0, 6.0]

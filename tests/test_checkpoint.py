@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from flowalign.serialization import safe_load
-from flowalign.training.checkpoint import load_checkpoint, rng_state, save_checkpoint, save_process_rng, set_rng_state
-from flowalign.reward_models.registers import LatentRegisters, load_registers
+from flowalign.training.checkpoint_files import (load_checkpoint, rng_state, save_checkpoint, save_process_rng,
+                                                 set_rng_state)
+from flowalign.reward_models.latent_registers import LatentRegisters, load_registers
 
 
 class CodePayload:

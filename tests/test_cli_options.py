@@ -25,10 +25,10 @@ def _schemas():
     from flowalign.inference.sample import SampleConfig
     from flowalign.toy.pretrain import PretrainConfig
     from flowalign.toy.segmenter import SegmenterRun
-    from flowalign.training.registers import RegisterTrainConfig
+    from flowalign.prep.train_registers import RegisterTrainConfig
 
     return {("sample",): SampleConfig, ("eval", "toy"): EvalConfig, ("eval", "geneval"): GenEvalRunConfig,
-            ("eval", "hpd"): HPDRunConfig, ("registers", "train"): RegisterTrainConfig,
+            ("eval", "hpd"): HPDRunConfig, ("prep", "registers"): RegisterTrainConfig,
             ("toy", "pretrain"): PretrainConfig, ("toy", "segmenter"): SegmenterRun}
 
 
@@ -74,8 +74,8 @@ def test_help_config_prints_every_key(capsys):
      ["sample", "sampler.name=fk", "sampler.lam=5", "sampler.bands=[[0.5, 0.2]]"],
      ["sample", "--lam", "5", "--sampler.bands", "[[0.5, 0.2]]", "--guidance", "fk"],  # a name given later still first
      ["sample", "sampler.lam=5", "--guidance", "fk", "--sampler.bands=[[0.5, 0.2]]"]),
-    (["registers", "train", "--taps", "0", "2", "--no-baseline", "--binary-reward"],
-     ["registers", "train", "taps=[0, 2]", "baseline_x0=false", "partial_credit=false"]),
+    (["prep", "registers", "--taps", "0", "2", "--no-baseline", "--binary-reward"],
+     ["prep", "registers", "taps=[0, 2]", "baseline_x0=false", "partial_credit=false"]),
 ])
 def test_option_forms_give_the_same_config(forms):
     configs = [parse_command(argv)[1] for argv in forms]
@@ -110,7 +110,7 @@ def test_a_yaml_file_with_base_drives_sample_and_eval_toy(tmp_path):
 @pytest.mark.parametrize("argv,hint", [
     (["sample", "--max-promts", "2"], "did you mean --max-prompts?"),
     (["eval", "toy", "--imagse-per-prompt", "2"], "did you mean --images-per-prompt?"),
-    (["registers", "train", "--itreations=3"], "did you mean --iterations?"),
+    (["prep", "registers", "--itreations=3"], "did you mean --iterations?"),
     (["toy", "segmenter", "--batch_size", "3"], "did you mean --batch-size?"),
 ])
 def test_an_unknown_option_names_the_closest_one(argv, hint, capsys):
@@ -136,16 +136,16 @@ def test_an_unknown_dotted_key_gets_the_loaders_did_you_mean(capsys):
     (["eval", "toy", "--dtype", "fp31"], "did you mean 'fp32'?"),
     (["toy", "segmenter", "--steps", "0"], "steps must be >= 1, got 0 [from --steps 0]"),
     (["toy", "pretrain", "--ema-decay", "2"], "ema_decay must be in [0, 1], got 2 [from --ema-decay 2]"),
-    (["registers", "train", "--samples-per-prompt", "1"], "samples_per_prompt must be >= 2"),
+    (["prep", "registers", "--samples-per-prompt", "1"], "samples_per_prompt must be >= 2"),
     (["eval", "hpd", "--model", "m"], "missing required setting prompts (--prompts VALUE)"),
 ])
 def test_a_bad_value_fails_with_exit_2_before_any_model_loads(argv, message, tmp_path, capsys, monkeypatch):
-    import flowalign.export
+    import flowalign.lora_loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(flowalign.export, "load_model", no_loading)
+    monkeypatch.setattr(flowalign.lora_loading, "load_model", no_loading)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)
@@ -182,8 +182,9 @@ def test_no_option_is_declared_twice():
         for flag in command.all_flags().values():  # each option sets a key of the schema
             head = flag.key.split(".")[0]
             assert head in {f.name for f in dataclasses.fields(schema)} or flag.option in command.aliases, flag
-    assert {("sample",), ("eval", "toy"), ("eval", "geneval"), ("eval", "hpd"), ("registers", "train"),
-            ("toy", "pretrain"), ("toy", "segmenter"), ("train",), ("calibrate",)} <= seen
+    assert {("sample",), ("eval", "toy"), ("eval", "geneval"), ("eval", "hpd"), ("prep", "registers"),
+            ("prep", "calibrate"), ("prep", "fit-manifold"), ("prep", "train-discriminator"), ("toy", "pretrain"),
+            ("toy", "segmenter"), ("train",), ("calibrate",), ("registers", "train")} <= seen
     for source in (REPO / "flowalign" / "cli").glob("*.py"):
         declared = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", source.read_text())
         allowed = {"tools.py": {"--out", "--weights", "--merge", "--model", "--dtype", "--device"},
@@ -216,10 +217,10 @@ def test_every_documented_command_line_still_parses():
     pages = [REPO / "README.md", REPO / "Makefile", *documented_pages()]
     text = "\n".join(code_of(page) for page in pages)
     lines = set()
-    for match in re.finditer(r"flowalign ((?:sample|eval toy|eval hpd|eval geneval|registers train|toy pretrain|"
+    for match in re.finditer(r"flowalign ((?:sample|eval toy|eval hpd|eval geneval|prep registers|toy pretrain|"
                              r"toy segmenter)\b[^`|#)\n]*)", text):
         line = match.group(1).strip()
-        if " " not in line.replace("eval ", "eval_").replace("registers ", "r_").replace("toy ", "t_"):
+        if " " not in line.replace("eval ", "eval_").replace("prep ", "p_").replace("toy ", "t_"):
             continue  # the command's name alone (a table naming `flowalign eval geneval`), not a command line
         if "[" not in line and "$" not in line and ".yaml " not in line:  # a config file: made by the reader
             lines.add(line)
@@ -232,7 +233,7 @@ def test_train_keeps_its_positional_config_overrides_and_resume(tmp_path):
     _, config = parse_command(["train", str(REPO / "configs/methods/flow_grpo_fast.yaml"), "optim.lr=2e-3",
                                "--resume", "latest", "--data.group_size", "16"])
     assert config.optim.lr == 2e-3 and config.train.resume == "latest" and config.data.group_size == 16
-    args, _ = parse_command(["calibrate", "--rounds", "3", "--out", str(tmp_path / "c.yaml"), "--eps2=0.02"])
+    args, _ = parse_command(["prep", "calibrate", "--rounds", "3", "--out", str(tmp_path / "c.yaml"), "--eps2=0.02"])
     assert (args.options.rounds, args.options.eps2, args.options.out) == (3, 0.02, str(tmp_path / "c.yaml"))
 
 

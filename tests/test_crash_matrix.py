@@ -123,7 +123,7 @@ def test_two_ddp_processes_one_failing_to_save_all_end_with_the_error_and_lose_n
     collective's timeout), nothing is renamed or pruned, and checkpoint-000001 stays whole. Before the fix, process 0
     had already renamed checkpoint-000002 into place, without process 1's RNG file, and pruned checkpoint-000001.
     (That a resume then continues bitwise at 2 processes: the FSDP2 case below, and bench/crash_matrix.py for ddp.)"""
-    from flowalign.training.checkpoint import missing_files
+    from flowalign.training.checkpoint_files import missing_files
 
     run = tmp_path / "run"
     failed = matrix.launch(tiny_model, run, "ddp", 2, fault=matrix.fault("rng", rank=1, action="fail"), timeout=300)
@@ -151,7 +151,7 @@ def test_two_fsdp2_processes_one_killed_before_the_rename_lose_nothing(tiny_mode
 
 
 def test_resume_latest_takes_the_newest_whole_checkpoint_never_a_temporary_or_trash_one(reference, tmp_path):
-    from flowalign.training.checkpoint import latest_checkpoint
+    from flowalign.training.checkpoint_files import latest_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(reference, run)
@@ -166,7 +166,7 @@ def test_resume_latest_takes_the_newest_whole_checkpoint_never_a_temporary_or_tr
 def test_exchanging_two_checkpoint_directories_swaps_them_whole(tmp_path, monkeypatch, atomic):
     """Re-saving swaps the new directory with the old in one renameat2(RENAME_EXCHANGE); where the system cannot,
     by three renames through the trash name."""
-    from flowalign.training import checkpoint
+    from flowalign.training import checkpoint_files as checkpoint
 
     if not atomic:
         monkeypatch.setattr(checkpoint, "_rename_exchange", lambda a, b: False)

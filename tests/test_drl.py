@@ -1,4 +1,4 @@
-"""DRL: the projection logit, the logistic + R1 loss, the Fréchet distance, `reward train-discriminator`, the drl
+"""DRL: the projection logit, the logistic + R1 loss, the Fréchet distance, `prep train-discriminator`, the drl
 preset (2 iterations, resume) and bad discriminator checkpoints refused before any model loads."""
 
 import json
@@ -102,8 +102,8 @@ def test_frechet_distance_of_a_hand_computed_gaussian_pair():
 # ------------------------------------------------------------------------------------------------ the command
 
 
-def _train_args(data, out):
-    return ["reward", "train-discriminator", "--model", str(TOY), "--data", str(data), "--image-size", "32",
+def _train_args(data, out, command=("prep", "train-discriminator")):
+    return [*command, "--model", str(TOY), "--data", str(data), "--image-size", "32",
             "--sample-steps", "2", "--batch-size", "16", "--buffer-batches", "1", "--epochs", "5", "--max-steps", "10",
             "--validate-every", "5", "--val-fraction", "0.25", "--lr", "1e-2", "--width", "64", "--gamma", "0",
             "--conditioning", "none", "--out", str(out)]
@@ -120,12 +120,14 @@ def test_train_discriminator_separates_data_from_samples_and_repeats_bitwise(toy
     from flowalign.cli import main
     from flowalign.data.images import open_image_dataset
     from flowalign.models.loading import load_flow_model
-    from flowalign.training.discriminator import DiscriminatorTrainConfig, _fakes
+    from flowalign.prep.train_discriminator import DiscriminatorTrainConfig, _fakes
 
-    with torch_threads(1):
-        for name in ("a", "b"):
-            assert main(_train_args(toy_data, tmp_path / name / "d.safetensors")) == 0
-    assert "wrote" in capsys.readouterr().out
+    with torch_threads(1):  # b with the deprecated name: the same command, bitwise, plus a line naming the new one
+        for name, command in (("a", ("prep", "train-discriminator")), ("b", ("reward", "train-discriminator"))):
+            assert main(_train_args(toy_data, tmp_path / name / "d.safetensors", command)) == 0
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out
+    assert captured.err.count("deprecated: use `flowalign prep train-discriminator`") == 1, captured.err
     # an existing output is refused before the model loads, as export refuses one: nothing is overwritten
     before = {p.name: p.read_bytes() for p in (tmp_path / "a").iterdir()}
     with pytest.raises(SystemExit) as refused:
@@ -165,7 +167,7 @@ def test_a_split_that_leaves_no_training_row_is_refused_before_the_model_loads(t
     from flowalign.data.images import write_toy_dataset
 
     data = write_toy_dataset(tmp_path / "data", images, size=32)
-    args = ["reward", "train-discriminator", "--model", str(tmp_path / "no-model"), "--data", str(data),
+    args = ["prep", "train-discriminator", "--model", str(tmp_path / "no-model"), "--data", str(data),
             "--val-fraction", str(fraction), "--out", str(tmp_path / "d.safetensors")]
     with pytest.raises(SystemExit) as exit_status:
         main(args)
@@ -188,7 +190,7 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
     with torch.no_grad():
         next(transformer.parameters()).add_(1.0)  # a fine-tuned transformer of the same architecture
     transformer.save_pretrained(tmp_path / "copy" / "transformer")
-    with pytest.raises(ValueError, match=r"d\.safetensors.*another base model.*flowalign reward train-discriminator"):
+    with pytest.raises(ValueError, match=r"d\.safetensors.*another base model.*flowalign prep train-discriminator"):
         check_discriminator(path, model=str(copy), image_size=32)
     with pytest.raises(ValueError, match=r"d\.safetensors.*trained on 32x32 images, the run samples 64x64"):
         check_discriminator(path, model=str(tmp_path / "tiny"), image_size=64)
@@ -197,7 +199,7 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
     (tmp_path / "d.json").write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"d\.safetensors.*other segmenter features.*train-discriminator"):
         check_discriminator(path, model=str(tmp_path / "tiny"), image_size=32)
-    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors.*flowalign reward train-discriminator"):
+    with pytest.raises(FileNotFoundError, match=r"missing\.safetensors.*flowalign prep train-discriminator"):
         check_discriminator(tmp_path / "missing.safetensors", model=str(tmp_path / "tiny"))
 
 
@@ -211,7 +213,7 @@ def test_the_trainer_refuses_a_missing_or_foreign_discriminator_before_the_model
     values = {**small_run_values(TOY, tmp_path / "run"), "reward.rewards": rewards(tmp_path / "absent.safetensors")}
     config = load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])
     with pytest.raises(SetupError, match=r"reward\.rewards\[0\]\.kwargs\.path.*absent\.safetensors.*"
-                                         r"flowalign reward train-discriminator"):
+                                         r"flowalign prep train-discriminator"):
         GRPOTrainer(config)
     other = untrained_discriminator(tmp_path / "elsewhere", tmp_path / "d.safetensors", image_size=32, width=8)
     values["reward.rewards"] = rewards(other)

@@ -249,4 +249,4 @@ def test_a_missing_register_checkpoint_fails_before_the_model_loads_naming_the_k
     with pytest.raises(SetupError) as error:  # model.path does not exist either: the registers are checked first
         GRPOTrainer(config)
     message = str(error.value)
-    assert message.startswith("credit.registers") and "flowalign registers train" in message
+    assert message.startswith("credit.registers") and "flowalign prep registers" in message

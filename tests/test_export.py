@@ -25,10 +25,11 @@ import torch
 import yaml
 
 from flowalign import cli
-from flowalign.training.checkpoint import save_checkpoint
+from flowalign.training.checkpoint_files import save_checkpoint
 from flowalign.config import load_config, to_dict
 from flowalign.evaluation.toy_eval import evaluate, generate
-from flowalign.export import LORA_FILE, apply_lora, base_model_path, export_lora, load_model, resolve_lora
+from flowalign.export import export_lora
+from flowalign.lora_loading import LORA_FILE, apply_lora, base_model_path, load_model, resolve_lora
 from flowalign.models import wrap_pipeline
 from flowalign.models.loading import load_flow_model
 from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline

@@ -298,7 +298,8 @@ def test_fsdp2_holds_half_of_ddps_training_state_per_process(tmp_path):
 def test_a_sharded_checkpoint_exports_and_evaluates_like_a_whole_one(tiny_model, tmp_path):
     """``flowalign export`` (and ``eval --lora``) read a sharded checkpoint's weights without a process group: the
     last weights equal its lora/ folder, and the EMA is the run's EMA."""
-    from flowalign.export import export_lora, resolve_lora
+    from flowalign.export import export_lora
+    from flowalign.lora_loading import resolve_lora
     from flowalign.serialization import read_sharded
 
     train_here(tiny_model, tmp_path / "run", **{"optim.ema_decay": 0.5})
@@ -314,7 +315,7 @@ def test_a_sharded_checkpoint_exports_and_evaluates_like_a_whole_one(tiny_model,
 
 
 def test_a_full_fine_tunes_checkpoint_is_no_lora_source(tiny_model, tmp_path):
-    from flowalign.export import resolve_lora
+    from flowalign.lora_loading import resolve_lora
 
     train_here(tiny_model, tmp_path / "run", **{"model.finetune": "full", "train.iterations": 1})
     with pytest.raises(ValueError, match=r"full fine-tune.*holds no LoRA.*transformer"):

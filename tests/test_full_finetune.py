@@ -118,7 +118,7 @@ def preset_extra(preset, model_path, tmp_path) -> dict:
     """What a preset's small run needs beyond the model: a register checkpoint, a discriminator or a manifold made
     for the tiny SD3 (as the golden runs build them)."""
     if preset == "register_grpo":
-        from flowalign.reward_models.registers import LatentRegisters
+        from flowalign.reward_models.latent_registers import LatentRegisters
 
         torch.manual_seed(0)
         transformer = SD3Transformer2DModel.from_pretrained(model_path / "transformer")

@@ -32,7 +32,7 @@ def golden_models(tmp_path_factory):
     checkpoint (seed 0) for drl and drl_adjoint."""
     from diffusers import SD3Transformer2DModel
 
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
 
     train, test = split_prompts()
     words = sorted({w for e in train + test for w in e["prompt"].split()})

@@ -268,7 +268,7 @@ class TransformerCounter:
 def _counted_toy_run(model, metadata, guidance, budget, cfg=1.0):
     """``run_guided`` on the toy prompts at 3 steps (RGS on seeded registers), counting the transformer's rows."""
     from flowalign.inference.sample import SampleConfig, run_guided
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
     from flowalign.toy.reward import ToyGenEvalReward
 
     config = SampleConfig(guidance=guidance, budget=budget, steps=3, cfg=cfg,
@@ -307,7 +307,7 @@ def test_every_guidance_mode_runs_on_the_toy_model_within_its_budget(toy, guidan
 def test_rgs_bands_choose_the_guided_steps_and_their_cost(toy):
     """Only the band above sigma 0.8 guided: of the 3 steps (sigmas 1, 0.5, 0.001) one is, so 3 + 1 NFEs."""
     from flowalign.inference.sample import SampleConfig, run_guided
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
     from flowalign.toy.reward import ToyGenEvalReward
 
     model, metadata = toy
@@ -444,7 +444,7 @@ def test_flowalign_sample_bad_input_fails_before_loading(tmp_path, capsys, argv,
 
 def test_flowalign_sample_refuses_registers_of_another_transformer(tmp_path, capsys, sd3_pipe):
     from flowalign.cli import main
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
 
     checkpoint = LatentRegisters.for_transformer(sd3_pipe.transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
     with pytest.raises(SystemExit) as exit_info:

@@ -14,11 +14,15 @@ from typing import Callable
 from module_sources import REPO, imported_names, module_name, sources
 
 # The foundation: plain Python (and torch) that every layer may use; it imports only itself.
-FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.normalization",
+FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.advantages",
+              "flowalign.normalization",  # the deprecated path of flowalign.advantages (#42)
               "flowalign.serialization", "flowalign.sharded_reading", "flowalign.lr_schedule", "flowalign.config",
               "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code")
 COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives")
-UPPER = ("flowalign.inference", "flowalign.training", "flowalign.cli")
+UPPER = ("flowalign.inference", "flowalign.training", "flowalign.prep", "flowalign.cli")
+# The old paths of the preparation tools: shims that re-export flowalign.prep for one release.
+PREP_SHIMS = ("flowalign.training.calibrate", "flowalign.training.manifold", "flowalign.training.discriminator",
+              "flowalign.training.registers")
 
 
 def within(name: str, prefixes: tuple[str, ...]) -> bool:
@@ -59,9 +63,10 @@ RULES = [
     Rule("models/ never imports rewards, reward models, evaluation, the toy world, the components or the layers "
          "above them", under("flowalign.models"),
          never("flowalign.rewards", "flowalign.reward_models", "flowalign.evaluation", "flowalign.toy",
-               "flowalign.export", *COMPONENTS, *UPPER)),
-    Rule("evaluation, the toy world, data and export never import the components, inference, training or the CLI",
-         under("flowalign.evaluation", "flowalign.toy", "flowalign.data", "flowalign.export"),
+               "flowalign.export", "flowalign.lora_loading", *COMPONENTS, *UPPER)),
+    Rule("evaluation, the toy world, data, LoRA loading and export never import the components, inference, training, "
+         "the preparation tools or the CLI",
+         under("flowalign.evaluation", "flowalign.toy", "flowalign.data", "flowalign.lora_loading", "flowalign.export"),
          never(*COMPONENTS, *UPPER)),
     Rule("flowalign.rewards, flowalign.remote (rewards out of process) and flowalign.embeddings never import the "
          "components, inference, training or the CLI",
@@ -76,8 +81,16 @@ RULES = [
          never("flowalign.rollout", "flowalign.credit", *UPPER)),
     Rule("inference never imports the training components, training or the CLI", under("flowalign.inference"),
          never(*COMPONENTS, "flowalign.training", "flowalign.cli")),
-    Rule("nothing outside flowalign/training and flowalign/cli imports flowalign.training",
-         lambda module: not within(module, ("flowalign.training", "flowalign.cli")), never("flowalign.training")),
+    Rule("nothing outside flowalign/training, flowalign/prep (the preparation tools) and flowalign/cli imports "
+         "flowalign.training",
+         lambda module: not within(module, ("flowalign.training", "flowalign.prep", "flowalign.cli")),
+         never("flowalign.training")),
+    Rule("flowalign.training never imports the preparation tools (flowalign.prep), but for the deprecated shims of "
+         "their old paths", lambda module: within(module, ("flowalign.training",)) and module not in PREP_SHIMS,
+         never("flowalign.prep")),
+    Rule("nothing outside flowalign/prep and flowalign/cli imports flowalign.prep, but for the deprecated shims",
+         lambda module: not within(module, ("flowalign.prep", "flowalign.cli")) and module not in PREP_SHIMS,
+         never("flowalign.prep")),
     Rule("nothing outside flowalign/cli imports flowalign.cli", lambda module: not within(module, ("flowalign.cli",)),
          never("flowalign.cli")),
     Rule("the mapped folders are imported by their installed names (flowalign.samplers, never samplers)",
@@ -145,5 +158,5 @@ def test_relative_imports_and_imports_inside_functions_are_read():
 
 def test_every_module_is_seen():
     names = {module_name(path) for path in sources()}
-    assert {"flowalign.kernels.dispatch", "flowalign.samplers.sde", "flowalign.reward_models.registers",
+    assert {"flowalign.kernels.dispatch", "flowalign.samplers.sde", "flowalign.reward_models.latent_registers",
             "flowalign.credit", "flowalign.training.trainer", "flowalign.cli"} <= names

@@ -31,7 +31,7 @@ def test_logged_nfes_equal_the_transformers_rows_with_cfg(preset, tiny_paths, tm
     extra = {**SMALL_RUN_SHAPE.get(preset.stem, {}), "sampling.guidance_scale": 3.0, "train.iterations": 1}
     if preset.stem == "register_grpo":  # registers for the tiny transformer the run trains
         from diffusers import SD3Transformer2DModel
-        from flowalign.reward_models.registers import LatentRegisters
+        from flowalign.reward_models.latent_registers import LatentRegisters
 
         transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
         extra["credit.registers"] = str(

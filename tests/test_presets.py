@@ -47,7 +47,7 @@ def test_the_expected_presets_ship():
                                          "grpo_guard", "gardo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus"}
-    from flowalign.training.distributed import SUPPORTED_DISTRIBUTED_TYPES
+    from flowalign.training.collectives import SUPPORTED_DISTRIBUTED_TYPES
 
     launches = sorted((REPO / "configs/accelerate").glob("*.yaml"))
     assert {p.stem for p in launches} == {"ddp", "multi_node"}
@@ -141,7 +141,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         return
     if preset.stem == "register_grpo":  # registers for the tiny transformer the run trains
         from diffusers import SD3Transformer2DModel
-        from flowalign.reward_models.registers import LatentRegisters
+        from flowalign.reward_models.latent_registers import LatentRegisters
 
         transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
         checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")
@@ -196,7 +196,7 @@ def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_pa
 def euphonium_with_registers(tiny_paths, tmp_path, **extra):
     """The Euphonium preset's small run with registers for the tiny transformer as its process reward."""
     from diffusers import SD3Transformer2DModel
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
 
     torch.manual_seed(0)
     transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
@@ -223,7 +223,7 @@ def test_euphonium_with_registers_as_the_process_reward_trains_and_counts_its_pa
 def test_euphonium_register_shift_is_the_guidance_of_the_registers_own_gradient(tiny_paths, tmp_path):
     """At a guided state the shift is ``euphonium_guidance`` of ``d S / d x`` taken through ``LatentRegisters.guide``
     of a freshly loaded checkpoint, and the recorded PRM is that pass's score (heads summed)."""
-    from flowalign.reward_models.registers import load_registers
+    from flowalign.reward_models.latent_registers import load_registers
     from flowalign.rollout import RolloutContext, per_row_velocity
     from flowalign.samplers import euphonium_guidance
 
@@ -481,7 +481,7 @@ def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_a
     """credit.register_pass = policy reads the registers off the rollout's own forwards: with the LoRA still
     zero (iteration 0) it gives the reference pass's step rewards, for 1 NFE per sample instead of T + 1."""
     from diffusers import SD3Transformer2DModel
-    from flowalign.reward_models.registers import LatentRegisters
+    from flowalign.reward_models.latent_registers import LatentRegisters
 
     transformer = SD3Transformer2DModel.from_pretrained(tiny_paths["sd3"] / "transformer")
     checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(tmp_path / "r.pt")

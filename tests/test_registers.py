@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowalign.models import wrap_pipeline
-from flowalign.reward_models.registers import (
+from flowalign.reward_models.latent_registers import (
     LatentRegisters,
     default_taps,
     load_registers,
@@ -112,14 +112,14 @@ def test_checkpoint_round_trip_and_a_different_transformer_config_is_refused(tmp
 
 
 def test_registers_train_then_rgs_sampling_through_the_cli(tmp_path):
-    """`flowalign registers train` at a tiny size writes a checkpoint and its held-out report; `flowalign sample
+    """`flowalign prep registers` at a tiny size writes a checkpoint and its held-out report; `flowalign sample
     --guidance rgs` then guides with it within the budget."""
     import json
 
     from flowalign.cli import main
 
     checkpoint = tmp_path / "reg" / "registers.pt"
-    assert main(["registers", "train", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
+    assert main(["prep", "registers", "--prompts-per-iteration", "2", "--samples-per-prompt", "2",
                  "--steps", "3", "--updates-per-iteration", "2", "--eval-prompt-count", "2", "--num-registers", "4",
                  "--iterations", "3", "--eval-every", "2", "--val-prompt-count", "3", "--out", str(checkpoint)]) == 0
     summary = json.loads((checkpoint.parent / "report.json").read_text())
@@ -138,7 +138,7 @@ def test_registers_train_then_rgs_sampling_through_the_cli(tmp_path):
 
 
 def test_selection_score_is_the_mean_over_bands_with_pairs():
-    from flowalign.training.registers import selection_score
+    from flowalign.prep.train_registers import selection_score
 
     accuracy = {"sigma>0.8": {"accuracy": 0.6, "pairs": 10}, "0.5-0.8": {"accuracy": 0.8, "pairs": 3},
                 "0.2-0.5": {"accuracy": math.nan, "pairs": 0}, "sigma<0.2": {"accuracy": 1.0, "pairs": 1}}
@@ -146,7 +146,7 @@ def test_selection_score_is_the_mean_over_bands_with_pairs():
 
 
 def test_registers_train_refuses_a_validation_split_that_takes_every_prompt(tmp_path):
-    from flowalign.training.registers import RegisterTrainConfig, train_registers
+    from flowalign.prep.train_registers import RegisterTrainConfig, train_registers
 
     with pytest.raises(ValueError, match="val_prompt_count = 174 leaves no training prompts"):
         train_registers(RegisterTrainConfig(val_prompt_count=174, out=str(tmp_path / "r.pt")))

@@ -149,12 +149,16 @@ def tiny_sd3(tmp_path_factory):
 def test_fit_manifold_is_bitwise_repeatable_and_its_checkpoint_loads(tiny_sd3, tmp_path, capsys):
     from flowalign.cli import main
 
-    args = ["reward", "fit-manifold", "--model", str(tiny_sd3), "--data", "toy:1", "--max-images", "16",
+    args = ["--model", str(tiny_sd3), "--data", "toy:1", "--max-images", "16",
             "--num-bases", "16", "--hidden-dim", "16", "--epochs-lcc", "2", "--epochs-shell", "2", "--batch-size", "4",
             "--device", "cpu"]
-    for name in ("a", "b"):
-        assert main(args + ["--out", str(tmp_path / f"{name}.safetensors")]) == 0
-    assert "wrote" in capsys.readouterr().out
+    # b with the deprecated name: the same command, bitwise, plus a line on stderr naming the new one
+    for name, command in (("a", ["prep", "fit-manifold"]), ("b", ["reward", "fit-manifold"])):
+        assert main(command + args + ["--out", str(tmp_path / f"{name}.safetensors")]) == 0
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out
+    assert captured.err.count("deprecated: use `flowalign prep fit-manifold`") == 1, captured.err
+    args = ["prep", "fit-manifold", *args]
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     # an existing output is refused before the model loads, as export refuses one: nothing is overwritten
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -201,7 +205,7 @@ def test_a_manifold_for_another_model_is_refused_before_the_model_loads(tiny_sd3
         reward = f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {path}}}}}]"
         with pytest.raises(SetupError, match=says) as error:
             GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", reward))
-        assert str(path) in str(error.value) and "flowalign reward fit-manifold" in str(error.value)
+        assert str(path) in str(error.value) and "flowalign prep fit-manifold" in str(error.value)
         with pytest.raises(SetupError, match=says):
             GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2", f"objectives.shell_lcc.path={path}",
                                      preset="shell_lcc_objective"))
@@ -213,11 +217,11 @@ def test_a_missing_manifold_names_the_command_that_makes_it(tiny_sd3, tmp_path, 
 
     refuse_loading(monkeypatch)
     missing = tmp_path / "none.safetensors"
-    with pytest.raises(SetupError, match="flowalign reward fit-manifold") as error:
+    with pytest.raises(SetupError, match="flowalign prep fit-manifold") as error:
         GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", f"objectives.shell_lcc.path={missing}",
                                  preset="shell_lcc_objective"))
     assert str(missing) in str(error.value)
-    with pytest.raises(Exception, match="flowalign reward fit-manifold"):
+    with pytest.raises(Exception, match="flowalign prep fit-manifold"):
         GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2",
                                  f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {missing}}}}}]"))
 

@@ -123,3 +123,29 @@ def test_x0_projection_costs_one_evaluation():
     assert scorer.nfe == 2
     with pytest.raises(ValueError, match="estimate"):
         IntermediateScorer(gaussian_velocity, lambda z: z, lambda im, r: im, sigmas, estimate="one_step")
+
+
+def test_calibration_asks_the_parts_what_it_needs_and_refuses_a_shared_trunk_before_the_model_loads(tmp_path):
+    """``flowalign prep calibrate`` names no shape and no SDE kind: the rollout shape declares that it grows independent
+    trajectories, the SDE kind its largest noise level (the clamp of the calibrated levels)."""
+    import dataclasses
+
+    from flowalign.config import load_config
+    from flowalign.errors import SetupError
+    from flowalign.kernels.sde_reference import SDE_KINDS, check_noise_level, max_noise_level
+    from flowalign.prep.calibrate import calibrate
+    from flowalign.rollout import SHAPES
+    from flowalign.training.config import TrainConfig
+
+    assert {name: SHAPES.get(name).independent_trajectories for name in SHAPES.names()} == {
+        "group": True, "probe": False, "tree": False}
+    assert {kind: max_noise_level(kind) for kind in SDE_KINDS} == {"flow_grpo": None, "dance": None, "cps": 1.0}
+    with pytest.raises(ValueError, match=r"noise_level for kind 'cps' must lie in \[0, 1\], got 1\.5"):
+        check_noise_level(1.5, "cps")
+    check_noise_level(1.5, "flow_grpo")
+    config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", f"train.out_dir={tmp_path}"])
+    probed = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout, name="probe"))
+    with pytest.raises(SetupError, match=r"independent trajectories: rollout.name must be a shape that grows them "
+                                         r"\('group'\), got 'probe'"):
+        calibrate(probed, rounds=1)
+    assert list(tmp_path.iterdir()) == []

@@ -551,7 +551,7 @@ def test_step_reward_estimators_give_per_step_group_normalised_advantages(tiny_m
 def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
     out = tmp_path / "calibrated.yaml"
     args = overrides(tiny_model, tmp_path / "cal", **{"train.iterations": 1})
-    result = subprocess.run([str(BIN / "flowalign"), "calibrate", *args, "--rounds", "2", "--out", str(out)],
+    result = subprocess.run([str(BIN / "flowalign"), "prep", "calibrate", *args, "--rounds", "2", "--out", str(out)],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     text = out.read_text()
@@ -570,13 +570,14 @@ def test_calibrate_writes_a_config_train_accepts(tiny_model, tmp_path):
 def test_calibration_on_two_processes_gathers_every_trajectory_and_matches_one_process(tiny_model, tmp_path):
     args = overrides(tiny_model, tmp_path / "cal", **{"train.iterations": 1})
     outs = {}
-    for n in (1, 2):
+    for n, command in ((1, ["calibrate"]), (2, ["prep", "calibrate"])):  # 1: the deprecated name, the same command
         outs[n] = tmp_path / f"calibrated-{n}.yaml"
         result = subprocess.run([str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(n), "-m",
-                                 "flowalign.cli", "calibrate", *args, "--rounds", "2", "--out", str(outs[n])],
+                                 "flowalign.cli", *command, *args, "--rounds", "2", "--out", str(outs[n])],
                                 env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"},
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-2000:]
+        assert ("deprecated: use `flowalign prep calibrate`" in result.stderr) == (n == 1), result.stderr[-2000:]
     one, two = (outs[n].read_text() for n in (1, 2))
     assert one == two  # the same counts of dR > 0 and dR < 0 per step in every round: all 8 trajectories each
     assert "# round 0:" in one and load_config(TrainConfig, outs[2], []).sampling.noise_table

@@ -22,17 +22,17 @@ results its commands exist for; the command line shows those log records, INFO a
 Commands (modules of this package):
 
 * ``flowalign train [CONFIG] [key=value ...] [--resume CKPT]``: GRPO fine-tuning (``train``).
-* ``flowalign calibrate [CONFIG] [key=value ...] --out FILE``: DenseGRPO's per-step noise calibration, written as a
-  config for ``flowalign train`` (``train``).
+* ``flowalign prep calibrate|fit-manifold|train-discriminator|registers``: the preparation tools (DenseGRPO's noise
+  calibration, Shell-LCC's data manifold, DRL's discriminator, latent reward registers), each writing a file that a
+  training config names (``prep``). Their names before 0.2 (``flowalign calibrate``, ``flowalign reward
+  fit-manifold``, ``flowalign reward train-discriminator``, ``flowalign registers train``) are deprecated aliases.
 * ``flowalign sample [CONFIG] --guidance none|bon|fk|dts|rgs|... --budget NFE``: reward-guided sampling with a
   registered guided sampler (``sample``).
 * ``flowalign serve-reward [CONFIG] [key=value ...]``: serve registered rewards over HTTP for the ``remote``
   reward (``serve``).
 * ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
-* ``flowalign reward fit-manifold``: a Shell-LCC data manifold on the model's VAE latents (``manifold``).
-* ``flowalign toy pretrain|segmenter``, ``flowalign registers train``, ``flowalign export CHECKPOINT --out DIR``
-  (``tools``), ``flowalign reward train-discriminator`` (``discriminator``). ``sample`` and every ``eval`` command
-  take ``--lora DIR [--weights ema|last]``.
+* ``flowalign toy pretrain|segmenter``, ``flowalign export CHECKPOINT --out DIR`` (``tools``). ``sample`` and every
+  ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
 
 from __future__ import annotations
@@ -87,18 +87,19 @@ def _group(commands, name: str, help: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .discriminator import add_train_discriminator
     from .eval import add_eval_commands
-    from .manifold import add_fit_manifold
+    from .prep import add_calibrate, add_fit_manifold, add_prep_commands, add_registers_train, add_train_discriminator
     from .sample import add_sample
     from .serve import add_serve_reward
-    from .tools import add_export, add_registers_train, add_toy_pretrain, add_toy_segmenter
-    from .train import add_calibrate, add_train
+    from .tools import add_export, add_toy_pretrain, add_toy_segmenter
+    from .train import add_train
 
     parser = _Parser(prog=PROG, description="Align flow-matching text-to-image models with reward models.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_train(commands)
-    add_calibrate(commands)
+    add_prep_commands(_group(commands, "prep", "prepare what a method needs before training (calibration, a manifold, "
+                             "a discriminator, reward registers)"))
+    add_calibrate(commands)  # deprecated aliases of the prep commands, for one release
     add_eval_commands(_group(commands, "eval", "evaluate a model"))
     toy = _group(commands, "toy", "toy-world tools")
     add_toy_pretrain(toy)
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample(commands)
     add_serve_reward(commands)
     add_export(commands)
-    add_registers_train(_group(commands, "registers", "latent reward registers"))
-    reward = _group(commands, "reward", "fit reward models on data")
+    add_registers_train(_group(commands, "registers", "deprecated: use `flowalign prep registers`"))
+    reward = _group(commands, "reward", "deprecated: use `flowalign prep fit-manifold|train-discriminator`")
     add_train_discriminator(reward)
     add_fit_manifold(reward)
     return parser

@@ -1,6 +1,6 @@
 """Command-line options generated from a settings dataclass, turned into the config loader's ``key=value`` overrides.
 
-Every configurable command (``train``, ``calibrate``, ``sample``, ``eval ...``, ``registers train``, ``toy ...``) is
+Every configurable command (``train``, ``prep ...``, ``sample``, ``eval ...``, ``toy ...``) is
 ``flowalign COMMAND [CONFIG] [key=value ...] [--option VALUE ...]`` and is built by ``flowalign.config.load_config``
 from its dataclass: the YAML file ``CONFIG`` (with ``base:``; ``train`` without one reads ``configs/default.yaml``,
 the default run), then the overrides. An option is sugar for an override:
@@ -230,7 +230,7 @@ class ConfigCommand:
     """A command built from ``cls`` by the loader; ``run(config, args)`` does its work once the config is built.
 
     ``flags``: generate ``cls``'s options (``train`` has only dotted ones); ``options``: a second dataclass whose
-    options the command also takes (``calibrate``: rounds, eps1, eps2, out), built from those options alone and
+    options the command also takes (``prep calibrate``: rounds, eps1, eps2, out), built from those options alone and
     passed as ``args.options``; ``aliases``: extra options naming one dotted key each (``train --resume``);
     ``default_config``: the YAML a command line without a CONFIG builds on, relative to the working directory (``train``:
     ``configs/default.yaml``, the default run), where the schema's own defaults are the base of every config file."""

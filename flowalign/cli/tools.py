@@ -1,5 +1,6 @@
-"""The tools around training: ``toy pretrain``, ``toy segmenter``, ``registers train`` (each built from its settings
-dataclass by the config loader) and ``export`` (a checkpoint's LoRA for diffusers; positional, no config)."""
+"""The tools around training: ``toy pretrain``, ``toy segmenter`` (each built from its settings dataclass by the config
+loader) and ``export`` (a checkpoint's LoRA for diffusers; positional, no config). The preparation tools are
+``flowalign prep`` (``flowalign.cli.prep``)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,7 @@ import argparse
 
 from .options import ConfigCommand, add_config_command
 
-__all__ = ["add_export", "add_registers_train", "add_toy_pretrain", "add_toy_segmenter"]
-
-
-
+__all__ = ["add_export", "add_toy_pretrain", "add_toy_segmenter"]
 
 
 def _run_toy_pretrain(config, args: argparse.Namespace) -> None:
@@ -30,13 +28,6 @@ def _run_toy_segmenter(config, args: argparse.Namespace) -> None:
     print(f"wrote {config.out}: " + ", ".join(f"{k} {v}" for k, v in report.items()))
 
 
-def _run_registers_train(config, args: argparse.Namespace) -> None:
-    from flowalign.training.registers import train_registers
-
-    result = train_registers(config)
-    print(f"wrote {result['checkpoint']}")
-
-
 def add_toy_pretrain(group) -> None:
     add_config_command(
         group, "pretrain", ConfigCommand("flowalign.toy.pretrain:PretrainConfig", _run_toy_pretrain),
@@ -51,16 +42,6 @@ def add_toy_segmenter(group) -> None:
         help="train the toy shape segmenter behind the differentiable toy_geneval_soft reward",
         description="Train the per-pixel shape segmenter (flowalign.toy.segmenter) on random rendered scenes and save "
         "model.safetensors and config.json (settings and held-out pixel accuracy) to --out.",
-    )
-
-
-def add_registers_train(group) -> None:
-    add_config_command(
-        group, "train", ConfigCommand("flowalign.training.registers:RegisterTrainConfig", _run_registers_train),
-        help="train latent reward registers on the model's own samples (pairwise Thurstone loss)",
-        description="Sample K trajectories per prompt with the frozen model, label the final images with --reward, "
-        "and fit register heads on pairs of noisy states of the same prompt; reports held-out pairwise accuracy "
-        "by sigma band (report.md / report.json next to --out).",
     )
 
 
@@ -100,3 +81,16 @@ def _run_export(args: argparse.Namespace) -> None:
         raise SetupError(str(error)) from None
     kind = "pipeline with the LoRA merged" if args.merge else "diffusers LoRA folder"
     print(f"wrote {out} ({kind})")
+
+
+def __getattr__(name: str):
+    """``add_registers_train``, which moved to ``flowalign.cli.prep`` in 0.2, with a warning."""
+    if name == "add_registers_train":
+        import warnings
+
+        from . import prep
+
+        warnings.warn("flowalign.cli.tools.add_registers_train moved to flowalign.cli.prep.add_registers_train; the "
+                      "old name goes in the next release", DeprecationWarning, stacklevel=2)
+        return prep.add_registers_train
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

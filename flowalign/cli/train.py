@@ -1,7 +1,8 @@
-"""``flowalign train`` (RL fine-tuning) and ``flowalign calibrate`` (DenseGRPO's per-step noise calibration).
+"""``flowalign train`` (RL fine-tuning).
 
-Both take ``[CONFIG] [key=value ...]`` for a ``TrainConfig`` (``--a.b VALUE`` is the override ``a.b=VALUE``);
-``train --resume CHECKPOINT|latest`` is ``train.resume``. ``calibrate``'s own options are ``CalibrateOptions``.
+It takes ``[CONFIG] [key=value ...]`` for a ``TrainConfig`` (``--a.b VALUE`` is the override ``a.b=VALUE``);
+``train --resume CHECKPOINT|latest`` is ``train.resume``. DenseGRPO's calibration, which takes a ``TrainConfig`` too,
+is ``flowalign prep calibrate`` (``flowalign.cli.prep``).
 ``train`` without a CONFIG reads ``configs/default.yaml`` (``DEFAULT_RUN``), the default run: the best method
 measured at the toy world's 15-minute budget (``docs/results/default_run.md``). A CONFIG builds on ``TrainConfig``'s
 own defaults, which are Flow-GRPO-Fast's settings.
@@ -13,33 +14,12 @@ import argparse
 import logging
 import os
 import sys
-from dataclasses import dataclass
-
-from flowalign.settings import at_least, finite, option
 
 from .options import ConfigCommand, add_config_command
 
-__all__ = ["DEFAULT_RUN", "CalibrateOptions", "add_calibrate", "add_train"]
+__all__ = ["DEFAULT_RUN", "add_train"]
 
 DEFAULT_RUN = "configs/default.yaml"  # relative to the working directory, like the toy world's assets/
-
-
-@dataclass
-class CalibrateOptions:
-    """``flowalign calibrate``'s own settings (the rest of its command line is the training config)."""
-
-    out: str = option(None, "the calibrated config to write (YAML)")
-    rounds: int = option(10, "calibration rounds")
-    eps1: float = option(2.0, "sign-balance tolerance")
-    eps2: float = option(0.01, "noise-level step per round")
-
-    def validate(self) -> None:
-        from flowalign.settings import check
-
-        check(self.out is not None, "out", "is required: give --out FILE")
-        at_least("rounds", self.rounds, 1)
-        finite("eps1", self.eps1, 0)
-        finite("eps2", self.eps2, 0)
 
 
 def _run_train(config, args: argparse.Namespace) -> None:
@@ -84,26 +64,6 @@ def _leave_process_group(accelerator, status: int = 0) -> None:
         raise SystemExit(status)
 
 
-def _run_calibrate(config, args: argparse.Namespace) -> None:
-    from flowalign.training.calibrate import calibrate, write_calibrated_config
-
-    from .options import config_and_overrides
-
-    options = args.options
-    path, overrides = config_and_overrides(args.items)
-    levels, history = calibrate(config, rounds=options.rounds, eps1=options.eps1, eps2=options.eps2)
-    from accelerate import PartialState
-
-    state = PartialState()
-    if not state.is_main_process:  # every process holds the same levels; the main one writes them
-        _leave_process_group(state)
-        return
-    out = write_calibrated_config(options.out, levels, history, base=path, overrides=overrides, eps1=options.eps1,
-                                  eps2=options.eps2)
-    print(f"wrote {out}: sampling.noise_table = {levels}")
-    _leave_process_group(state)
-
-
 def add_train(commands) -> None:
     add_config_command(
         commands, "train", ConfigCommand("flowalign.training.config:TrainConfig", _run_train, flags=False,
@@ -117,11 +77,14 @@ def add_train(commands) -> None:
     )
 
 
-def add_calibrate(commands) -> None:
-    add_config_command(
-        commands, "calibrate", ConfigCommand("flowalign.training.config:TrainConfig", _run_calibrate, options=CalibrateOptions),
-        help="calibrate per-step noise levels (DenseGRPO) and write them as a train config",
-        description="Sample trajectories with the training config, score the ODE completion of every state, and "
-        "move each stochastic step's noise level up (signs of dR balanced) or down (unbalanced); the result is a "
-        "YAML config with sampling.noise_table for `flowalign train`.",
-    )
+def __getattr__(name: str):
+    """``CalibrateOptions`` and ``add_calibrate``, which moved to ``flowalign.cli.prep`` in 0.2, with a warning."""
+    if name in ("CalibrateOptions", "add_calibrate"):
+        import warnings
+
+        from . import prep
+
+        warnings.warn(f"flowalign.cli.train.{name} moved to flowalign.cli.prep.{name}; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return getattr(prep, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from flowalign.components import ComponentConfig
 from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
-from flowalign.normalization import ZERO_STD
+from flowalign.advantages import ZERO_STD
 from flowalign.rollout import RolloutGuidance
 from flowalign.settings import at_least, check, finite, option
 
@@ -59,7 +59,7 @@ def group_step_normalize(values: Tensor, group_ids: Tensor, *, eps: float = 1e-4
     """``(v - mean_g) / (std_g + eps)`` per group and column of ``values`` (``[B]`` or ``[B, T]``), float64.
 
     NaN entries are left out of their group's mean and std and get 0; a group whose std is below 1e-6 (identical
-    values, or fewer than two entries; ``flowalign.normalization.ZERO_STD``) gets exactly 0, so identical rewards
+    values, or fewer than two entries; ``flowalign.advantages.ZERO_STD``) gets exactly 0, so identical rewards
     never turn into advantages by rounding."""
     v = values.double()
     squeeze = v.ndim == 1
@@ -138,7 +138,7 @@ class EuphoniumConfig(ComponentConfig):
         "x0_hat (its gradient on x0_hat, v held fixed, guides the SDE mean); null with registers")
     registers: str | None = option(
         None, "the process reward instead of process_reward (set that to null): a register checkpoint (`flowalign "
-        "registers train`) trained on this model, scoring the noisy states; its gradient through a reference "
+        "prep registers`) trained on this model, scoring the noisy states; its gradient through a reference "
         "forward guides the SDE mean")
     reward_kwargs: dict[str, Any] = option({}, "keyword arguments for the process reward's constructor")
     scale: float = option(0.01, "guidance scale c; < 0 means c = noise_level^2 / (2 kl_beta)")
@@ -334,7 +334,7 @@ class EuphoniumCredit(CreditEstimator):
               "- 1): no step would be guided")
 
     def start_up(self) -> None:
-        from flowalign.credit.registers import check_register_file
+        from flowalign.credit.register_grpo import check_register_file
         from flowalign.rewards import build_differentiable_reward
 
         if self.config.registers is not None:
@@ -344,7 +344,7 @@ class EuphoniumCredit(CreditEstimator):
                                                   **self.config.reward_kwargs)
 
     def set_up(self, parts) -> None:
-        from flowalign.credit.registers import load_for
+        from flowalign.credit.register_grpo import load_for
 
         if self.config.registers is None:
             self.guidance = ProcessRewardGuidance(self.config, self.reward, parts.model)

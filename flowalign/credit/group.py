@@ -1,5 +1,5 @@
 """The ``group`` credit estimator: every transition of a trajectory gets its terminal group advantage (Flow-GRPO,
-Liu et al. 2025, eq. 5). The normalisation itself is ``flowalign.normalization.group_advantages``, computed once over
+Liu et al. 2025, eq. 5). The normalisation itself is ``flowalign.advantages.group_advantages``, computed once over
 the gathered batch before credit is assigned."""
 
 from __future__ import annotations

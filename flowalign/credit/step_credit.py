@@ -19,7 +19,7 @@ from torch import Tensor
 
 from flowalign.components import ComponentConfig
 from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit, trained_mask
-from flowalign.normalization import group_normalize
+from flowalign.advantages import group_normalize
 from flowalign.credit.step_rewards import dense_increments, return_to_go, turning_point_rewards
 from flowalign.credit.tp_grpo import RELEASED_OPTIONS, released_process_rewards
 from flowalign.settings import at_least, check, option

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from flowalign.components import ComponentConfig
 from flowalign.credit.base import BatchScores, Credit, CreditContext, CreditEstimator, register_credit
-from flowalign.normalization import ZERO_STD
+from flowalign.advantages import ZERO_STD
 from flowalign.settings import at_least, check, finite, option
 
 __all__ = [

@@ -12,7 +12,7 @@ one-step clean estimate of the state it lands on (Eq. 9; the last one is the ter
   must be >= 0 so that ``omega >= 0``; a trajectory whose values are all 0 (every instant reward 0, a failed
   verifier) has no weighting to give and gets ``omega = 1`` on every step.
 * Group statistics per step: ``mu_i``, ``std_i`` over the ``G`` trajectories (population std unless
-  ``std_unbiased``; a single trajectory has std 0). A step whose std is below ``flowalign.normalization.ZERO_STD``
+  ``std_unbiased``; a single trajectory has std 0). A step whose std is below ``flowalign.advantages.ZERO_STD``
   is degenerate: its std and its centred values ``Q_i - mu_i`` count as exactly 0 (the project's rule for groups
   with equal rewards, so rounding never makes a signal).
 * ADAE (Eq. 13), ``variant="reconstruction"``: ``A_i = omega_i ((Q_i - mu_i) + alpha_i Q_i) / (std_i + eps)`` with
@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from flowalign.normalization import ZERO_STD
+from flowalign.advantages import ZERO_STD
 
 __all__ = ["VARIANTS", "discounted_values", "value_anchored_advantages"]
 

@@ -34,7 +34,7 @@ from flowalign.components import ComponentConfig
 from flowalign.credit.base import BatchScores, Credit, CreditContext, register_credit, trained_mask
 from flowalign.credit.step_credit import StepRewardCredit, intermediate_rewards
 from flowalign.credit.value_anchored import VARIANTS, value_anchored_advantages
-from flowalign.normalization import ZERO_STD
+from flowalign.advantages import ZERO_STD
 from flowalign.rollout import RolloutHook
 from flowalign.rewards import negative_scores_reason
 from flowalign.samplers import predict_x0

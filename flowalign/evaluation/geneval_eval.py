@@ -189,7 +189,7 @@ def run_geneval(config: GenEvalRunConfig, detections=None) -> dict:
             outputs.append(OutputFolder(folder, GENEVAL_IMAGES, "flowalign eval geneval", flag="--images"))
         replacing = [o for o in outputs if o.check(overwrite=config.overwrite)]
         if generating:
-            from flowalign.export import base_model_path, load_model
+            from flowalign.lora_loading import base_model_path, load_model
 
             if not Path(config.metadata).is_file():
                 raise FileNotFoundError(f"GenEval metadata file {config.metadata!r} does not exist")

@@ -154,7 +154,7 @@ def run_hpd(config: HPDRunConfig, scorer=None) -> dict:
     ``scorer`` (an ``HPSv2``-like reward model) overrides the HPS v2.1 model built from ``hps_checkpoint``.
     """
     from flowalign.errors import setup_phase
-    from flowalign.export import base_model_path, load_model
+    from flowalign.lora_loading import base_model_path, load_model
 
     with setup_phase():  # the user's mistakes, up to the loaded models, are reported as such (exit 2 on the CLI)
         config.validate()

@@ -37,6 +37,7 @@ from flowalign.config import ConfigError
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
 from flowalign.evaluation.images import save_grid
+from flowalign.lora_loading import DEFAULT_MODEL
 from flowalign.outputs import OutputFolder
 from flowalign.seeding import mixed_seed
 from flowalign.settings import option, redefault
@@ -58,7 +59,6 @@ logger = logging.getLogger(__name__)
 GRID_MAX_IMAGES = 64
 # What run_eval writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
 TOY_EVAL_OUTPUTS = ("results.json", "summary.md", "grid.png")
-DEFAULT_MODEL = "assets/toy-sd3"
 
 
 def default_prompts_path() -> Path:
@@ -112,8 +112,8 @@ class SamplingRun:
                              "with --lora CHECKPOINT")
 
     def lora_source(self):
-        """The checked ``lora`` (``flowalign.export.resolve_lora``), or None; loads nothing."""
-        from flowalign.export import resolve_lora
+        """The checked ``lora`` (``flowalign.lora_loading.resolve_lora``), or None; loads nothing."""
+        from flowalign.lora_loading import resolve_lora
 
         return None if self.lora is None else resolve_lora(self.lora, self.lora_weights)
 
@@ -124,8 +124,8 @@ class EvalConfig(SamplingRun):
 
     ``prompts`` defaults to the held-out ``assets/prompts/test.jsonl``. ``images_per_tag``, when set, replaces
     ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``). ``lora`` (a checkpoint with
-    ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.export``) is evaluated on ``model``, which defaults to the
-    checkpoint's base model, else ``assets/toy-sd3``.
+    ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.lora_loading``) is evaluated on ``model``, which defaults
+    to the checkpoint's base model, else ``assets/toy-sd3``.
     """
 
     model: str | None = option(None, "diffusers pipeline directory (default: a --lora checkpoint's model, else "
@@ -447,31 +447,6 @@ def paired_difference(results_a: Sequence[Mapping[str, Any]], results_b: Sequenc
 # ----------------------------------------------------------------------------------------------- run_eval
 
 
-def resolve_model_path(model: str) -> str:
-    """The model to load, with a clear FileNotFoundError for a local-looking path that does not exist.
-
-    The default ``assets/toy-sd3`` is always local: relative to the working directory, else to the repository (as
-    ``assets/prompts`` is). Any other relative ``dir/name`` is also what a hub id looks like; it counts as local
-    when ``dir`` exists here, so a missing local model is not looked up on the hub.
-    """
-    path = Path(model).expanduser()
-    if path.exists():
-        return model
-    if model == DEFAULT_MODEL:
-        from flowalign.toy.prompts import PROMPT_ASSET_DIR
-
-        in_repo = Path(PROMPT_ASSET_DIR).parents[1] / DEFAULT_MODEL
-        if in_repo.exists():
-            return str(in_repo)
-        raise FileNotFoundError(
-            f"model path {model!r} does not exist here nor at {str(in_repo)!r} (build it with `flowalign toy pretrain`)"
-        )
-    parent = path.parent
-    if path.is_absolute() or model.startswith((".", "~")) or (str(parent) != "." and parent.is_dir()):
-        raise FileNotFoundError(f"model path {model!r} does not exist")
-    return model  # a hub id: load_flow_model fetches it or explains why it cannot
-
-
 def _summary_markdown(config: EvalConfig, summary: Mapping[str, Any], model: str, lora=None) -> str:
     n_images, n_prompts = summary["n_images"], summary["n_prompts"]
     images_ok = round(summary["images_correct"] * n_images)
@@ -502,7 +477,7 @@ def run_eval(config: EvalConfig) -> dict:
     file FileNotFoundError (both name what is wrong), all before the model loads.
     """
     from flowalign.errors import setup_phase
-    from flowalign.export import base_model_path, load_model
+    from flowalign.lora_loading import base_model_path, load_model
 
     with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
         config.validate()
@@ -551,3 +526,17 @@ def run_eval(config: EvalConfig) -> dict:
     logger.info("%s", markdown.split("\n", 4)[-1].rstrip())
     logger.info("%s", f"wrote {out / 'results.json'}, {out / 'summary.md'}, {out / 'grid.png'}")
     return summary
+
+
+def __getattr__(name: str):
+    """``resolve_model_path``, which moved to ``flowalign.lora_loading`` in 0.2, with a warning."""
+    if name == "resolve_model_path":
+        import warnings
+
+        from flowalign import lora_loading
+
+        warnings.warn("flowalign.evaluation.toy_eval.resolve_model_path moved to "
+                      "flowalign.lora_loading.resolve_model_path; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return lora_loading.resolve_model_path
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

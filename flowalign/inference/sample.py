@@ -67,8 +67,8 @@ LEGACY_SETTINGS = {"noise_level": "noise_level", "lam": "lam", "potential": "pot
 @dataclass(init=False)
 class SampleConfig:
     """Settings of ``flowalign sample`` (per-prompt NFE ``budget``; see the module docstring). ``lora``: a trained
-    LoRA (a checkpoint, with ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.export``) on ``model``, which
-    defaults to the checkpoint's base model, else ``assets/toy-sd3``."""
+    LoRA (a checkpoint, with ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.lora_loading``) on ``model``,
+    which defaults to the checkpoint's base model, else ``assets/toy-sd3``."""
 
     model: str | None = option(None, "diffusers pipeline directory (default: a --lora checkpoint's model, else "
                                "assets/toy-sd3)")
@@ -305,7 +305,7 @@ def run_sample(config: SampleConfig) -> dict:
     from flowalign.rewards import require_prompt_metadata
     from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
     from flowalign.errors import setup_phase
-    from flowalign.export import base_model_path, load_model, resolve_lora
+    from flowalign.lora_loading import base_model_path, load_model, resolve_lora
 
     with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
         config.validate()
@@ -333,7 +333,8 @@ def run_sample(config: SampleConfig) -> dict:
             require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None
         if register_path is not None:
-            from flowalign.reward_models.registers import load_registers, read_checkpoint, check_transformer_config
+            from flowalign.reward_models.latent_registers import (check_transformer_config, load_registers,
+                                                                  read_checkpoint)
 
             saved = read_checkpoint(register_path)["transformer_config"]
             actual = read_transformer_config(model_path)

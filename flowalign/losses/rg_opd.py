@@ -33,7 +33,7 @@ __all__ = ["RGOPDConfig", "RGOPDLoss"]
 class RGOPDConfig(ComponentConfig):
     weight: float = option(1.0, "weight of the regression onto the RGS targets")
     registers: str | None = option(
-        None, "gradient source: a register checkpoint (`flowalign registers train`) trained on this model")
+        None, "gradient source: a register checkpoint (`flowalign prep registers`) trained on this model")
     reward: str | None = option(
         None, "gradient source instead of registers: a differentiable image reward (e.g. toy_geneval_soft) of the "
         "reference model's decoded x0_hat, its gradient taken on x0_hat (no backward through the transformer)")
@@ -71,7 +71,7 @@ class RGOPDLoss(LossTerm):
         return self.config.reward is not None  # the reward's x0_hat uses v_ref; the registers compute their own
 
     def start_up(self) -> None:
-        from flowalign.credit.registers import check_register_file
+        from flowalign.credit.register_grpo import check_register_file
         from flowalign.rewards import build_differentiable_reward
 
         if self.config.registers is not None:
@@ -88,7 +88,7 @@ class RGOPDLoss(LossTerm):
                              model=model_path)
 
     def set_up(self, parts) -> None:
-        from flowalign.credit.registers import load_for
+        from flowalign.credit.register_grpo import load_for
 
         self.model, self.autocast = parts.model, parts.accelerator.autocast
         if getattr(self, "reward", None) is not None:

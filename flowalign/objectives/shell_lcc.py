@@ -38,7 +38,7 @@ OBJECTIVE = int(Purpose.OBJECTIVE)
 @dataclass
 class ShellLCCObjectiveConfig(ComponentConfig):
     path: str = option("outputs/manifolds/shell_lcc.safetensors",
-                       "the Shell-LCC manifold (`flowalign reward fit-manifold`) fitted on this model's VAE latents; "
+                       "the Shell-LCC manifold (`flowalign prep fit-manifold`) fitted on this model's VAE latents; "
                        "checked at start-up")
     variant: Literal["distance", "band"] = option(
         "distance", "distance = minimise R (the released default; it drives x0_hat toward the skeleton), band = "

@@ -177,6 +177,9 @@ class RolloutShape(Component):
     whole_prompts: ClassVar[bool] = False
     # The optional transition fields it can store when a component asks (module docstring).
     fields: ClassVar[frozenset[str]] = frozenset()
+    # Every final image ends its own trajectory, drawn independently of the others (no shared trunk): what DenseGRPO's
+    # noise calibration (flowalign.prep.calibrate) measures its dense rewards on.
+    independent_trajectories: ClassVar[bool] = False
 
     def samples_per_prompt(self, group_size: int) -> int:
         """Final images per prompt."""

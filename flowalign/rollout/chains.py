@@ -20,6 +20,7 @@ class Chains(RolloutShape):
     """group_size independent trajectories per prompt."""
 
     fields = frozenset({"velocity"})
+    independent_trajectories = True
 
     def grow(self, context: RolloutContext, ids: Tensor, cond) -> Batch:
         sampling, group_size = context.config.sampling, context.config.data.group_size

@@ -1,7 +1,7 @@
 """A run's directory and checkpoints, for the trainer: refuse to write into another run, resume a checkpoint
 (checked against the config, through the config migration for checkpoints written before it), save atomically.
 
-The checkpoint format is ``flowalign.training.checkpoint``'s; the rules for run directories are
+The checkpoint format is ``flowalign.training.checkpoint_files``'s; the rules for run directories are
 ``flowalign.training.run_directory``'s.
 """
 
@@ -16,11 +16,11 @@ import torch
 import yaml
 
 from flowalign.config import to_saved_dict
-from flowalign.training.checkpoint import (begin_checkpoint, checkpoint_paths, finish_checkpoint, holds_ema,
-                                           load_checkpoint, load_component_tensors, load_copies, load_run_state,
-                                           rng_rekeying, save_process_rng, saved_processes, write_checkpoint_files,
-                                           write_run_files)
-from flowalign.training.distributed import together
+from flowalign.training.checkpoint_files import (begin_checkpoint, checkpoint_paths, finish_checkpoint, holds_ema,
+                                                 load_checkpoint, load_component_tensors, load_copies, load_run_state,
+                                                 rng_rekeying, save_process_rng, saved_processes,
+                                                 write_checkpoint_files, write_run_files)
+from flowalign.training.collectives import together
 from flowalign.training.kill_points import kill_point
 from flowalign.training.run_directory import check_new_run, check_out_dir, clear_run, resolve_resume
 

@@ -511,7 +511,7 @@ class CollapseConfig:
 
 @dataclass
 class DistributedConfig:
-    """How the model is laid out over the processes (``flowalign.training.engine``)."""
+    """How the model is laid out over the processes (``flowalign.training.parallel_engines``)."""
 
     engine: Literal["ddp", "fsdp2"] = option(
         "ddp", "ddp: the whole model on every process, gradients all-reduced; fsdp2: parameters, gradients and "

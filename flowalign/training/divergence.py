@@ -15,8 +15,8 @@ import math
 import torch
 
 from flowalign.errors import RunStopped
-from flowalign.training.checkpoint import latest_checkpoint
-from flowalign.training.distributed import agreed
+from flowalign.training.checkpoint_files import latest_checkpoint
+from flowalign.training.collectives import agreed
 
 __all__ = ["check_finite", "non_finite"]
 

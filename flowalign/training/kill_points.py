@@ -1,6 +1,6 @@
 """Named points inside a checkpoint save where the crash matrix kills (or fails) a process on purpose.
 
-The rule: every step of the save protocol (``flowalign.training.checkpoint``, ``flowalign.training.checkpointer``)
+The rule: every step of the save protocol (``flowalign.training.checkpoint_files``, ``flowalign.training.checkpointer``)
 calls ``kill_point(name, iteration, rank)`` once it is done; ``KILL_POINTS`` lists them in protocol order. When the
 environment variable ``FLOWALIGN_FAULT`` is unset (always, outside the crash tests) a call is one dictionary look-up
 and returns. Set, it reads ``<action>:<point>:<iteration>[:<rank>]`` (rank 0 by default):

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import yaml
 
-from flowalign.training.checkpoint import (CHECKPOINT_PATTERN, EMA_FILE, TEMPORARY_PREFIX, TRASH_PREFIX, holds_ema,
-                                           latest_checkpoint, read_run_state)
+from flowalign.training.checkpoint_files import (CHECKPOINT_PATTERN, EMA_FILE, TEMPORARY_PREFIX, TRASH_PREFIX,
+                                                 holds_ema, latest_checkpoint, read_run_state)
 from flowalign.config import diff_configs, load_config, to_dict
 from flowalign.errors import SetupError
 from flowalign.outputs import check_writable_dir, write_atomically

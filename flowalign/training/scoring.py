@@ -1,5 +1,5 @@
 """An iteration's rewards: decode this process's final images, score them (a latent reward reads the final latents),
-gather across processes, combine and group-normalise (Flow-GRPO's advantages, ``flowalign.normalization``).
+gather across processes, combine and group-normalise (Flow-GRPO's advantages, ``flowalign.advantages``).
 
 A group may span processes (its ``K`` images are sampled on different ranks), so normalising per process would use
 a partial group's mean and std: the raw rewards and validity are gathered first, normalised once over the global
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from flowalign.credit import BatchScores
-from flowalign.normalization import group_advantages
+from flowalign.advantages import group_advantages
 from flowalign.rewards import RewardScores, combine_rewards, score_all
 
 __all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "score_iteration", "state_reward"]

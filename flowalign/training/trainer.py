@@ -62,8 +62,8 @@ from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.config import TrainConfig
 from flowalign.training.copies import PolicyCopies
 from flowalign.training.divergence import check_finite
-from flowalign.training.distributed import agreed, check_distributed_type, check_ranks_agree, summed
-from flowalign.training.engine import build_engine
+from flowalign.training.collectives import agreed, check_distributed_type, check_ranks_agree, summed
+from flowalign.training.parallel_engines import build_engine
 from flowalign.training.ema import EMA
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.minibatches import minibatch_units
