@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import flowalign
-from flowalign.normalization import group_advantages
+from flowalign.advantages import group_advantages
 from flowalign.samplers import ode_step, sde_step
 from flowalign.seeding import Purpose, generator, numpy_rng
 

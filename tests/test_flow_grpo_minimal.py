@@ -23,7 +23,7 @@ from golden_runs import (COSINE_MIN, NORM_RATIO_TOLERANCE, _tensors_digest, _upd
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "flow_grpo_minimal.py"
 # What the example may import from flowalign: the model adapter, the SDE step, the advantages, the keyed seeds, and
 # the tiny pipeline it builds for --model tiny. No trainer, registry, config system or component.
-ALLOWED = ("flowalign", "flowalign.samplers", "flowalign.seeding", "flowalign.normalization", "flowalign.models.tiny",
+ALLOWED = ("flowalign", "flowalign.samplers", "flowalign.seeding", "flowalign.advantages", "flowalign.models.tiny",
            "flowalign.toy.prompts")
 ALLOWED_ATTRIBUTES = {"load_flow_model", "FlowModel"}  # of the top-level package
 
