@@ -21,7 +21,7 @@ the built-in modules so they register.
 from flowalign.credit.base import (CREDIT, BatchScores, Credit, CreditContext, CreditEstimator, register_credit,
                                    trained_mask)
 # The built-in estimators and step components register themselves on import.
-from flowalign.credit import diversity, euphonium, group, registers, steps, step_credit, tree, vgpo  # noqa: F401
+from flowalign.credit import diversity, euphonium, group, register_grpo, steps, step_credit, tree, vgpo  # noqa: F401
 from flowalign.credit.diversity import diversity_advantages
 from flowalign.credit.euphonium import euphonium_advantages
 from flowalign.credit.value_anchored import value_anchored_advantages
