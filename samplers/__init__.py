@@ -11,7 +11,7 @@ from .guided import GuidedResult, best_of_n
 from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
-from .euphonium import euphonium_sampling
+from .euphonium import euphonium_guidance, euphonium_sampling
 from .satisdive import satisdive_sampling
 from .sde import (
     REDUCTIONS,
@@ -19,7 +19,6 @@ from .sde import (
     StepOutput,
     LOG_PROB_MEANS,
     check_sigmas,
-    euphonium_guidance,
     gaussian_log_prob,
     ode_step,
     predict_x0,
