@@ -192,14 +192,14 @@ def standard_normal(
 
 def __getattr__(name: str):
     """``euphonium_guidance`` and ``GUIDANCE_NORMS`` moved to ``flowalign.samplers.euphonium`` (Euphonium's sampler
-    module); the old path works for one release with a DeprecationWarning."""
+    module); the old path works for one release with a DeprecationWarning. The new home is looked up when the old
+    name is read (``importlib``): this module does not depend on it, and Euphonium's module imports this one."""
     if name in ("euphonium_guidance", "GUIDANCE_NORMS"):
+        import importlib
         import warnings
-
-        from . import euphonium
 
         warnings.warn(f"flowalign.samplers.sde.{name} moved to flowalign.samplers.euphonium.{name} (also "
                       "flowalign.samplers.euphonium_guidance); the old path goes in the next release",
                       DeprecationWarning, stacklevel=2)
-        return getattr(euphonium, name)
+        return getattr(importlib.import_module(f"{__package__}.euphonium"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
