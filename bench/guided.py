@@ -18,8 +18,8 @@ the table. The targets of issue 7 are checked and reported, met or not:
         --rgs-bands 0.2:1.0 --budgets 10 20 40 80     # RGS on the differentiable toy reward, FK with RGS proposals
     python bench/guided.py --max-prompts 2 --repeats 1 --steps 3 --budgets 3 6     # smoke size
 
-FK runs with ``--fk-semantics flowalign`` here unless told otherwise (the semantics of the recorded results);
-``--fk-semantics reference`` (``flowalign sample``'s default) with ``--fk-adaptive``, ``--fk-resample-every`` and
+FK runs with ``--fk-resampling flowalign`` here unless told otherwise (the scheme of the recorded results);
+``--fk-resampling reference`` (``flowalign sample``'s default) with ``--fk-adaptive``, ``--fk-resample-every`` and
 ``--fk-resample-end`` runs it as the reference code does.
 
 Each held-out prompt is sampled ``--repeats`` times with its own seeds; every method sees the same seeds, so each
@@ -118,10 +118,10 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     from flowalign.cli import sigma_band
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.inference.guided import EuphoniumSettings, FKSettings
+    from flowalign.inference import EuphoniumSettings, FKSettings
     from flowalign.inference.sample import RGS_GRADIENTS, SampleConfig, build_guide_reward
     from flowalign.models.loading import load_flow_model
-    from flowalign.samplers.fk import SEMANTICS
+    from flowalign.samplers.fk import RESAMPLING
     from flowalign.samplers.guided import BudgetTooSmall
     from flowalign.toy.reward import ToyGenEvalReward
 
@@ -150,15 +150,16 @@ def main() -> None:
     parser.add_argument("--potential", default=FKSettings().potential, help="FK potential")
     parser.add_argument("--fk-resample-start", type=int, default=FKSettings().resample_start,
                         help="first step at which FK may resample")
-    parser.add_argument("--fk-semantics", choices=SEMANTICS, default="flowalign",
-                        help="FK's resampling (flowalign sample --fk-semantics): flowalign, the default here, is the "
-                             "semantics of the recorded results; reference is flowalign sample's default")
+    parser.add_argument("--fk-resampling", "--fk-semantics", choices=RESAMPLING, default="flowalign",
+                        help="FK's resampling scheme (flowalign sample --fk-resampling; --fk-semantics is its old "
+                             "name): flowalign, the default here, is the scheme of the recorded results; reference "
+                             "is flowalign sample's default")
     parser.add_argument("--fk-adaptive", action="store_true",
-                        help="FK (reference semantics): resample only when ESS < N/2")
+                        help="FK (reference resampling): resample only when ESS < N/2")
     parser.add_argument("--fk-resample-every", type=int, default=FKSettings().resample_every,
-                        help="FK (reference semantics): steps between resampling steps")
+                        help="FK (reference resampling): steps between resampling steps")
     parser.add_argument("--fk-resample-end", type=int, default=FKSettings().resample_end,
-                        help="FK (reference semantics): last scheduled resampling step before the final one")
+                        help="FK (reference resampling): last scheduled resampling step before the final one")
     parser.add_argument("--euphonium-scale", type=float, default=EuphoniumSettings().scale,
                         help="Euphonium-guided sampling's scale (its gradient source: --rgs-reward / --registers)")
     parser.add_argument("--euphonium-start", type=float, default=EuphoniumSettings().start,
@@ -207,7 +208,7 @@ def main() -> None:
                               noise_level=args.noise_level, lam=args.lam, potential=args.potential,
                               fk_resample_start=args.fk_resample_start)
         if method == "fk":
-            config.sampler = dataclasses.replace(config.sampler, semantics=args.fk_semantics,
+            config.sampler = dataclasses.replace(config.sampler, resampling=args.fk_resampling,
                                                  adaptive=args.fk_adaptive, resample_every=args.fk_resample_every,
                                                  resample_end=args.fk_resample_end)
         if method == "euphonium":

@@ -7,11 +7,32 @@ gradient still has the input's shape).
 
 from __future__ import annotations
 
+import logging
+
 from torch import Tensor
 
 from .backend import check_latent, check_same_dtype, resolve_backend, row_values
 from .loss_reference import KL_FORMS, KL_STDS, TransitionLoss, check_loss_settings, grpo_transition_loss_reference
+from .sde_kinds import sde_kind
 from .sde_reference import StepOutput, check_kind, check_reduce, check_step_values, sde_step_reference
+
+logger = logging.getLogger(__name__)
+_STATED: set[str] = set()  # the unfused kinds whose fallback was already stated
+
+
+def runs_fused(kind: str, backend: str) -> bool:
+    """Whether the Triton path runs a step of ``kind`` on the resolved ``backend``: only the kinds with a kernel
+    (``sde_kinds.FUSED_KINDS``) do; a registered kind without one runs the torch reference even where Triton was
+    asked for, and this says so once per kind (a warning), so the fallback is never silent."""
+    if backend == "torch":
+        return False
+    if sde_kind(kind).fused:
+        return True
+    if kind not in _STATED:
+        _STATED.add(kind)
+        logger.warning("SDE kind %r has no Triton kernel: its steps and losses run on the torch reference path "
+                       "(flowalign.kernels.sde_kinds)", kind)
+    return False
 
 
 def sde_transition(
@@ -47,7 +68,7 @@ def sde_transition(
         check_latent("prev_sample", prev_sample, x)
     rows = tuple(row_values(name, value, x) for name, value in (
         ("sigma", sigma), ("sigma_next", sigma_next), ("noise_level", noise_level), ("noise_scale", noise_scale)))
-    if resolve_backend(x, backend) == "torch":
+    if not runs_fused(kind, resolve_backend(x, backend)):
         return sde_step_reference(x, v, sigma, sigma_next, kind=kind, noise_level=noise_level, noise_scale=noise_scale,
                                   noise=noise, prev_sample=prev_sample, reduce=reduce)
     from .sde_triton import sde_step_triton
@@ -109,7 +130,7 @@ def grpo_transition_loss(
     old = row_values("old_log_prob", old_log_prob, v, scalar_ok=False)
     adv = row_values("advantages", advantages, v, scalar_ok=False)
     weight = row_values("weights", 1.0 if weights is None else weights, v, scalar_ok=weights is None)
-    if resolve_backend(v, backend) == "torch":
+    if not runs_fused(kind, resolve_backend(v, backend)):
         return grpo_transition_loss_reference(
             v, x_t, x_next, sigma, sigma_next, old_log_prob, advantages, kind=kind, noise_level=noise_level,
             noise_scale=noise_scale, reduce=reduce, clip_range=clip_range, weights=weights, v_ref=v_ref, beta=beta,

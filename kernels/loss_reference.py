@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from .sde_kinds import sde_kind
 from .sde_reference import gaussian_log_prob, per_sample, sde_mean_std
 
 KL_FORMS = ("latent_mean", "velocity_mse")
@@ -109,12 +110,12 @@ def transition_kl(x_t: Tensor, v: Tensor, v_ref: Tensor, mean: Tensor, std: Tens
 
 def kl_std_scale(std: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, kind: str, kl_std: str) -> Tensor:
     """The ``s`` of the latent-mean KL's ``2 s^2`` per transition (module docstring): the transition ``std``
-    (``[N]`` or ``[N, 1, ...]``) for ``transition`` and for ``cps`` steps, else ``std / sqrt(sigma - sigma_next)``
+    (``[N]`` or ``[N, 1, ...]``) for ``transition`` and for a kind registered with ``kl_std_t=False`` (``cps``), else ``std / sqrt(sigma - sigma_next)``
     (``std_t``, flow_grpo's released code). fp32, the shape of ``std``."""
     if kl_std not in KL_STDS:
         raise ValueError(f"unknown kl_std {kl_std!r}: expected one of {', '.join(KL_STDS)}")
     std = std.float()
-    if kl_std == "transition" or kind == "cps":
+    if kl_std == "transition" or not sde_kind(kind).kl_std_t:
         return std
     step = per_sample(sigma, std) - per_sample(sigma_next, std)
     return std / torch.sqrt(step.clamp_min(1e-12))

@@ -1,10 +1,10 @@
 """Plain torch reference of one SDE transition: its mean, std, sample and exact Gaussian log-prob.
 
 This is the math every sampler uses on CPU and the reference the Triton kernel (``sde_triton``) is tested against.
-The formulas of the three kinds are in ``flowalign.samplers.sde`` (docs/design/math.md#sde-steps): ``flow_grpo`` (Liu et
-al. 2025,
-"Flow-GRPO", eq. 9), ``dance`` (Xue et al. 2025, "DanceGRPO") and ``cps`` (Wang & Yu 2025, coefficient-preserving
-sampling). All arithmetic is fp32 whatever the input dtype.
+A step's mean and std come from its kind, a function of the registry ``sde_kinds``: the built-in ``flow_grpo`` (Liu et
+al. 2025, "Flow-GRPO", eq. 9), ``dance`` (Xue et al. 2025, "DanceGRPO") and ``cps`` (Wang & Yu 2025,
+coefficient-preserving sampling), formulas in ``flowalign.samplers.sde`` (docs/design/math.md#sde-steps), or a kind
+registered with ``register_sde_kind``. All arithmetic is fp32 whatever the input dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-SDE_KINDS = ("flow_grpo", "dance", "cps")
+from .sde_kinds import FUSED_KINDS, sde_kind
+
+SDE_KINDS = FUSED_KINDS  # the built-in kinds; every registered one: sde_kinds.registered_sde_kinds()
 REDUCTIONS = ("mean", "sum")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -30,8 +32,8 @@ class StepOutput(NamedTuple):
 
 
 def check_kind(kind: str) -> str:
-    if kind not in SDE_KINDS:
-        raise ValueError(f"unknown SDE kind {kind!r}: expected one of {', '.join(SDE_KINDS)}")
+    """``kind`` if it is a registered SDE kind (``sde_kinds``), else ValueError with the registered ones."""
+    sde_kind(kind)
     return kind
 
 
@@ -41,21 +43,13 @@ def check_reduce(reduce: str) -> str:
     return reduce
 
 
-# The largest noise level of the kinds that have one: cps draws std = s' sin(a pi / 2), which needs a <= 1.
-MAX_NOISE_LEVELS = {"cps": 1.0}
-
-
-def max_noise_level(kind: str | None) -> float | None:
-    """The largest noise level ``kind`` accepts (``MAX_NOISE_LEVELS``), or None when it has no bound."""
-    return MAX_NOISE_LEVELS.get(kind)
-
-
 def check_noise_level(noise_level: float | Tensor, kind: str | None = None) -> None:
-    """Noise levels are >= 0 for every kind, and at most 1 for ``cps`` (``sin(a pi / 2)`` must not exceed 1)."""
+    """Noise levels are >= 0 for every kind, and at most the kind's ``max_noise_level`` (``cps``: 1, since
+    ``sin(a pi / 2)`` must not exceed 1)."""
     level = torch.as_tensor(noise_level, dtype=torch.float32)
     if torch.isnan(level).any() or (level < 0).any():
         raise ValueError(f"noise_level must be >= 0 (0 means a deterministic ODE step), got {show_values(noise_level)}")
-    high = max_noise_level(kind)
+    high = None if kind is None else sde_kind(kind).max_noise_level
     if high is not None and (level > high).any():
         raise ValueError(f"noise_level for kind {kind!r} must lie in [0, {high:g}], got {show_values(noise_level)}")
 
@@ -63,28 +57,12 @@ def check_noise_level(noise_level: float | Tensor, kind: str | None = None) -> N
 def sde_mean_std(
     x: Tensor, v: Tensor, sigma: float | Tensor, sigma_next: float | Tensor, *, kind: str, noise_level: float | Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Mean ``mu`` (fp32, shape of ``x``) and transition std (fp32, broadcastable ``[batch, 1, ...]``)."""
+    """Mean ``mu`` (fp32, shape of ``x``) and transition std (fp32, broadcastable ``[batch, 1, ...]``) of the
+    registered kind ``kind`` (``sde_kinds``)."""
+    step = sde_kind(kind)
     x, v = x.float(), v.float()
     s, s_next, a = per_sample(sigma, x), per_sample(sigma_next, x), per_sample(noise_level, x)
-    dt = s_next - s
-    if kind == "flow_grpo":
-        # At s = 1 the ratio s / (1 - s) is infinite; Flow-GRPO uses the next sigma in the denominator there.
-        denominator = torch.where(s >= 1, 1 - s_next, 1 - s)
-        std_t = a * torch.sqrt(s / denominator)
-        mean = x * (1 + std_t**2 * dt / (2 * s)) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        std = std_t * torch.sqrt(-dt)
-    elif kind == "dance":
-        x0_hat = x - s * v
-        score = -(x - x0_hat * (1 - s)) / s**2
-        mean = x + dt * v - 0.5 * a**2 * score * dt
-        std = a * torch.sqrt(-dt)
-    elif kind == "cps":
-        x0_hat = x - s * v
-        x1_hat = x + (1 - s) * v
-        std = s_next * torch.sin(a * math.pi / 2)
-        mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt((s_next**2 - std**2).clamp_min(0))
-    else:
-        check_kind(kind)
+    mean, std = step.mean_std(x, v, s, s_next, a)
     return mean, std.expand(x.shape[0], *([1] * (x.ndim - 1)))
 
 
@@ -136,8 +114,9 @@ def check_step_values(
     would otherwise wait for the device once per condition)."""
     s, s_next, level, scale = (torch.as_tensor(v) for v in (sigma, sigma_next, noise_level, noise_scale))
     failed = [(s_next >= s).any(), (s > 1).any(), (s_next < 0).any(), (~(level >= 0)).any(), (~(scale > 0)).any()]
-    if kind == "cps":
-        failed.append((level > 1).any())
+    high = None if kind is None else sde_kind(kind).max_noise_level
+    if high is not None:
+        failed.append((level > high).any())
     by_device: dict[torch.device, list[Tensor]] = {}
     for flag in failed:
         by_device.setdefault(flag.device, []).append(flag)

@@ -11,15 +11,15 @@ from .guided import GuidedResult, best_of_n
 from .fk import fk_steering
 from .dts import diffusion_tree_search
 from .rgs import reward_guided_sampling
-from .euphonium import euphonium_sampling
+from .euphonium import euphonium_guidance, euphonium_sampling
 from .satisdive import satisdive_sampling
+from ..kernels.sde_kinds import SDEKind, register_sde_kind, registered_sde_kinds, sde_kind
 from .sde import (
     REDUCTIONS,
     SDE_KINDS,
     StepOutput,
     LOG_PROB_MEANS,
     check_sigmas,
-    euphonium_guidance,
     gaussian_log_prob,
     ode_step,
     predict_x0,
@@ -37,6 +37,7 @@ __all__ = [
     "PerStepNoise",
     "ProbeRollout",
     "Rollout",
+    "SDEKind",
     "SDEWindow",
     "StepOutput",
     "Transitions",
@@ -54,10 +55,13 @@ __all__ = [
     "ode_step",
     "predict_x0",
     "probe_nfe",
+    "register_sde_kind",
+    "registered_sde_kinds",
     "probe_rollout",
     "reward_guided_sampling",
     "rollout",
     "satisdive_sampling",
+    "sde_kind",
     "sde_mean_std",
     "sde_step",
     "tree_rollout",

@@ -7,7 +7,7 @@ reward at the step's state,
 
     x_{i+1} = mu(x_i, v_i) + c G + std eps,       c = scale (* (s_i - s_{i+1}) with scale_by_dt)
 
-(``flowalign.samplers.euphonium_guidance``; with ``normalize`` ``G`` is a unit vector per sample), ``mu`` and ``std``
+(``euphonium_guidance``, here; with ``normalize`` ``G`` is a unit vector per sample), ``mu`` and ``std``
 the ``kind`` SDE's (``dance`` at ``noise_level = 0.25`` in the released script). The steps from ``start`` on are guided
 (the released script: 12 of 16, the last quarter). The process reward comes from ``guide(x, sigma, rows) -> (v,
 scores [n, H])`` as RGS takes it (``samplers.rgs``): register heads, or a differentiable reward of ``x0_hat``, with
@@ -22,6 +22,7 @@ NFEs: ``T`` forwards per trajectory (``evals_per_sample`` each) plus ``backward_
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -38,9 +39,12 @@ from .guided import (
     keep_candidates,
 )
 from .rollout import count_nfe
-from .sde import euphonium_guidance, sde_step, standard_normal
+from .sde import sde_step, standard_normal
 
-__all__ = ["euphonium_sampling", "guided_step_count"]
+__all__ = ["GUIDANCE_NORMS", "euphonium_guidance", "euphonium_sampling", "guided_step_count"]
+
+# How ``euphonium_guidance`` takes the norm of ``G``: per sample, or over the whole tensor (the public code's).
+GUIDANCE_NORMS = ("sample", "batch")
 
 
 def guided_step_count(num_steps: int, start: int) -> int:
@@ -48,6 +52,63 @@ def guided_step_count(num_steps: int, start: int) -> int:
     if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start < num_steps:
         raise ValueError(f"guidance start must be a step in 0..{num_steps - 1}, got {start!r}")
     return num_steps - start
+
+
+def euphonium_guidance(
+    reward_gradient: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    noise_level: float | Tensor,
+    scale: float,
+    normalize: bool,
+    scale_by_dt: bool,
+    kl_beta: float | None = None,
+    norm: str = "sample",
+    eps: float = 1e-8,
+) -> Tensor:
+    """Euphonium's mean shift ``c G`` (Zhong et al. 2026, arXiv 2602.04928; ``flux_step`` of its public code), fp32.
+
+    ``G`` is ``reward_gradient`` (``[batch, ...]``, the gradient of a process reward at the step's state) and
+
+        c = scale                              if scale >= 0
+        c = noise_level^2 / (2 kl_beta)        if scale < 0 (the KL-regularised optimum's step, needs kl_beta > 0)
+        c = c * (sigma - sigma_next)           if scale_by_dt (released script default: on)
+
+    With ``normalize`` ``G`` is divided by ``||G|| + eps``: per sample (``norm="sample"``, the default) or over the
+    whole tensor, batch included (``norm="batch"``, the public code's norm, which it only ever calls with one sample).
+    A zero gradient (a row with ``||G|| = 0``, or the whole tensor with ``norm="batch"``) gives a zero shift, as the
+    public code skips the guidance when ``||G|| = 0``. ``sigma``, ``sigma_next`` and ``noise_level`` are scalars or
+    ``[batch]``.
+    """
+    if norm not in GUIDANCE_NORMS:
+        raise ValueError(f"unknown guidance norm {norm!r}: expected one of {', '.join(GUIDANCE_NORMS)}")
+    if not math.isfinite(scale):
+        raise ValueError(f"guidance scale must be finite, got {scale!r}")
+    if scale < 0 and (kl_beta is None or not kl_beta > 0):
+        raise ValueError(f"a negative guidance scale means c = noise_level^2 / (2 kl_beta): give kl_beta > 0, got "
+                         f"{kl_beta!r}")
+    if reward_gradient.ndim < 1 or reward_gradient.shape[0] == 0:
+        raise ValueError(f"reward_gradient must be a [batch, ...] tensor, got shape {tuple(reward_gradient.shape)}")
+    g = reward_gradient.float()
+    if scale >= 0:
+        c = torch.full((g.shape[0],), float(scale), dtype=torch.float32, device=g.device)
+    else:
+        level = torch.as_tensor(noise_level, dtype=torch.float32, device=g.device).reshape(-1)
+        c = (level**2 / (2 * kl_beta)).expand(g.shape[0])
+    if scale_by_dt:
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=g.device).reshape(-1)
+        s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=g.device).reshape(-1)
+        c = c * (s - s_next)
+    c = c.reshape(-1, *([1] * (g.ndim - 1)))
+    dims = tuple(range(1, g.ndim))
+    if norm == "sample":
+        size = g.pow(2).sum(dim=dims, keepdim=True).sqrt() if dims else g.abs()
+    else:
+        size = g.norm().reshape([1] * g.ndim)
+    if normalize:
+        g = g / (size + eps)
+    return torch.where(size > 0, c * g, torch.zeros_like(g))
 
 
 def euphonium_sampling(

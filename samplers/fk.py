@@ -6,7 +6,7 @@ Reference: Singhal et al. 2025, "A General Framework for Inference-time Scaling 
 
 Each prompt runs ``N = budget // T`` SDE particles (``T`` steps) and spends exactly ``N * T`` NFEs: a particle's
 clean estimate ``x0_hat = x_t - s_t v(x_t)`` reuses the velocity its step needs, so scoring it costs no NFE. Two
-semantics (``flowalign sample --fk-semantics``):
+resampling schemes (``flowalign sample --fk-resampling``):
 
 **``fk_steering_reference``: as the reference code** (the default of ``--guidance fk``). At every loop index ``i``
 the particles' ``x0_hat`` of the pre-step state ``x_i`` are scored *only if* ``i`` is active
@@ -20,9 +20,11 @@ resampling at every active index or adaptive (``ESS < N/2``), the last index alw
 there and are never resampled adaptively): the one intended difference; given the same ancestors every other number
 matches the reference to rounding.
 
-**``fk_steering``: flowalign's earlier variant** (``--fk-semantics flowalign``). At a *resampling step* ``t`` (default
-every step but the last) every particle's ``x0_hat`` is scored and appended to its reward history ``r_0 .. r_t``; the
-particle's log-potential is ``lambda * phi`` with ``max`` ``phi = max_k r_k`` (no floor), ``add`` ``sum_k r_k``,
+**``fk_steering``: flowalign's earlier variant** (``--fk-resampling flowalign``), kept as a checked copy for one
+reason: every FK result of docs/results/guided_sampling.md was measured with it (``bench/guided.py``'s default), and
+this keeps them reproducible (tests/test_guided.py and tests/test_fk_reference.py pin it). At a *resampling step*
+``t`` (default every step but the last) every particle's ``x0_hat`` is scored and appended to its reward history
+``r_0 .. r_t``; the particle's log-potential is ``lambda * phi`` with ``max`` ``phi = max_k r_k`` (no floor), ``add`` ``sum_k r_k``,
 ``diff`` ``r_t - r_{t-1}`` (``r_{-1} = 0``), ``rt`` ``r_t``; weights ``w_i = softmax_i(lambda phi_i)``, and a
 prompt's **pre-step** particles (state, velocity and history) are resampled multinomially exactly when
 ``ESS = 1 / sum_i w_i^2 < ess_threshold * N`` (always adaptive), then step with fresh noise. No final check and no
@@ -74,12 +76,24 @@ from .guided import (
 from .rollout import count_nfe
 from .sde import predict_x0
 
-__all__ = ["POTENTIALS", "SEMANTICS", "FKDecision", "FKState", "effective_sample_size", "fk_log_weights",
+__all__ = ["POTENTIALS", "RESAMPLING", "FKDecision", "FKState", "effective_sample_size", "fk_log_weights",
            "fk_resample_step", "fk_schedule", "fk_steering", "fk_steering_reference", "multinomial_draw", "potential",
            "resample"]
 
-# ``reference``: fk_steering_reference (the reference code's semantics); ``flowalign``: fk_steering (the earlier one).
-SEMANTICS = ("reference", "flowalign")
+# FK's two resampling schemes (``flowalign sample --fk-resampling``): ``reference``, fk_steering_reference (as the
+# reference code resamples); ``flowalign``, fk_steering (the earlier scheme, kept because every FK result in
+# docs/results/guided_sampling.md and bench/guided.py's default were measured with it).
+RESAMPLING = ("reference", "flowalign")
+
+
+def __getattr__(name: str):
+    if name == "SEMANTICS":  # the old name of RESAMPLING, for one release
+        import warnings
+
+        warnings.warn("flowalign.samplers.fk.SEMANTICS is renamed RESAMPLING; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return RESAMPLING
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 logger = logging.getLogger(__name__)
 

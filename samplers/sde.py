@@ -23,14 +23,12 @@ Kinds:
   coefficient is exactly ``s'``. Needs ``0 <= a <= 1``.
 
 Guided steps (Euphonium, Zhong et al. 2026, arXiv 2602.04928): ``sde_step(..., mean_shift=c G)`` draws
-``x' = mu + c G + std eps`` around a shifted mean (``euphonium_guidance`` computes ``c G`` from a process reward's
-gradient ``G``) and takes the log-prob under the unguided mean ``mu`` (the released code's default, which makes the
+``x' = mu + c G + std eps`` around a shifted mean (``flowalign.samplers.euphonium.euphonium_guidance`` computes ``c G``
+from a process reward's gradient ``G``) and takes the log-prob under the unguided mean ``mu`` (the released code's default, which makes the
 policy gradient pull the unguided policy toward the guided samples) or under the guided one ``mu + c G``.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -158,7 +156,6 @@ def sde_step(
 
 
 LOG_PROB_MEANS = ("unguided", "guided")
-GUIDANCE_NORMS = ("sample", "batch")
 
 
 def check_log_prob_under(value: str) -> str:
@@ -172,63 +169,6 @@ def guided_log_prob_sample(prev_sample: Tensor, mean_shift: Tensor) -> Tensor:
     """``x'.float() - mean_shift``: scored under the unguided mean it gives the density under the guided one. The
     rollout and the training loss both score this tensor, so their log-probs agree bitwise."""
     return prev_sample.float() - mean_shift.float()
-
-
-def euphonium_guidance(
-    reward_gradient: Tensor,
-    sigma: float | Tensor,
-    sigma_next: float | Tensor,
-    *,
-    noise_level: float | Tensor,
-    scale: float,
-    normalize: bool,
-    scale_by_dt: bool,
-    kl_beta: float | None = None,
-    norm: str = "sample",
-    eps: float = 1e-8,
-) -> Tensor:
-    """Euphonium's mean shift ``c G`` (Zhong et al. 2026, arXiv 2602.04928; ``flux_step`` of its public code), fp32.
-
-    ``G`` is ``reward_gradient`` (``[batch, ...]``, the gradient of a process reward at the step's state) and
-
-        c = scale                              if scale >= 0
-        c = noise_level^2 / (2 kl_beta)        if scale < 0 (the KL-regularised optimum's step, needs kl_beta > 0)
-        c = c * (sigma - sigma_next)           if scale_by_dt (released script default: on)
-
-    With ``normalize`` ``G`` is divided by ``||G|| + eps``: per sample (``norm="sample"``, the default) or over the
-    whole tensor, batch included (``norm="batch"``, the public code's norm, which it only ever calls with one sample).
-    A zero gradient (a row with ``||G|| = 0``, or the whole tensor with ``norm="batch"``) gives a zero shift, as the
-    public code skips the guidance when ``||G|| = 0``. ``sigma``, ``sigma_next`` and ``noise_level`` are scalars or
-    ``[batch]``.
-    """
-    if norm not in GUIDANCE_NORMS:
-        raise ValueError(f"unknown guidance norm {norm!r}: expected one of {', '.join(GUIDANCE_NORMS)}")
-    if not math.isfinite(scale):
-        raise ValueError(f"guidance scale must be finite, got {scale!r}")
-    if scale < 0 and (kl_beta is None or not kl_beta > 0):
-        raise ValueError(f"a negative guidance scale means c = noise_level^2 / (2 kl_beta): give kl_beta > 0, got "
-                         f"{kl_beta!r}")
-    if reward_gradient.ndim < 1 or reward_gradient.shape[0] == 0:
-        raise ValueError(f"reward_gradient must be a [batch, ...] tensor, got shape {tuple(reward_gradient.shape)}")
-    g = reward_gradient.float()
-    if scale >= 0:
-        c = torch.full((g.shape[0],), float(scale), dtype=torch.float32, device=g.device)
-    else:
-        level = torch.as_tensor(noise_level, dtype=torch.float32, device=g.device).reshape(-1)
-        c = (level**2 / (2 * kl_beta)).expand(g.shape[0])
-    if scale_by_dt:
-        s = torch.as_tensor(sigma, dtype=torch.float32, device=g.device).reshape(-1)
-        s_next = torch.as_tensor(sigma_next, dtype=torch.float32, device=g.device).reshape(-1)
-        c = c * (s - s_next)
-    c = c.reshape(-1, *([1] * (g.ndim - 1)))
-    dims = tuple(range(1, g.ndim))
-    if norm == "sample":
-        size = g.pow(2).sum(dim=dims, keepdim=True).sqrt() if dims else g.abs()
-    else:
-        size = g.norm().reshape([1] * g.ndim)
-    if normalize:
-        g = g / (size + eps)
-    return torch.where(size > 0, c * g, torch.zeros_like(g))
 
 
 def standard_normal(
@@ -250,3 +190,16 @@ def standard_normal(
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
 
 
+def __getattr__(name: str):
+    """``euphonium_guidance`` and ``GUIDANCE_NORMS`` moved to ``flowalign.samplers.euphonium`` (Euphonium's sampler
+    module); the old path works for one release with a DeprecationWarning. The new home is looked up when the old
+    name is read (``importlib``): this module does not depend on it, and Euphonium's module imports this one."""
+    if name in ("euphonium_guidance", "GUIDANCE_NORMS"):
+        import importlib
+        import warnings
+
+        warnings.warn(f"flowalign.samplers.sde.{name} moved to flowalign.samplers.euphonium.{name} (also "
+                      "flowalign.samplers.euphonium_guidance); the old path goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"{__package__}.euphonium"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -195,8 +195,12 @@ def test_wrong_types(tmp_path):
 
 
 def test_bad_literal_lists_allowed_values():
+    message = error("sampling.window_start=randm")
+    assert message.startswith("sampling.window_start: expected one of 'fixed', 'random', 'sliding', got 'randm' (str)")
+    assert "did you mean 'random'?" in message
+    # the SDE kinds are a registry (flowalign.kernels.sde_kinds): the same message shape, the registered kinds listed
     message = error("sampling.kind=cpss")
-    assert message.startswith("sampling.kind: expected one of 'flow_grpo', 'dance', 'cps', got 'cpss' (str)")
+    assert message.startswith("sampling.kind: unknown SDE kind 'cpss': expected one of flow_grpo, dance, cps")
     assert "did you mean 'cps'?" in message
     from flowalign.models import MODEL_FAMILIES
 

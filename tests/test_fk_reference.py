@@ -327,7 +327,7 @@ def toy():
 
 
 @pytest.mark.parametrize("semantics", ["reference", "flowalign"])
-def test_the_fk_sampler_runs_both_semantics_on_the_tiny_sd3(toy, semantics):
+def test_the_fk_sampler_runs_both_resampling_schemes_on_the_tiny_sd3(toy, semantics):
     from dataclasses import replace
 
     from flowalign.inference.sample import SampleConfig, run_guided
@@ -335,8 +335,8 @@ def test_the_fk_sampler_runs_both_semantics_on_the_tiny_sd3(toy, semantics):
 
     model, metadata = toy
     config = SampleConfig(guidance="fk", budget=9, steps=3)  # N = 3 particles
-    assert config.sampler.semantics == "reference" and config.sampler.adaptive is False  # the defaults
-    config.sampler = replace(config.sampler, semantics=semantics)
+    assert config.sampler.resampling == "reference" and config.sampler.adaptive is False  # the defaults
+    config.sampler = replace(config.sampler, resampling=semantics)
     config.validate()
     reward = ToyGenEvalReward(partial_credit=True)
     result = run_guided(model, metadata, config, reward_fn=reward)
@@ -357,12 +357,15 @@ def test_the_fk_sampler_runs_both_semantics_on_the_tiny_sd3(toy, semantics):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--fk-semantics", "flowalign", "--fk-resample-every", "2"], "applies to --fk-semantics reference only"),
-        (["--fk-semantics", "flowalign", "--fk-resample-end", "5"], "applies to --fk-semantics reference only"),
+        (["--fk-resampling", "flowalign", "--fk-resample-every", "2"], "applies to --fk-resampling reference only"),
+        (["--fk-resampling", "flowalign", "--fk-resample-end", "5"], "applies to --fk-resampling reference only"),
         (["--fk-resample-start", "4", "--fk-resample-end", "2"], "must be >= resample_start (4), got 2"),
         (["--steps", "10", "--fk-resample-end", "10"], "fk_resample_end must be a step in 0..9"),
         (["--fk-resample-every", "0"], "resample_every must be >= 1"),
+        (["--fk-resampling", "paper"], "fk"),
         (["--fk-semantics", "paper"], "fk"),
+        (["--fk-semantics", "flowalign", "--fk-resampling", "flowalign", "--fk-resample-every", "2"],
+         "applies to --fk-resampling reference only"),
     ],
 )
 def test_bad_fk_settings_fail_before_loading(tmp_path, capsys, argv, message):
@@ -373,3 +376,40 @@ def test_bad_fk_settings_fail_before_loading(tmp_path, capsys, argv, message):
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_old_fk_option_semantics_still_sets_the_resampling_scheme_with_a_warning():
+    """``semantics`` is the old name of ``resampling`` (one release): it warns and sets the new field; both at once
+    must agree."""
+    from flowalign.config import ConfigError
+    from flowalign.inference import FKSettings
+
+    with pytest.warns(DeprecationWarning, match="renamed resampling"):
+        settings = FKSettings(name="fk", semantics="flowalign")
+    assert settings.resampling == "flowalign" and settings.semantics is None
+    with pytest.raises(ConfigError, match="give only resampling"):
+        FKSettings(name="fk", resampling="flowalign", semantics="reference")
+
+
+def test_the_old_fk_flag_builds_the_settings_of_the_new_one_and_warns():
+    """``flowalign sample --fk-semantics flowalign`` (and ``sampler.semantics=flowalign``) build the settings
+    ``--fk-resampling flowalign`` builds, with a DeprecationWarning naming the new option."""
+    import argparse
+    import warnings
+
+    from flowalign.cli.options import ConfigCommand, add_config_command, load_from_args
+
+    command = ConfigCommand("flowalign.inference.sample:SampleConfig", lambda config, args: None)
+    parser = argparse.ArgumentParser()
+    add_config_command(parser.add_subparsers(), "sample", command, help="", description="")
+
+    def settings(*argv):
+        return load_from_args(command, parser.parse_args(["sample", "--guidance", "fk", *argv])).sampler
+
+    for old in (["--fk-semantics", "flowalign"], ["sampler.semantics=flowalign"]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            built = settings(*old)
+        assert any(issubclass(w.category, DeprecationWarning) and "--fk-resampling" in str(w.message)
+                   for w in caught), old
+        assert built == settings("--fk-resampling", "flowalign") and built.resampling == "flowalign"

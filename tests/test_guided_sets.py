@@ -17,7 +17,8 @@ from flowalign.samplers.dts import diffusion_tree_search
 from flowalign.samplers.euphonium import euphonium_sampling
 from flowalign.samplers.guided import best_of_n, group_argmax, group_topk
 from flowalign.samplers.rgs import reward_guided_sampling, x0_guide
-from flowalign.samplers.sde import euphonium_guidance, sde_step, standard_normal
+from flowalign.samplers.euphonium import euphonium_guidance
+from flowalign.samplers.sde import sde_step, standard_normal
 from gaussian_flow import CountingVelocity, gaussian_velocity, generators, mean_reward, sigmas
 
 REPO = Path(__file__).resolve().parents[1]

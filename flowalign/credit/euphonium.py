@@ -1,7 +1,7 @@
 """Euphonium (Zhong et al. 2026, arXiv 2602.04928): process-reward-gradient-guided rollouts and dual-reward advantages.
 
 Rollout. From ``start_step`` to the end (every ``interval``-th step), the SDE mean of step ``i`` is shifted by
-``c G`` (``flowalign.samplers.euphonium_guidance``), ``G`` the gradient of a process reward ``PRM`` at the state
+``c G`` (``flowalign.samplers.euphonium.euphonium_guidance``), ``G`` the gradient of a process reward ``PRM`` at the state
 ``x_i``; the stored log-prob is taken under the unguided mean (``log_prob_under: unguided``, the released code's
 only "internalisation": the policy gradient pulls the unguided policy toward the guided samples) or the guided one.
 The PRM is one of two sources (exactly one is set):

@@ -8,10 +8,10 @@ NFEs spent. ``run_sample`` adds loading, checks and outputs (``images/*.png``, `
 ``summary.md``).
 
 The sampler is the component section ``sampler`` (``--guidance NAME``, its settings ``sampler.KEY`` or their options:
-``--lam``, ``--potential``, ``--fk-semantics``, ``--fk-adaptive``, ``--fk-resample-start``, ``--fk-resample-every``,
+``--lam``, ``--potential``, ``--fk-resampling``, ``--fk-adaptive``, ``--fk-resample-start``, ``--fk-resample-every``,
 ``--fk-resample-end``, ``--fk-reward-min-value``, ``--noise-level``, ``--max-children``, ``--dts-soft``,
 ``--registers``, ``--rgs-reward``, ``--rgs-reward-kwargs``, ``--rgs-gradient``, ``--rgs-bands``; see
-``flowalign.inference.guided``). The budget is per prompt. Every check on the settings runs before the model loads,
+``flowalign.inference``). The budget is per prompt. Every check on the settings runs before the model loads,
 and what the sampler needs (a differentiable image reward, registers) is built from its settings.
 
 A differentiable image reward is any registered reward with the entry point ``forward(images, prompts, metadata)``
@@ -45,7 +45,7 @@ from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError, component
 from flowalign.devices import resolve_device
 from flowalign.outputs import OutputFolder
-from flowalign.inference.guided import RGS_GRADIENTS  # re-exported (bench/guided.py)
+from flowalign.inference.base import RGS_GRADIENTS, latent_reward  # re-exported (bench/guided.py)
 from flowalign.samplers.guided import GuidedResult
 from flowalign.seeding import generator as seeded_generator
 from flowalign.settings import at_least, flagged, option, parse_json_object
@@ -207,37 +207,6 @@ def _provided() -> frozenset[str]:
     return frozenset({"reward", "differentiable_reward", "registers", "image_embedding"})
 
 
-def latent_reward(model, reward_fn, prompts: Sequence[str], metadata: Sequence[dict], *, chunk: int = 64,
-                  differentiable: bool = False):
-    """``reward(x0, rows) -> [n]``: score clean latents with a reward for prompts ``rows``: an image reward scores
-    their decoded images, a latent reward (``reads_latents``, e.g. ``shell_lcc``) the latents themselves
-    (``flowalign.rewards.score_latents``).
-
-    By default scored without gradients, float64 on the CPU (``differentiable = False``). With ``differentiable``
-    (for a reward with the entry point ``forward(inputs, prompts, metadata)``, refused here otherwise), decoding and
-    scoring go through ``flowalign.rewards.differentiable_score`` and keep the autograd graph, so ``d reward / d x0``
-    flows back (through the VAE decoder for an image reward); scores are float32 on the latents' device.
-    """
-    from flowalign.rewards import require_differentiable, score_latents
-
-    if differentiable:
-        require_differentiable(reward_fn, "reward")
-
-    def reward(x0: Tensor, rows: Tensor) -> Tensor:
-        scores = []
-        for start in range(0, x0.shape[0], chunk):
-            part = rows[start : start + chunk].tolist()
-            texts, entries = [prompts[r] for r in part], [metadata[r] for r in part]
-            out = score_latents(reward_fn, x0[start : start + chunk], model.decode, texts, entries,
-                                differentiable=differentiable)
-            scores.append(out.to(x0.device) if differentiable else out)
-        return torch.cat(scores)
-
-    reward.differentiable = differentiable
-    reward.name = getattr(reward_fn, "name", "reward")
-    return reward if differentiable else torch.no_grad()(reward)
-
-
 def prompt_velocity(model, cond, guidance_scale: float = 1.0):
     """``velocity(x, sigma, rows)`` with prompt ``rows[i]``'s conditioning for row ``i``, at ``guidance_scale``
     (classifier-free guidance when ``model.uses_cfg(guidance_scale)``: ``cond`` then needs its negative embeddings,
@@ -266,7 +235,7 @@ def run_guided(model, metadata: Sequence[dict], config: SampleConfig, *, reward_
     """The configured guided sampler over ``metadata`` (one batch of prompts). Prompt ``p``'s randomness comes from
     the generator keyed ``(seed, prompt_offset + p)``. A sampler that needs them gets ``registers`` (RGS's register
     heads), the differentiable image reward ``guide_reward`` and the image ``embedding``."""
-    from flowalign.inference import GuidedProblem
+    from flowalign.inference.base import GuidedProblem
 
     prompts = [entry["prompt"] for entry in metadata]
     cond = encode_prompts(model, prompts, config.cfg, entries=metadata)

@@ -28,8 +28,7 @@ from flowalign.samplers.satisdive import (
 )
 from flowalign.settings import check, finite, option
 
-from . import GuidedProblem, GuidedSampler, register_sampler
-from .guided import GradientSource
+from .base import GradientSource, GuidedProblem, GuidedSampler, register_sampler
 
 __all__ = ["SatisDive", "SatisDiveSettings", "block_features", "feature_blocks", "pooled_block_feature"]
 

@@ -18,7 +18,7 @@ in the config is kept for training but ignored while calibrating, so every step 
 What calibration needs of the training config's parts, each part declares: the rollout shape that it grows
 independent trajectories (``RolloutShape.independent_trajectories``: chains do, trees and probed trunks share a
 trunk and do not), and the SDE kind the largest noise level it accepts
-(``flowalign.kernels.sde_reference.max_noise_level``: 1 for ``cps``), to which the calibrated levels are clamped.
+(the SDE kind's ``max_noise_level``, ``flowalign.kernels.sde_kinds``: 1 for ``cps``), to which the calibrated levels are clamped.
 
 On several processes (``torchrun ... flowalign prep calibrate``) every round gathers the dense rewards of all processes'
 trajectories before updating the levels, so every process holds the same table (the one a single process computes
@@ -42,7 +42,7 @@ import yaml
 from flowalign.config import parse_yaml
 from flowalign.credit.step_credit import intermediate_rewards
 from flowalign.credit.step_rewards import calibrate_noise, dense_increments
-from flowalign.kernels.sde_reference import max_noise_level
+from flowalign.kernels.sde_kinds import sde_kind
 from flowalign.rollout import SHAPES
 from flowalign.samplers import PerStepNoise
 from flowalign.training.config import TrainConfig
@@ -74,7 +74,7 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     num_steps = config.sampling.num_steps
     levels = torch.tensor(config.sampling.base_levels(), dtype=torch.float64)
     stochastic = [t for t in range(num_steps) if levels[t] > 0]
-    high = max_noise_level(config.sampling.kind)  # the SDE kind's bound on its noise level, if any
+    high = sde_kind(config.sampling.kind).max_noise_level  # the SDE kind's bound on its noise level, if any
     history = []
     trainer.model.transformer.eval()
     for r in range(rounds):

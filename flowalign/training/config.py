@@ -150,7 +150,8 @@ class SamplingConfig:
     """How rollouts are sampled: the SDE, which steps are stochastic (and so trained), and at what noise level."""
 
     num_steps: int = option(10, "denoising steps per rollout")
-    kind: Literal["flow_grpo", "dance", "cps"] = option("flow_grpo", "SDE used on the stochastic steps")
+    kind: str = option("flow_grpo", "SDE used on the stochastic steps: flow_grpo, dance, cps, or a kind registered "
+                       "with flowalign.samplers.register_sde_kind")
     noise_level: float = option(0.7, "noise level of the stochastic steps (0 = ODE); at most 1 for cps")
     noise_table: list[float] | None = option(
         None, "one noise level per step (0 = ODE step), used as given; overrides noise_level"
@@ -214,8 +215,13 @@ class SamplingConfig:
     def validate(self) -> None:
         n = self.num_steps
         _at_least("sampling.num_steps", n, 1)
-        high = 1.0 if self.kind == "cps" else None
-        note = " for kind 'cps'" if high is not None else ""
+        from flowalign.samplers import sde_kind  # the registry of SDE kinds, with a did-you-mean
+
+        try:
+            high = sde_kind(self.kind).max_noise_level
+        except ValueError as error:
+            raise ConfigError(f"sampling.kind: {error}", key="sampling.kind") from None
+        note = f" for kind {self.kind!r}" if high is not None else ""
         _finite("sampling.noise_level", self.noise_level, 0.0, high=high, note=note)
         if self.noise_table is not None:
             size = len(self.noise_table)
