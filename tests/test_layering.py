@@ -100,9 +100,9 @@ RULES = [
 # Known upward imports, each with why it is still there; each must still occur (remove it here once fixed).
 KNOWN: dict[tuple[str, str], str] = {
     ("flowalign.losses.soar", "flowalign.objectives.soar_math"):
-        "the deprecated shim of SOAR's math, moved to objectives (#42); it goes in the next release",
+        "the deprecated shim of SOAR's math, moved to objectives in 0.2; it goes in the next release",
     ("flowalign.losses.adjoint_matching", "flowalign.objectives.adjoint_matching_math"):
-        "the deprecated shim of adjoint matching's math, moved to objectives (#42); it goes in the next release",
+        "the deprecated shim of adjoint matching's math, moved to objectives in 0.2; it goes in the next release",
 }
 
 

@@ -1,5 +1,5 @@
 """Deprecated: adjoint matching's math moved to ``flowalign.objectives.adjoint_matching_math``, next to its objective,
-and its memoryless SDE sampler to ``flowalign.samplers.memoryless`` (issue #42). This module re-exports both for one
+and its memoryless SDE sampler to ``flowalign.samplers.memoryless`` (release 0.2). This module re-exports both for one
 release and warns on import; it goes in the release after."""
 
 import warnings

@@ -1,4 +1,4 @@
-"""Deprecated: SOAR's math moved to ``flowalign.objectives.soar_math``, next to its objective (issue #42). This module
+"""Deprecated: SOAR's math moved to ``flowalign.objectives.soar_math``, next to its objective (release 0.2). This module
 re-exports it for one release and warns on import; it goes in the release after."""
 
 import warnings

@@ -14,8 +14,8 @@ naming the moved keys). The moves:
     credit: {name: turning_point, clean, ode_steps, balanced} without semantics or process_rewards (a whole
     turning-point section written before credit.semantics existed: a saved config.yaml, the old preset)
                                                      -> credit.process_rewards: paper
-    credit.semantics: released | paper               -> credit.process_rewards: released_code | paper (renamed in 0.2,
-                                                        #42: the option says what it switches; the old key goes in the
+    credit.semantics: released | paper               -> credit.process_rewards: released_code | paper (renamed in 0.2:
+                                                        the option says what it switches; the old key goes in the
                                                         release after)
     step_reward.registers / register_pass            -> credit.* (registers); RG-OPD's registers -> loss.rg_opd.registers
     sampling.train_steps_per_rollout: N              -> step_selection: {name: random_subset, count: N}
