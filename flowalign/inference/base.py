@@ -226,7 +226,7 @@ def check_process_reward(settings, method: str) -> None:
     if settings.registers is None and settings.reward is None:
         raise ConfigError(
             f"guidance {method!r} needs a differentiable reward, and the image reward that scores samples has no "
-            "gradient: pass --registers CKPT (trained with `flowalign registers train`), or --rgs-reward NAME "
+            "gradient: pass --registers CKPT (trained with `flowalign prep registers`), or --rgs-reward NAME "
             "with a differentiable image reward (toy_geneval_soft, pickscore, hps, clipscore, aesthetic, "
             "imagereward), or use --guidance bon|fk|dts", key="registers")
     if settings.registers is not None and settings.reward is not None:

@@ -22,7 +22,7 @@ class EuphoniumSettings(GradientSource):
     latent by ~1e-4), on the second half of the steps at scale 30, both chosen on the toy world by a sweep over 66
     held-out samples (``docs/methods/euphonium.md``); the released script guides the last quarter."""
 
-    registers: str | None = option(None, "register checkpoint (`flowalign registers train`): the process reward from "
+    registers: str | None = option(None, "register checkpoint (`flowalign prep registers`): the process reward from "
                                    "register heads, instead of --rgs-reward")
     scale: float = option(30.0, "Euphonium guidance scale c (a shift of norm c (s - s') per guided step; "
                           "with --euphonium-raw, c (s - s') times the gradient)", flag="euphonium-scale")

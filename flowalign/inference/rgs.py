@@ -18,7 +18,7 @@ __all__ = ["RGSSettings", "RewardGradient", "gradient_guide"]
 
 @dataclass
 class RGSSettings(GradientSettings):
-    registers: str | None = option(None, "register checkpoint (`flowalign registers train`): RGS's gradient from "
+    registers: str | None = option(None, "register checkpoint (`flowalign prep registers`): RGS's gradient from "
                                    "register heads, instead of --rgs-reward")
 
     def validate(self) -> None:
