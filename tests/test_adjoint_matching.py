@@ -344,14 +344,14 @@ def test_the_drl_adjoint_preset_resumes_bitwise_with_its_threshold(tiny_sd3, tmp
 
 
 def test_bad_rewards_and_settings_are_refused_before_the_model_loads(tiny_sd3, tmp_path, monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
     from flowalign.config import ConfigError
     from flowalign.errors import SetupError
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the objective's reward was checked")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
     with pytest.raises(SetupError, match=r"objectives\.adjoint_matching\.reward.*toy_geneval.*gradient"):
         GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "a", **{"objectives.adjoint_matching.reward": "toy_geneval"}))
     absent = tmp_path / "absent.safetensors"

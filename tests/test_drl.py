@@ -202,12 +202,12 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
 
 
 def test_the_trainer_refuses_a_missing_or_foreign_discriminator_before_the_model_loads(tmp_path, monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the discriminator was checked")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
     values = {**small_run_values(TOY, tmp_path / "run"), "reward.rewards": rewards(tmp_path / "absent.safetensors")}
     config = load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])
     with pytest.raises(SetupError, match=r"reward\.rewards\[0\]\.kwargs\.path.*absent\.safetensors.*"

@@ -1,5 +1,5 @@
 """Training prompt files: plain text, plain JSONL, or GenEval metadata; a GenEval reward refuses plain prompts before
-anything is built (flowalign.data.prompts.load_prompts, flowalign.training.setup.check_prompts_fit_rewards)."""
+anything is built (flowalign.data.prompts.load_prompts, flowalign.training.builder.check_prompts_fit_rewards)."""
 
 from __future__ import annotations
 

@@ -182,12 +182,12 @@ def train_config(model_path: Path, out: Path, *overrides: str, preset: str = "sh
 
 
 def refuse_loading(monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the bad input was refused")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
 
 
 def test_a_manifold_for_another_model_is_refused_before_the_model_loads(tiny_sd3, tmp_path, monkeypatch):

@@ -69,7 +69,7 @@ from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.minibatches import minibatch_units
 from flowalign.training.policy import micro_batch, policy_output, unit_output
 from flowalign.training.scoring import ChunkScoring, score_iteration, state_reward
-from flowalign.training.setup import build_rewards, check_prompts_fit_model, check_prompts_fit_rewards, load_policy
+from flowalign.training.builder import build_rewards, check_prompts_fit_model, check_prompts_fit_rewards, load_policy
 
 logger = logging.getLogger(__name__)
 
