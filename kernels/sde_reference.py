@@ -41,13 +41,20 @@ def check_reduce(reduce: str) -> str:
     return reduce
 
 
+def max_noise_level(kind: str) -> float | None:
+    """The largest noise level ``kind`` takes (None: no bound): 1 for ``cps``, whose ``sin(a pi / 2)`` must not
+    exceed 1."""
+    return 1.0 if kind == "cps" else None
+
+
 def check_noise_level(noise_level: float | Tensor, kind: str | None = None) -> None:
-    """Noise levels are >= 0 for every kind, and at most 1 for ``cps`` (``sin(a pi / 2)`` must not exceed 1)."""
+    """Noise levels are >= 0 for every kind, and at most ``max_noise_level(kind)``."""
     level = torch.as_tensor(noise_level, dtype=torch.float32)
     if torch.isnan(level).any() or (level < 0).any():
         raise ValueError(f"noise_level must be >= 0 (0 means a deterministic ODE step), got {show_values(noise_level)}")
-    if kind == "cps" and (level > 1).any():
-        raise ValueError(f"noise_level for kind 'cps' must lie in [0, 1], got {show_values(noise_level)}")
+    high = None if kind is None else max_noise_level(kind)
+    if high is not None and (level > high).any():
+        raise ValueError(f"noise_level for kind {kind!r} must lie in [0, {high:g}], got {show_values(noise_level)}")
 
 
 def sde_mean_std(

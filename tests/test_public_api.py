@@ -11,7 +11,7 @@ import flowalign
 EXPORTS = {
     "TrainConfig": ("flowalign.training.config", "TrainConfig"),
     "load_config": ("flowalign.config", "load_config"),
-    "GRPOTrainer": ("flowalign.training.trainer", "GRPOTrainer"),
+    "Trainer": ("flowalign.training.trainer", "Trainer"),
     "load_flow_model": ("flowalign.models", "load_flow_model"),
     "FlowModel": ("flowalign.models", "FlowModel"),
     "Reward": ("flowalign.rewards", "Reward"),
@@ -55,7 +55,7 @@ def test_every_export_resolves_to_its_defining_object():
     assert sorted(flowalign.__all__) == sorted(EXPORTS)
     for name, (module, attribute) in EXPORTS.items():
         assert getattr(flowalign, name) is getattr(importlib.import_module(module), attribute), name
-    from flowalign import GRPOTrainer, Registry, register_reward  # noqa: F401 - ``from`` imports work too
+    from flowalign import Trainer, Registry, register_reward  # noqa: F401 - ``from`` imports work too
 
     assert set(EXPORTS) <= set(dir(flowalign)) and "__version__" in dir(flowalign)
 
@@ -64,3 +64,30 @@ def test_an_unknown_attribute_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'flowalign' has no attribute 'register_credits'"):
         flowalign.register_credits  # noqa: B018
     assert not hasattr(flowalign, "nope")
+
+
+def test_grpo_trainer_is_a_deprecated_alias_of_trainer():
+    """Issue #42 renamed the class (it trains every method); the old name warns for one release."""
+    import flowalign.training.trainer as trainer_module
+
+    with pytest.warns(DeprecationWarning, match=r"flowalign\.GRPOTrainer is now flowalign\.Trainer"):
+        assert flowalign.GRPOTrainer is flowalign.Trainer
+    with pytest.warns(DeprecationWarning, match=r"GRPOTrainer is now Trainer"):
+        assert trainer_module.GRPOTrainer is trainer_module.Trainer
+    with pytest.warns(DeprecationWarning):
+        from flowalign import GRPOTrainer  # noqa: F401
+    assert "GRPOTrainer" not in flowalign.__all__
+
+
+def test_the_old_setup_module_warns_and_re_exports_the_builder():
+    """``flowalign.training.setup`` is ``flowalign.training.builder`` now (issue #42)."""
+    import importlib
+
+    import flowalign.training.builder as builder
+
+    with pytest.warns(DeprecationWarning, match=r"flowalign\.training\.setup is now flowalign\.training\.builder"):
+        import flowalign.training.setup as setup
+
+        setup = importlib.reload(setup)
+    for name in setup.__all__:
+        assert getattr(setup, name) is getattr(builder, name), name

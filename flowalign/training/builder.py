@@ -1,20 +1,86 @@
-"""What a trainer loads: its rewards (from the registry, or callables given to it) and its policy (the model with a
-LoRA adapter on frozen weights).
+"""How a trainer is built (``Trainer.__init__``): the checks that run before any model loads, its rewards (from the
+registry, or callables given to it), its policy (the model with a LoRA adapter on frozen weights), the optimizer, EMA
+and policy copies around it, and the checkpoint it resumes.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
+import torch
 
-from flowalign.models import FlowModel, load_flow_model
+from flowalign.config import to_dict
 from flowalign.errors import SetupError
-from flowalign.rewards import build_reward, is_groupwise
+from flowalign.models import FlowModel, load_flow_model
+from flowalign.rewards import bind_reward_model, build_reward, is_groupwise
+from flowalign.samplers import noise_schedule
+from flowalign.training.checkpointer import Checkpointer
+from flowalign.training.collapse import CollapseMetrics
+from flowalign.training.copies import PolicyCopies
+from flowalign.training.distributed import check_distributed_type, check_ranks_agree
+from flowalign.training.ema import EMA
+from flowalign.training.engine import build_engine
 
-__all__ = ["build_rewards", "enable_xformers", "load_policy"]
+__all__ = ["build_rewards", "build_trainer", "check_prompts_fit_model", "check_prompts_fit_rewards",
+           "enable_xformers", "load_policy"]
 
 logger = logging.getLogger(__name__)
+
+
+def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None, accelerator=None) -> None:
+    """Give ``trainer`` everything its loop reads, in the order that refuses bad input before any model loads: the
+    accelerator and the batch layout, the run directory and the checkpoint to resume, the components, prompts and
+    rewards (``rewards`` replaces ``config.reward.rewards``), the engine; then the policy (``model`` replaces loading
+    ``model.path``), the optimizer, the EMA and the policy copies; the components' ``set_up``; the resumed state."""
+    from accelerate import Accelerator
+
+    from flowalign.data.prompts import PromptSampler, load_prompts
+
+    t, cfg = trainer, config.train
+    t.config = config
+    t.accelerator = accelerator or Accelerator(
+        mixed_precision=config.model.mixed_precision, log_with=None if cfg.tracker == "none" else cfg.tracker,
+        project_dir=cfg.out_dir)
+    check_distributed_type(t.accelerator)
+    check_ranks_agree(t.accelerator, to_dict(config))
+    t.layout = config.check_batch(t.accelerator.num_processes)
+    t.out_dir, t.checkpointer = Path(cfg.out_dir), Checkpointer(t)
+    t.checkpoint = t.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
+    t.parts = config.components()
+    t.schedule = noise_schedule(config.noise_schedule_spec())
+    train_prompts = load_prompts(config.data.train_prompts)
+    if rewards is None:
+        check_prompts_fit_rewards(config, train_prompts)
+    check_prompts_fit_model(config, train_prompts, model)
+    t.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
+                              sampling=config.data.prompt_sampling)
+    t.rewards = build_rewards(config, rewards, t.layout)
+    CollapseMetrics.check_prompts(config, train_prompts)
+    t.collapse = CollapseMetrics(config, rewards_given=rewards is not None)  # before the LoRA's seed
+    for part in t.parts.all():
+        part.start_up()
+        part.check_model(config.model.path if model is None else None)
+    t.engine = build_engine(config)
+    if model is None:
+        t.engine.check(config)
+    torch.manual_seed(cfg.seed)  # the LoRA initialisation, identical on every process and layout
+    t.model = load_policy(config, t.accelerator.device, model)
+    for _, _, reward in t.rewards:  # a reward conditioned on the model's text embeddings takes them from it
+        bind_reward_model(reward, t.model)
+    t.params = t.engine.prepare(t)  # wrapped or sharded before the optimizer is built on them
+    optim = config.optim
+    t.optimizer = t.engine.optimizer(t, t.params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps,
+                                     weight_decay=optim.weight_decay)
+    t.ema = EMA(t.trainable_state(), optim.ema_decay) if optim.ema_decay > 0 else None
+    t.copies = PolicyCopies(t.trainable_state(), [c for part in t.parts.all() for c in part.policy_copies()])
+    t.iteration, t.history, t.stop_requested, t.last_advantages = 0, [], False, None
+    t.optimizer_steps, t.iteration_cond, t.stop_signal = 0, None, None
+    for part in t.parts.all():
+        part.set_up(t)
+    if t.checkpoint is not None:  # loading it is set-up too: a file that does not fit is the user's to fix
+        t.checkpointer.resume(t.checkpoint)
 
 
 def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
