@@ -41,6 +41,11 @@ class NoiseSchedule:
         """Whether the levels depend on the training progress (a resumed run of another length would differ)."""
         return False
 
+    def stochastic_step_sets(self, base_levels: Sequence[float], num_steps: int) -> list[set[int]]:
+        """The stochastic steps of every rollout this schedule can make, given its levels before any window
+        (``base_levels``, one per step): one set, the steps with a positive level."""
+        return [{i for i, level in enumerate(base_levels) if level > 0}]
+
 
 def _check_num_steps(num_steps: int) -> None:
     if not isinstance(num_steps, int) or num_steps < 1:
@@ -150,6 +155,11 @@ class SDEWindow(NoiseSchedule):
     def reads_progress(self) -> bool:
         """A sliding window moves with the training progress (MixGRPO)."""
         return self.start == "sliding"
+
+    def stochastic_step_sets(self, base_levels: Sequence[float], num_steps: int) -> list[set[int]]:
+        """One set per start the window may take: the steps with a positive base level inside it."""
+        (positive,) = super().stochastic_step_sets(base_levels, num_steps)
+        return [positive & set(range(start, start + self.size)) for start in self.starts(num_steps)]
 
     def window_start(self, num_steps: int, *, progress: float = 0.0, generator: torch.Generator | None = None) -> int:
         first, last = self.start_range(num_steps)

@@ -202,6 +202,9 @@ def test_a_window_owns_its_start_arithmetic():
     assert [SDEWindow(0.7, size=2, start=s).reads_progress() for s in ("fixed", "random", "sliding")] == [
         False, False, True]
     assert not ConstantNoise(0.7).reads_progress() and not PerStepNoise([0.1, 0.0]).reads_progress()
+    levels = [0.0, 0.7, 0.7, 0.7, 0.7, 0.0]  # the stochastic steps of each rollout: a window start each
+    assert SDEWindow(0.7, size=2, start="random").stochastic_step_sets(levels, 6) == [{1}, {1, 2}, {2, 3}, {3, 4}]
+    assert ConstantNoise(0.7).stochastic_step_sets(levels, 6) == [{1, 2, 3, 4}]
 
 
 def test_each_sde_kind_bounds_its_noise_level():

@@ -187,14 +187,12 @@ class SamplingConfig:
 
         return noise_schedule(self.noise_schedule_spec())
 
-    def _window_starts(self) -> range:
-        return self.noise_schedule().starts(self.num_steps)
+    def _stochastic_step_sets(self) -> list[set[int]]:
+        """The stochastic steps of every rollout the schedule can make (one set per SDE window start)."""
+        return self.noise_schedule().stochastic_step_sets(self.base_levels(), self.num_steps)
 
     def _stochastic_counts(self) -> set[int]:
-        levels = self.base_levels()
-        if self.window_size is None:
-            return {sum(level > 0 for level in levels)}
-        return {sum(level > 0 for level in levels[s : s + self.window_size]) for s in self._window_starts()}
+        return {len(steps) for steps in self._stochastic_step_sets()}
 
     def stochastic_steps(self) -> int:
         """How many steps of a rollout are stochastic (the same for every rollout of a valid config)."""
@@ -252,12 +250,7 @@ class SamplingConfig:
 
     def possibly_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic in some rollout (wherever the SDE window starts)."""
-        levels = self.base_levels()
-        stochastic = {i for i, level in enumerate(levels) if level > 0}
-        if self.window_size is None:
-            return stochastic
-        covered = {s + k for s in self._window_starts() for k in range(self.window_size)}
-        return stochastic & covered
+        return set().union(*self._stochastic_step_sets())
 
     def _validate_base_tail(self) -> None:
         tail, n = self.base_tail_steps, self.num_steps
@@ -272,13 +265,7 @@ class SamplingConfig:
 
     def always_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
-        levels = self.base_levels()
-        stochastic = {i for i, level in enumerate(levels) if level > 0}
-        if self.window_size is None:
-            return stochastic
-        for start in self._window_starts():
-            stochastic &= set(range(start, start + self.window_size))
-        return stochastic
+        return set.intersection(*self._stochastic_step_sets())
 
     def _validate_window(self) -> None:
         n = self.num_steps
