@@ -132,7 +132,7 @@ def main() -> None:
     from flowalign.rewards import bind_reward_model
     from flowalign.training.config import TrainConfig
     from flowalign.prep.train_discriminator import DiscriminatorTrainConfig, train_discriminator
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def main() -> None:
                  f"train.seed={args.seed}", f"train.out_dir={out / ('evaluated' if args.evaluate else 'run')}", *resume, "train.tracker=none",
                  "train.eval_at_end=false", "train.sample_every=0", "train.checkpoint_every=0",
                  *reward_overrides(args.preset, checkpoint), *(TINY_RUN[args.preset] if args.tiny else []), *args.set]
-    trainer = GRPOTrainer(load_config(TrainConfig, REPO / f"configs/methods/{args.preset}.yaml", overrides))
+    trainer = Trainer(load_config(TrainConfig, REPO / f"configs/methods/{args.preset}.yaml", overrides))
     reward = DiscriminatorReward(str(checkpoint), device=trainer.model.device)
     bind_reward_model(reward, trainer.model)  # a text-conditioned discriminator embeds the prompts with the run's model
     metadata = load_metadata(default_prompts_path())[: (2 if args.tiny else args.eval_prompts)]

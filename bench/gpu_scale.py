@@ -73,7 +73,7 @@ def child(mode: str, tiny: bool) -> dict:
     from flowalign.config import load_config
     from flowalign.models import wrap_pipeline
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     start = time.perf_counter()
     model = wrap_pipeline(pipeline(tiny))
@@ -87,7 +87,7 @@ def child(mode: str, tiny: bool) -> dict:
                      "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0",
                      "train.checkpoint_every=0", f"train.out_dir={out}"]
         config = load_config(TrainConfig, REPO / "configs/methods/flow_grpo.yaml", overrides)
-        trainer = GRPOTrainer(config, model=model)
+        trainer = Trainer(config, model=model)
         if model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         history = trainer.train()

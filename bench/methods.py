@@ -52,11 +52,11 @@ def run_one(preset: str, seed: int, budget: float, points: int, images_per_promp
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import evaluate, paired_difference
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     overrides = [*COMMON, f"train.seed={seed}", f"train.out_dir={out / f'{preset}-seed{seed}.run'}", *extra]
     config = load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides)
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     metadata = load_metadata(config.data.eval_prompts)
     kwargs = dict(steps=10, images_per_prompt=images_per_prompt, seed=10_000 + seed)
     trainer.model.transformer.eval()

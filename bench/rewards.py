@@ -86,7 +86,7 @@ def start_server(directory: Path, delay_ms: float) -> tuple[subprocess.Popen, st
 def build_trainer(mode: str, entry: dict, args, out: Path, extra: dict):
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     values = {"reward.rewards": json.dumps([entry]), "data.prompts_per_iteration": args.prompts,
               "data.group_size": args.group, "sampling.num_steps": args.steps, "sampling.batch_size": args.chunk,
@@ -94,7 +94,7 @@ def build_trainer(mode: str, entry: dict, args, out: Path, extra: dict):
               "train.sample_every": 0, "train.out_dir": str(out / mode.replace(" ", "_")),
               "collapse.enabled": "false",  # its held-out reward follows the trained reward's name: not comparable
               **extra}
-    return GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
+    return Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
 
 
 def time_training(modes: list[tuple[str, dict, dict]], args, out: Path) -> list[dict]:

@@ -53,10 +53,10 @@ def worker(engine: str, out: Path) -> None:
     """One process of the measured run: train one iteration and write this process's figures."""
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     config = load_config(TrainConfig, None, RUN + [f"distributed.engine={engine}", f"train.out_dir={out / engine}"])
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     seen = {}
     step = trainer.optimizer.step
 

@@ -62,14 +62,14 @@ def run(name: str, manifold_path: Path, out: Path, args) -> dict:
     from flowalign.evaluation.toy_eval import paired_difference
     from flowalign.reward_models.shell_lcc import load_manifold
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     preset, extra = RUNS[name]
     paths = ([f"objectives.shell_lcc.path={manifold_path}"] if preset == "shell_lcc_objective" else
              [f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {manifold_path}, variant: band}}}}]"])
     overrides = [*COMMON, f"train.iterations={args.iterations}", f"train.seed={args.seed}",
                  f"train.out_dir={out / f'{name}.run'}", "train.overwrite=true", *paths, *extra, *args.set]
-    trainer = GRPOTrainer(load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides))
+    trainer = Trainer(load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides))
     metadata = load_metadata(trainer.config.data.eval_prompts)[: args.max_prompts]
     manifold, _ = load_manifold(manifold_path)
     kwargs = dict(steps=10, images_per_prompt=args.images_per_prompt, seed=10_000 + args.seed)

@@ -32,11 +32,11 @@ COMMON = ["train.tracker=none", "train.eval_at_end=false", "train.sample_every=0
 def _trainer(preset: str, seed: int, iterations: int, out: Path, extra: list[str]):
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     overrides = [*COMMON, f"train.seed={seed}", f"train.iterations={iterations}",
                  f"train.out_dir={out / f'{preset}-seed{seed}.run'}", *extra]
-    return GRPOTrainer(load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides))
+    return Trainer(load_config(TrainConfig, REPO / "configs/methods" / f"{preset}.yaml", overrides))
 
 
 def _evaluate(trainer, metadata, guidance: list[float], args, seed: int, *, reference: bool) -> dict:

@@ -30,9 +30,9 @@ CHILD = r"""
 import json, resource, sys, torch
 from flowalign.config import load_config
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 config = load_config(TrainConfig, sys.argv[1] or None, sys.argv[2:])
-history = GRPOTrainer(config).train()
+history = Trainer(config).train()
 peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print("RESULT " + json.dumps({"history": history, "peak_bytes": peak, "device": "cuda" if torch.cuda.is_available() else "cpu"}))
 """

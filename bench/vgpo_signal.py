@@ -34,9 +34,9 @@ def converged_subset(config, images_per_prompt: int, seed: int) -> tuple[list[di
     """The training prompts whose base-model images are all right or all wrong, and the counts."""
     from flowalign.evaluation.geneval import load_metadata
     from flowalign.evaluation.toy_eval import evaluate
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
-    model = GRPOTrainer(config).model  # the run's own model loading (the toy checkpoint by default)
+    model = Trainer(config).model  # the run's own model loading (the toy checkpoint by default)
     model.transformer.eval()
     metadata = load_metadata(config.data.train_prompts)
     results, _, _ = evaluate(model, metadata, steps=config.sampling.num_steps, images_per_prompt=images_per_prompt,
@@ -61,7 +61,7 @@ def main() -> None:
 
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     preset = REPO / "configs/methods/vgpo.yaml"
     with tempfile.TemporaryDirectory() as scratch:
@@ -74,7 +74,7 @@ def main() -> None:
         overrides = [*COMMON, f"train.out_dir={scratch}/run", f"train.iterations={args.iterations}",
                      f"train.seed={args.seed}", f"data.train_prompts={subset}", *args.overrides]
         start = time.perf_counter()
-        history = GRPOTrainer(load_config(TrainConfig, preset, overrides)).train()
+        history = Trainer(load_config(TrainConfig, preset, overrides)).train()
         wall = time.perf_counter() - start
 
     keys = ["zero_std_frac", "vgpo/converged_groups"] + [f"vgpo/{kind}/{v}" for v in VARIANTS

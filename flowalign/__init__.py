@@ -6,12 +6,13 @@ The names a user needs, imported on first use (PEP 562), so ``import flowalign``
 
     config = flowalign.load_config(flowalign.TrainConfig, "configs/methods/flow_grpo.yaml", ["train.iterations=2"])
     flowalign.register_reward("my_reward", MyReward)     # a callable (images, prompts, metadata) -> scores
-    flowalign.GRPOTrainer(config).train()
+    flowalign.Trainer(config).train()
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 __version__ = "0.1.0"
@@ -20,7 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "TrainConfig": "flowalign.training.config",
     "load_config": "flowalign.config",
-    "GRPOTrainer": "flowalign.training.trainer",
+    "Trainer": "flowalign.training.trainer",
     "load_flow_model": "flowalign.models",
     "FlowModel": "flowalign.models",
     "Reward": "flowalign.rewards",
@@ -36,8 +37,16 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
+# old name -> the exported name that replaces it; each warns, and goes in the release after the one that renamed it
+_DEPRECATED = {"GRPOTrainer": "Trainer"}
+
 
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(f"flowalign.{name} is now flowalign.{new}; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return __getattr__(new)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'flowalign' has no attribute {name!r}")

@@ -7,7 +7,7 @@ A LoRA source (``resolve_lora``) is one of two directories that ``flowalign trai
   ``weights`` picks ``"ema"`` or ``"last"`` (default: ``ema`` when the checkpoint has it). Loading re-creates the
   trainer's adapter exactly: ``FlowModel.add_lora`` with the config's ``model.lora_rank`` / ``lora_alpha`` /
   ``lora_targets``, LoRA parameters in fp32 as the trainer keeps them, then every tensor copied in by parameter name.
-  This is bitwise the model that the trainer's final evaluation samples (``GRPOTrainer.evaluate_before_after`` swaps
+  This is bitwise the model that the trainer's final evaluation samples (``flowalign.training.evaluation.evaluate_before_after`` swaps
   the EMA into the same parameters), so ``flowalign eval toy --lora CHECKPOINT`` with the run's evaluation settings
   reproduces its "after" column exactly.
 * a **diffusers LoRA folder** (``pytorch_lora_weights.safetensors``, e.g. a checkpoint's ``lora/``, which holds the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SCHEDULES", "learning_rate_scale"]
+__all__ = ["SCHEDULES", "learning_rate_scale", "set_learning_rate"]
 
 SCHEDULES = ("constant", "cosine")
 
@@ -25,3 +25,12 @@ def learning_rate_scale(step: int, total: int, *, warmup: int = 0, schedule: str
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_learning_rate(optimizer, optim, iteration: int, iterations: int) -> None:
+    """Set every parameter group of ``optimizer`` to the rate of ``iteration`` of ``iterations``: ``optim.lr`` times
+    ``learning_rate_scale`` with ``optim``'s warmup, schedule and floor (``optim``: the run's ``OptimConfig``)."""
+    scale = learning_rate_scale(iteration, iterations, warmup=optim.warmup_iterations, schedule=optim.lr_schedule,
+                                floor=optim.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group["lr"] = optim.lr * scale

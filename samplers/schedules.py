@@ -37,6 +37,15 @@ class NoiseSchedule:
         """Boolean mask of the stochastic (trained) steps."""
         return self.levels(num_steps, **kwargs) > 0
 
+    def reads_progress(self) -> bool:
+        """Whether the levels depend on the training progress (a resumed run of another length would differ)."""
+        return False
+
+    def stochastic_step_sets(self, base_levels: Sequence[float], num_steps: int) -> list[set[int]]:
+        """The stochastic steps of every rollout this schedule can make, given its levels before any window
+        (``base_levels``, one per step): one set, the steps with a positive level."""
+        return [{i for i, level in enumerate(base_levels) if level > 0}]
+
 
 def _check_num_steps(num_steps: int) -> None:
     if not isinstance(num_steps, int) or num_steps < 1:
@@ -114,16 +123,22 @@ class SDEWindow(NoiseSchedule):
         if self.last is not None and self.last < self.first:
             raise ValueError(f"SDE window start range is empty: first={self.first} > last={self.last}")
 
+    def latest_start(self, num_steps: int) -> int:
+        """The latest step the window may start at in a ``num_steps``-step rollout, its ``size`` steps inside the
+        usable ones (negative: it cannot fit)."""
+        usable = num_steps - 1 if self.last_step_ode else num_steps
+        return usable - self.size
+
     def start_range(self, num_steps: int) -> tuple[int, int]:
         """The inclusive range of window starts allowed for ``num_steps``; errors when the window cannot fit."""
-        usable = num_steps - 1 if self.last_step_ode else num_steps
-        if self.size > usable:
+        latest = self.latest_start(num_steps)
+        if latest < 0:
+            usable = latest + self.size
             extra = " (the last step is always ODE; set last_step_ode=False to use it)" if self.last_step_ode else ""
             raise ValueError(
                 f"SDE window size {self.size} is larger than the {usable} usable steps of a {num_steps}-step rollout"
                 f"{extra}: choose a size in 1..{usable}"
             )
-        latest = usable - self.size
         last = latest if self.last is None else self.last
         if self.first > latest or last > latest:
             raise ValueError(
@@ -131,6 +146,20 @@ class SDEWindow(NoiseSchedule):
                 f"{num_steps}-step rollout can start at 0..{latest}"
             )
         return self.first, last
+
+    def starts(self, num_steps: int) -> range:
+        """Every step the window may start at: ``first`` alone for a fixed window, ``first..last`` otherwise."""
+        first, last = self.start_range(num_steps)
+        return range(first, first + 1 if self.start == "fixed" else last + 1)
+
+    def reads_progress(self) -> bool:
+        """A sliding window moves with the training progress (MixGRPO)."""
+        return self.start == "sliding"
+
+    def stochastic_step_sets(self, base_levels: Sequence[float], num_steps: int) -> list[set[int]]:
+        """One set per start the window may take: the steps with a positive base level inside it."""
+        (positive,) = super().stochastic_step_sets(base_levels, num_steps)
+        return [positive & set(range(start, start + self.size)) for start in self.starts(num_steps)]
 
     def window_start(self, num_steps: int, *, progress: float = 0.0, generator: torch.Generator | None = None) -> int:
         first, last = self.start_range(num_steps)

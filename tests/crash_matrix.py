@@ -86,12 +86,12 @@ def train_in_fork(model, out, engine: str, fault: str | None = None, *, resave: 
         try:
             from flowalign.config import load_config
             from flowalign.training.config import TrainConfig
-            from flowalign.training.trainer import GRPOTrainer
+            from flowalign.training.trainer import Trainer
 
             os.environ.pop(FAULT_VARIABLE, None)
             if fault and not resave:
                 os.environ[FAULT_VARIABLE] = fault
-            trainer = GRPOTrainer(load_config(TrainConfig, None, settings(model, out, engine, **extra)))
+            trainer = Trainer(load_config(TrainConfig, None, settings(model, out, engine, **extra)))
             trainer.train()
             if resave:
                 if fault:

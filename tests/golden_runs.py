@@ -141,13 +141,13 @@ def run_golden(name: str, model_path: Path, out: Path, *, extra: dict | None = N
     """Train preset ``name`` for 2 iterations in one thread (or ``threads``); returns ``(digests, values)``."""
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     settings = run_settings(name, model_path, out) + [f"{k}={v}" for k, v in (extra or {}).items()]
     if registers is not None:
         settings.append(f"credit.registers={registers}")
     with torch_threads(threads):
-        trainer = GRPOTrainer(load_config(TrainConfig, preset_path(name), settings))
+        trainer = Trainer(load_config(TrainConfig, preset_path(name), settings))
         initial = {n: p.detach().clone() for n, p in trainer.trainable_state().items()}
         trainer.train()
     weights = {n: p.detach().cpu() for n, p in trainer.trainable_state().items()}

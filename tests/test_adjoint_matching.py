@@ -17,7 +17,7 @@ from flowalign.losses import PolicyOutput
 from flowalign.objectives import ObjectiveContext
 from flowalign.seeding import Purpose
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from flowalign.objectives.adjoint_matching_math import (
     OutlierClip,
@@ -210,7 +210,7 @@ def test_units_are_the_keyed_trajectories_with_the_lean_adjoints_of_the_base_mod
     products, the stratified steps; two processes' units are the one process's, bitwise."""
     from flowalign.rewards import differentiable_score
 
-    trainer = GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "run"))
+    trainer = Trainer(adjoint_run(tiny_sd3, tmp_path / "run"))
     model, objective = trainer.model, trainer.parts.objectives["adjoint_matching"]
     torch.manual_seed(1)
     with torch.no_grad():
@@ -326,12 +326,12 @@ def test_unit_keys_give_every_minibatch_the_same_units_on_any_process_count():
 def test_the_drl_adjoint_preset_resumes_bitwise_with_its_threshold(tiny_sd3, tmp_path):
     """3 iterations against the run resumed from its second checkpoint in another directory: the same threshold and
     weights, bitwise; the first iteration masks nothing, later ones may."""
-    full = GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "full", **{"train.iterations": 3,
+    full = Trainer(adjoint_run(tiny_sd3, tmp_path / "full", **{"train.iterations": 3,
                                                                    "train.checkpoint_every": 1})).train()
     assert full[0]["objectives/adjoint_matching/kept"] == 1.0 and all(h["grad_norm"] > 0 for h in full)
     taus = [h["adjoint_matching/tau"] for h in full]
     assert all(t > 0 for t in taus) and len(set(taus)) == 3
-    resumed = GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "split", **{
+    resumed = Trainer(adjoint_run(tiny_sd3, tmp_path / "split", **{
         "train.iterations": 3, "train.checkpoint_every": 1,
         "train.resume": str(tmp_path / "full" / "checkpoint-000002")})).train()
     assert [h["adjoint_matching/tau"] for h in resumed[2:]] == taus[2:]
@@ -342,20 +342,20 @@ def test_the_drl_adjoint_preset_resumes_bitwise_with_its_threshold(tiny_sd3, tmp
 
 
 def test_bad_rewards_and_settings_are_refused_before_the_model_loads(tiny_sd3, tmp_path, monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
     from flowalign.config import ConfigError
     from flowalign.errors import SetupError
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the objective's reward was checked")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
     with pytest.raises(SetupError, match=r"objectives\.adjoint_matching\.reward.*toy_geneval.*gradient"):
-        GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "a", **{"objectives.adjoint_matching.reward": "toy_geneval"}))
+        Trainer(adjoint_run(tiny_sd3, tmp_path / "a", **{"objectives.adjoint_matching.reward": "toy_geneval"}))
     absent = tmp_path / "absent.safetensors"
     with pytest.raises(SetupError, match=r"objectives\.adjoint_matching\.reward_kwargs\.path.*absent\.safetensors.*"
                                          r"flowalign prep train-discriminator"):
-        GRPOTrainer(adjoint_run(tiny_sd3, tmp_path / "b", **{
+        Trainer(adjoint_run(tiny_sd3, tmp_path / "b", **{
             "objectives.adjoint_matching.reward": "discriminator",
             "objectives.adjoint_matching.reward_kwargs": "{path: " + str(absent) + "}"}))
     for key, value, message in [("integrator", "heun", "integrator"), ("step_fraction", 0, "step_fraction"),

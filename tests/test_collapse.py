@@ -11,7 +11,7 @@ from flowalign.config import load_config
 from flowalign.training.callbacks import collapse_postfix
 from flowalign.training.collapse import auto_held_out, saturated_fraction, within_group_diversity
 from flowalign.training.config import RewardSpec, TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_trainer import final_checkpoint, overrides, tiny_model  # noqa: F401  (the module-scoped tiny SD3 fixture)
 
@@ -55,9 +55,9 @@ def test_collapse_metrics_reach_metrics_jsonl_and_the_tracker_and_change_nothing
     With the metrics off, the weights, the optimizer and every other metric are bitwise the same."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    on = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "on", **{
+    on = Trainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "on", **{
         "train.iterations": 2, "train.tracker": "tensorboard", "collapse.held_out": "brightness"}))).train()
-    off = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "off", **{
+    off = Trainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "off", **{
         "train.iterations": 2, "collapse.enabled": "false"}))).train()
     lines = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
     for metrics, line in zip(on, lines):
@@ -84,4 +84,4 @@ def test_a_held_out_reward_that_reads_geneval_metadata_needs_it_in_the_prompts(t
     config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run", **{
         "data.train_prompts": str(prompts), "collapse.held_out": "toy_geneval"}))
     with pytest.raises(SetupError, match="collapse.held_out = 'toy_geneval' scores a prompt by its GenEval metadata"):
-        GRPOTrainer(config)
+        Trainer(config)

@@ -24,7 +24,7 @@ from flowalign.config import load_config
 from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
 from flowalign.training.kill_points import KILL_POINTS
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
 
@@ -48,7 +48,7 @@ def reference(tiny_model, tmp_path_factory, one_thread):
 
 
 def resume_here(model, out, **extra):
-    return GRPOTrainer(load_config(TrainConfig, None, matrix.settings(model, out, "ddp", **{
+    return Trainer(load_config(TrainConfig, None, matrix.settings(model, out, "ddp", **{
         "train.resume": "latest", **extra}))).train()
 
 
@@ -108,7 +108,7 @@ def test_a_resume_at_another_process_count_says_how_the_rng_streams_are_re_keyed
     for _ in range(2):
         caplog.clear()
         with caplog.at_level(logging.WARNING):
-            trainer = GRPOTrainer(load_config(TrainConfig, None, matrix.settings(tiny_model, run, "ddp", **{
+            trainer = Trainer(load_config(TrainConfig, None, matrix.settings(tiny_model, run, "ddp", **{
                 "train.resume": "latest"})))
         draws.append((random.random(), float(np.random.random_sample()), float(torch.rand(1))))
         lines = [r.getMessage() for r in caplog.records if "re-seeded" in r.getMessage()]

@@ -22,10 +22,10 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
         assert (site / page).is_file(), page
     api = (site / "reference/api/index.html").read_text(encoding="utf-8")
     assert "<p>::: " not in api, "a mkdocstrings directive was left unrendered"
-    assert "GRPOTrainer" in api and "register_reward" in api and "sde_step" in api
+    assert "Trainer" in api and "register_reward" in api and "sde_step" in api
     # The exported names' Args: and Returns: render as tables (Google style), TrainConfig's fields among them, and
     # no private member is shown (filters: public).
     assert api.count("Parameters:") >= 10 and api.count("Returns:") >= 10
     assert all(f"<code>{field}</code>" in api for field in ("step_selection", "objectives", "distributed"))
-    assert 'id="flowalign.training.trainer.GRPOTrainer._set_up"' not in api and "train_iteration" not in api
+    assert 'id="flowalign.training.trainer.Trainer._set_up"' not in api and "train_iteration" not in api
     assert (site / "images/default_before.png").is_file() and (site / "results/img").is_dir()

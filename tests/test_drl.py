@@ -17,7 +17,7 @@ from flowalign.evaluation.frechet import frechet_distance, gaussian_frechet_dist
 from flowalign.reward_models.discriminator import (
     DiscriminatorReward, ProjectionDiscriminator, check_discriminator, discriminator_loss, untrained_discriminator)
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from golden_runs import small_run_values, torch_threads
 
@@ -204,22 +204,22 @@ def test_a_discriminator_for_another_model_size_or_features_is_refused_naming_th
 
 
 def test_the_trainer_refuses_a_missing_or_foreign_discriminator_before_the_model_loads(tmp_path, monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the discriminator was checked")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
     values = {**small_run_values(TOY, tmp_path / "run"), "reward.rewards": rewards(tmp_path / "absent.safetensors")}
     config = load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])
     with pytest.raises(SetupError, match=r"reward\.rewards\[0\]\.kwargs\.path.*absent\.safetensors.*"
                                          r"flowalign prep train-discriminator"):
-        GRPOTrainer(config)
+        Trainer(config)
     other = untrained_discriminator(tmp_path / "elsewhere", tmp_path / "d.safetensors", image_size=32, width=8)
     values["reward.rewards"] = rewards(other)
     config = load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])
     with pytest.raises(SetupError, match=r"d\.safetensors.*another base model"):
-        GRPOTrainer(config)
+        Trainer(config)
 
 
 # ------------------------------------------------------------------------------------------------ the preset
@@ -241,7 +241,7 @@ def test_drl_preset_trains_with_the_kl_and_resumes_bitwise(tmp_path):
         values = {**small_run_values(tmp_path / "tiny", out), "train.iterations": iterations,
                   "train.checkpoint_every": 1, "reward.rewards": rewards(path),
                   **extra}
-        return GRPOTrainer(load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])).train()
+        return Trainer(load_config(TrainConfig, PRESET, [f"{k}={v}" for k, v in values.items()])).train()
 
     full = run(tmp_path / "full", 2)
     assert full[0]["first_ratio_max"] == 1.0 and full[0]["kl"] == 0.0 and full[1]["kl"] > 0

@@ -17,7 +17,7 @@ from flowalign.errors import SetupError
 from flowalign.evaluation.geneval import GenEvalError
 from flowalign.models import wrap_pipeline
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from golden_runs import small_run_values
 from model_families import fresh_pipeline, tiny_pipeline
@@ -68,7 +68,7 @@ def test_a_family_without_condition_images_refuses_an_editing_prompt_file_before
                         **{"model.family": "flux"})
     with pytest.raises(SetupError, match=r"data\.train_prompts = .*edits\.jsonl gives prompts condition images .*"
                                          r"model family 'flux' takes none.*flux_kontext"):
-        GRPOTrainer(config)
+        Trainer(config)
 
 
 def test_kontext_trains_on_editing_prompts_and_the_reward_receives_the_source_images(tmp_path):
@@ -82,7 +82,7 @@ def test_kontext_trains_on_editing_prompts_and_the_reward_receives_the_source_im
 
     config = run_values(tmp_path, path)
     model = wrap_pipeline(fresh_pipeline("flux_kontext"))
-    history = GRPOTrainer(config, rewards=[edit_reward], model=model).train()
+    history = Trainer(config, rewards=[edit_reward], model=model).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert len(received) == 2 * 2 * 2  # 2 iterations of 2 prompts x 2 samples
@@ -183,7 +183,7 @@ def test_kontext_trains_with_the_source_similarity_reward_by_name(tmp_path):
     path = editing_prompts(tmp_path)
     config = run_values(tmp_path, path, **{"reward.rewards": "[{name: source_similarity}]"})
     model = wrap_pipeline(fresh_pipeline("flux_kontext"))
-    history = GRPOTrainer(config, model=model).train()
+    history = Trainer(config, model=model).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     rewards = [h["rewards/source_similarity/mean"] for h in history]
     assert all(0.0 < r < 1.0 for r in rewards), rewards

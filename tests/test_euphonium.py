@@ -240,13 +240,13 @@ def test_registers_and_a_process_reward_together_fail_at_load_naming_the_key(tmp
 
 def test_a_missing_register_checkpoint_fails_before_the_model_loads_naming_the_key(tmp_path):
     from flowalign.errors import SetupError
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     config = load_config(TrainConfig, REPO / "configs/methods/euphonium.yaml", [
         "credit.process_reward=null", f"credit.registers={tmp_path / 'r.pt'}", f"model.path={tmp_path / 'missing'}",
         f"train.out_dir={tmp_path / 'run'}", "reward.rewards=[{name: brightness}]"])
     assert config.credit.process_reward is None and config.credit.registers == str(tmp_path / "r.pt")
     with pytest.raises(SetupError) as error:  # model.path does not exist either: the registers are checked first
-        GRPOTrainer(config)
+        Trainer(config)
     message = str(error.value)
     assert message.startswith("credit.registers") and "flowalign prep registers" in message

@@ -178,7 +178,7 @@ def test_every_new_part_runs_through_the_trainer(registered, tiny_model, tmp_pat
                      "credit.scale=2.0", "loss.speed.weight=1e-3", "objectives.anchor.weight=0.5")
     assert config.credit.scale == 2.0 and list(config.loss) == ["grpo", "speed"] and list(config.objectives) == [
         "anchor"]
-    trainer = flowalign.GRPOTrainer(config)
+    trainer = flowalign.Trainer(config)
     history = trainer.train()
     assert len(history) == 2
     for metrics in history:
@@ -193,7 +193,7 @@ def test_every_new_part_runs_through_the_trainer(registered, tiny_model, tmp_pat
 def test_a_groupwise_reward_scores_one_group_at_a_time(registered, tiny_model, tmp_path):
     RedRank.calls.clear()
     config = _config(tiny_model, tmp_path / "run", "reward.rewards=[{name: red_rank}]", "train.iterations=1")
-    (metrics,) = flowalign.GRPOTrainer(config).train()
+    (metrics,) = flowalign.Trainer(config).train()
     assert RedRank.calls == [4, 4]  # 2 prompts x a group of 4
     assert metrics["rewards/red_rank/mean"] == pytest.approx(0.5)  # ranks 0, 1/3, 2/3, 1 in every group
 
@@ -214,7 +214,7 @@ def test_reward_callables_and_a_model_object_go_straight_to_the_trainer(tiny_mod
 
     model = load_flow_model(str(tiny_model))
     config = _config(tiny_model, tmp_path / "run", "train.iterations=1")
-    trainer = flowalign.GRPOTrainer(config, rewards=[RedReward()], model=model)
+    trainer = flowalign.Trainer(config, rewards=[RedReward()], model=model)
     assert trainer.model is model and [name for name, _, _ in trainer.rewards] == ["RedReward"]
     (metrics,) = trainer.train()
     assert "rewards/RedReward/mean" in metrics

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from flowalign.config import load_config
 from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
 
@@ -40,7 +40,7 @@ def settings(model, out, **extra) -> list[str]:
 
 def train_here(model, out, **extra) -> list[dict]:
     """One process, in this one: FSDP2 over a world of one."""
-    return GRPOTrainer(load_config(TrainConfig, None, settings(model, out, **extra))).train()
+    return Trainer(load_config(TrainConfig, None, settings(model, out, **extra))).train()
 
 
 def free_port() -> int:
@@ -114,7 +114,7 @@ def test_a_sharded_checkpoint_resumes_bitwise_at_the_same_process_count(tiny_mod
     extra = {"train.iterations": 3, "optim.ema_decay": 0.5}
     train_here(tiny_model, tmp_path / "whole", **extra)
     train_here(tiny_model, tmp_path / "split", **{**extra, "train.iterations": 2})
-    resumed = GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **{
+    resumed = Trainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **{
         **extra, "train.resume": "latest"})))
     assert resumed.iteration == 2
     resumed.train()
@@ -136,7 +136,7 @@ def test_policy_copies_shard_and_resume_bitwise_under_fsdp2(tiny_model, tmp_path
     a, b = lora(tmp_path / "fsdp2", 2), lora(tmp_path / "ddp", 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     train_here(tiny_model, tmp_path / "split", **FORWARD_PROCESS, **{"train.iterations": 1})
-    GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **FORWARD_PROCESS, **{
+    Trainer(load_config(TrainConfig, None, settings(tiny_model, tmp_path / "split", **FORWARD_PROCESS, **{
         "train.resume": "latest"}))).train()
     c = lora(tmp_path / "split", 2)
     assert all(torch.equal(a[k], c[k]) for k in a)
@@ -199,7 +199,7 @@ def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to
     launch(tiny_model, tmp_path / "one-to-two", **{"train.resume": str(tmp_path / "one" / "checkpoint-000001")})
     assert relative_difference(lora(tmp_path / "one-to-two", 2), lora(tmp_path / "one", 2)) < 1e-3
     # and the weights a resume loads are the checkpoint's, bitwise
-    trainer = GRPOTrainer(load_config(TrainConfig, None, settings(
+    trainer = Trainer(load_config(TrainConfig, None, settings(
         tiny_model, tmp_path / "one-to-two", **{"train.resume": str(tmp_path / "one-to-two" / "checkpoint-000002"),
                                                 "train.iterations": 3})))
     saved = lora(tmp_path / "one-to-two", 2)
@@ -236,13 +236,13 @@ def test_fsdp2_refuses_a_transformer_without_blocks_before_the_model_loads(tiny_
     (model / "transformer" / "config.json").write_text((tiny_model / "vae" / "config.json").read_text())
     with pytest.raises(SetupError, match=r"distributed.engine = fsdp2 shards the transformer per block.*AutoencoderKL"
                                          r".*distributed.engine: ddp"):
-        GRPOTrainer(load_config(TrainConfig, None, settings(model, tmp_path / "run")))
+        Trainer(load_config(TrainConfig, None, settings(model, tmp_path / "run")))
 
 
 def test_resuming_with_another_engine_is_refused_before_the_model_loads(tiny_model, tmp_path):
     train_here(tiny_model, tmp_path / "run", **{"train.iterations": 1})
     with pytest.raises(Exception, match="distributed.engine"):
-        GRPOTrainer(load_config(TrainConfig, None, settings(
+        Trainer(load_config(TrainConfig, None, settings(
             tmp_path / "no-model", tmp_path / "run", **{"distributed.engine": "ddp", "train.resume": "latest"})))
 
 

@@ -13,7 +13,7 @@ from flowalign.config import ConfigError, load_config
 from flowalign.models import wrap_pipeline
 from flowalign.models.tiny import tiny_sd3_pipeline
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from golden_runs import METHODS, SMALL_RUN_SHAPE, preset_path, small_run_values
 from test_trainer import final_checkpoint, make_trainer, tiny_model  # noqa: F401 - the module's tiny SD3
@@ -106,7 +106,7 @@ def test_every_method_preset_trains_as_a_full_fine_tune(preset, tiny_model, tmp_
               **SMALL_RUN_SHAPE.get(preset, {}), **FULL}
     extra = preset_extra(preset, tiny_model, tmp_path)
     config = load_config(TrainConfig, preset_path(preset), [f"{k}={v}" for k, v in {**values, **extra}.items()])
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert len(history) == 2
     if "first_ratio_max" in history[0] and config.loss.get("grpo") is not None:
         assert history[0]["first_ratio_max"] == 1.0

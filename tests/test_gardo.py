@@ -19,7 +19,7 @@ from flowalign.losses.gated_kl import (GatedKL, GatedKLConfig, RiskController, d
 from flowalign.losses.reference import AdaptiveReference, AdaptiveReferenceConfig
 from flowalign.samplers.rollout import Transitions
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_trainer import _assert_same_run, _one_vs_two_processes, final_checkpoint, overrides  # noqa: F401
 from test_trainer import tiny_model  # noqa: F401  (the module-scoped tiny SD3 fixture)
@@ -200,7 +200,7 @@ def test_the_base_model_takes_the_last_steps_of_the_rollout(tiny_model, tmp_path
 
     config = load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "run", **{
         "sampling.noise_table": "[0.7, 0.7, 0.0, 0.0]", "sampling.base_tail_steps": 2, "sampling.batch_size": 8}))
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     with torch.no_grad():
         for name, p in trainer.trainable_state().items():
             if "lora_B" in name:
@@ -237,14 +237,14 @@ def test_gardo_resumes_bitwise_with_its_reference_and_controller_state(tiny_mode
     """4 iterations straight against 2 + a resume: the adaptive reference's snapshot, its reset bookkeeping and the
     gate controller's history come back from the checkpoint, so the weights and metrics are bitwise the same."""
     extra = {**GARDO, "train.iterations": 4, "train.checkpoint_every": 1}
-    full = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "full", **extra))).train()
-    GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "split", **{
+    full = Trainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "full", **extra))).train()
+    Trainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "split", **{
         **extra, "train.iterations": 2}))).train()
     checkpoint = tmp_path / "split" / "checkpoint-000002"
     state = json.loads((checkpoint / "state.json").read_text())["components"]
     assert state["loss.gated_kl"]["history"] and "reference" in state
     assert any(k.startswith("reference/snapshot/") for k in load_file(str(checkpoint / "components.safetensors")))
-    resumed = GRPOTrainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "split", **{
+    resumed = Trainer(load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "split", **{
         **extra, "train.resume": "latest"}))).train()
     strip = lambda rows: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in rows]  # noqa: E731
     assert strip(resumed) == strip(full)

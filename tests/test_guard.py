@@ -12,7 +12,7 @@ from flowalign.losses.grpo import guard_log_ratio, guard_transition_loss, step_r
 from flowalign.samplers import probe_rollout, rollout, tree_rollout
 from flowalign.samplers.tree import TreeSchedule
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_trainer import overrides, tiny_model  # noqa: F401  (the module-scoped tiny SD3 fixture)
 
@@ -139,7 +139,7 @@ def test_ratio_norm_keeps_the_first_ratio_at_exactly_one_on_every_shape(tiny_mod
     guard = {"loss.grpo.ratio_norm": "true", "loss.grpo.step_reweight": "inverse_dt", "loss.grpo.clip_range": 2e-6,
              "optim.minibatches": 3, "optim.inner_epochs": 2, "train.iterations": 2, "collapse.enabled": "false"}
     config = load_config(TrainConfig, None, overrides(tiny_model, tmp_path / "run", **{**SHAPES[shape], **guard}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     for metrics in history:
         assert metrics["first_ratio_max"] == 1.0 and metrics["first_approx_kl"] == 0.0
         assert metrics["ratio_max"] > 1.0 and metrics["clip_frac"] > 0

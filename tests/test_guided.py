@@ -550,13 +550,13 @@ def test_rg_opd_refuses_a_reward_without_a_gradient_before_building_it(tmp_path)
     from flowalign.config import load_config
     from flowalign.errors import SetupError
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     for name in ("geneval", "jpeg_compressibility", "toy_geneval"):  # the model path does not exist: never loaded
         config = load_config(TrainConfig, None, [f"model.path={tmp_path / 'no-model'}", "loss.rg_opd.weight=1",
                                                  f"loss.rg_opd.reward={name}", f"train.out_dir={tmp_path / name}"])
         with pytest.raises(SetupError, match=f"loss.rg_opd.reward '{name}' is not differentiable.*toy_geneval_soft"):
-            GRPOTrainer(config)
+            Trainer(config)
 
 
 # ------------------------------------------------------------------------------------------------ CFG

@@ -339,7 +339,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     from flowalign.kernels import loss_triton, sde_triton
     from flowalign.models.tiny import tiny_sd3_pipeline
     from flowalign.toy.prompts import split_prompts
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     train, test = split_prompts()
     model = tmp_path / "tiny-sd3"
@@ -365,7 +365,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
             "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
             "train.out_dir": str(tmp_path / kernels),
         }
-        trainer = GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in overrides.items()]))
+        trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in overrides.items()]))
         history = trainer.train()
         return history[0], {k: p.detach().clone() for k, p in trainer.trainable_state().items()}
 

@@ -121,7 +121,7 @@ def tiny_sd3(tmp_path_factory):
 
 def _resume(name, checkpoint, model, run, record, *, new_format):
     from flowalign.config import save_config
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     shutil.copytree(checkpoint, run / "checkpoint-000001")
     config_file = run / "checkpoint-000001" / "config.yaml"
@@ -133,7 +133,7 @@ def _resume(name, checkpoint, model, run, record, *, new_format):
     values = {**small_run_values(model, run), **record["runs"][name]["settings"], "train.checkpoint_every": 1,
               "train.iterations": 2, "data.train_prompts": "assets/prompts/train.jsonl", "train.resume": "latest"}
     with torch_threads(1):
-        trainer = GRPOTrainer(load_config(TrainConfig, REPO / "configs/methods" / f"{name}.yaml",
+        trainer = Trainer(load_config(TrainConfig, REPO / "configs/methods" / f"{name}.yaml",
                                           [f"{k}={v}" for k, v in values.items()]))
         assert trainer.iteration == 1
         trainer.train()

@@ -84,12 +84,12 @@ def test_the_config_checks_the_split_it_names():
 def test_the_flow_grpo_preset_takes_two_optimizer_steps_each_on_half_the_chunks(tmp_path):
     """A small flow_grpo iteration (2 prompts x 2 samples in 2 chunks of 2): 2 optimizer steps, the first ratio
     exactly 1, and each minibatch trains every trained step of one chunk."""
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     tiny_sd3_pipeline(words(), seed=0).save_pretrained(tmp_path / "sd3")
     config = load_config(TrainConfig, REPO / "configs/methods/flow_grpo.yaml",
                          small_run(tmp_path / "sd3", tmp_path / "run") + ["train.iterations=1"])
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     seen = []
     original = trainer.micro_batch_loss
 

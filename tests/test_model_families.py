@@ -225,7 +225,7 @@ def saved_pipelines(tmp_path_factory):
 def test_the_default_method_trains_on_the_family_from_its_directory(name, saved_pipelines, tmp_path):
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     directory = saved_pipelines(name)
     assert isinstance(load_flow_model(directory), FAMILIES[name].adapter)
@@ -233,7 +233,7 @@ def test_the_default_method_trains_on_the_family_from_its_directory(name, saved_
     values = {**small_run_values(directory, tmp_path / "run"), "sampling.image_size": size,
               "train.checkpoint_every": 0}
     config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
@@ -243,13 +243,13 @@ def test_a_tree_preset_trains_on_the_family(name, saved_pipelines, tmp_path):
     """BranchGRPO's tree rollout and credit (4 leaves per prompt: splits at steps 0 and 1, branching 2)."""
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     values = {**small_run_values(saved_pipelines(name), tmp_path / "run"), "sampling.image_size": FAMILIES[name].sizes[0][0],
               "train.checkpoint_every": 0, "data.group_size": 4, "sampling.batch_size": 4,
               "rollout.split_steps": "[0, 1]", "sampling.num_steps": 4}
     config = load_config(TrainConfig, preset_path("branch_grpo"), [f"{k}={v}" for k, v in values.items()])
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 

@@ -9,7 +9,7 @@ from flowalign.config import load_config
 from flowalign.models import Flux2KleinModel
 from flowalign.models.flux2 import klein_out_layers
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from model_families import tiny_pipeline
 from test_presets import assert_kl_follows_the_lora, small_run
@@ -71,7 +71,7 @@ def test_flux2_klein_preset_has_the_published_settings_and_runs_on_a_tiny_klein(
     tiny_pipeline("flux2_klein").save_pretrained(tmp_path / "klein")
     config = load_config(TrainConfig, REPO / "configs/models/flux2_klein.yaml", small_run(
         tmp_path / "klein", tmp_path / "run", **{"sampling.image_size": 32}))
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     adapted = {n.split(".lora_")[0] for n, _ in trainer.model.transformer.named_parameters() if "lora_A" in n}
     assert all(any(n.endswith(part) for n in adapted) for part in ("ff.linear_in", "ff_context.linear_out",
                                                                    "attn.to_qkv_mlp_proj"))

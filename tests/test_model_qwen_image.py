@@ -8,7 +8,7 @@ import torch
 from flowalign.config import load_config
 from flowalign.models import QwenImageModel
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from model_families import WORDS, tiny_pipeline
 from test_presets import assert_kl_follows_the_lora, small_run
@@ -70,7 +70,7 @@ def test_qwen_image_preset_has_the_published_settings_and_runs_on_a_tiny_qwen_im
     tiny_pipeline("qwen_image").save_pretrained(tmp_path / "qwen_image")
     config = load_config(TrainConfig, REPO / "configs/models/qwen_image.yaml", small_run(
         tmp_path / "qwen_image", tmp_path / "run", **{"sampling.image_size": 32}))
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     adapted = {n.split(".lora_")[0] for n, _ in trainer.model.transformer.named_parameters() if "lora_A" in n}
     assert all(any(f".{part}." in n for n in adapted) for part in ("attn", "img_mlp", "txt_mlp"))
     history = trainer.train()

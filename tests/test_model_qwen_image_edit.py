@@ -134,9 +134,9 @@ def test_qwen_image_edit_plus_trains_on_editing_prompts_and_the_reward_receives_
         return images.float().flatten(1).mean(dim=1)
 
     model = wrap_pipeline(fresh_pipeline("qwen_image_edit_plus"))
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
-    history = GRPOTrainer(run_values(tmp_path, path), rewards=[edit_reward], model=model).train()
+    history = Trainer(run_values(tmp_path, path), rewards=[edit_reward], model=model).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
     assert sorted(set(received)) == [(PROMPT, 1), ("remove the square", 2)]

@@ -8,7 +8,7 @@ import torch
 from flowalign.config import load_config
 from flowalign.models import ZImageModel
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from model_families import tiny_pipeline
 from test_presets import assert_kl_follows_the_lora, small_run
@@ -78,6 +78,6 @@ def test_z_image_preset_has_the_published_settings_and_runs_on_a_tiny_z_image(tm
     tiny_pipeline("z_image").save_pretrained(tmp_path / "z_image")
     config = load_config(TrainConfig, REPO / "configs/models/z_image.yaml", small_run(
         tmp_path / "z_image", tmp_path / "run", **{"sampling.image_size": 32}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # CFG doubles the evaluations
     assert_kl_follows_the_lora(config, history)

@@ -118,7 +118,7 @@ def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
     from flowalign.config import load_config
     from flowalign.toy.prompts import split_prompts
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     train, test = split_prompts()
     tiny_sd3_pipeline(sorted({w for e in train + test for w in e["prompt"].split()}), seed=0).save_pretrained(
@@ -129,7 +129,7 @@ def test_trainer_group_layout_shared_noise_log_probs_and_nfe(tmp_path):
                 "sampling.num_steps": 4, "sampling.image_size": 32, "sampling.shared_noise": "true",
                 "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
                 "train.tracker": "none", "train.eval_at_end": "false", "train.out_dir": tmp_path / "run"}
-    trainer = GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in settings.items()]))
+    trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in settings.items()]))
     (chunk,) = trainer.rollout(0, trainer.prompts.prompts_for(0))
     t = chunk.rollout.transitions
     x_init = t.x_t[t.step == 0]

@@ -4,7 +4,7 @@ import pytest
 
 from flowalign.config import load_config
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_presets import METHODS, SMALL_RUN_SHAPE, small_run, tiny_paths  # noqa: F401 - the fixture
 
@@ -41,7 +41,7 @@ def test_logged_nfes_equal_the_transformers_rows_with_cfg(preset, tiny_paths, tm
 
         extra["objectives.shell_lcc.path"] = str(tiny_manifold(tiny_paths["sd3"], tmp_path / "manifold.safetensors"))
         extra["objectives.shell_lcc.batch_size"] = 2
-    trainer = GRPOTrainer(load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / "run", **extra)))
+    trainer = Trainer(load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / "run", **extra)))
     seen, handle = count_rows(trainer.model.transformer)
     try:
         metrics = trainer.step()

@@ -281,16 +281,21 @@ def test_an_objective_regresses_the_conditional_velocity_when_the_rollouts_use_c
     MSE of the conditional velocity (its units carry no negative embeddings; a CFG'd velocity is not its target)."""
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     config = load_config(TrainConfig, None, small_run(
         tiny_paths["sd3"], tmp_path / "run", **{"sampling.guidance_scale": 3.0, "train.iterations": 1,
                                                 "objectives.flow_matching.data": "toy",
                                                 "objectives.flow_matching.batch_size": 2}))
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     unit = trainer.objective_units(0)["flow_matching"][0]
     with torch.no_grad():
         v = trainer.model.velocity(unit.x, unit.sigma, unit.cond, 1.0)
     _, stats = trainer.objective_loss("flow_matching", unit)
     expected = (v.float() - unit.data["target"].float()).pow(2).mean()
     assert stats["loss"] == pytest.approx(float(expected), rel=1e-5)
+    objective = trainer.parts.objectives["flow_matching"]
+    assert objective.guidance_scale == 1.0  # the objective declares the scale its units are evaluated at
+    objective.guidance_scale = 3.0  # an objective declaring CFG is evaluated with it: its units hold no negatives
+    with pytest.raises(ValueError, match=r"guidance_scale=3\.0 needs negative prompt embeddings"):
+        trainer.objective_loss("flow_matching", unit)

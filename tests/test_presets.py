@@ -12,7 +12,7 @@ from flowalign.models.tiny import tiny_flux_pipeline, tiny_sd3_pipeline
 from flowalign.credit.tp_grpo import RELEASED_OPTIONS
 from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from golden_runs import SMALL_RUN_SHAPE, small_run_values
 
@@ -123,7 +123,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
     if preset.stem in ROLLOUT_OBJECTIVES:  # rollouts and rewards, no transition trained
         config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
         assert not config.loss and list(config.objectives) == [preset.stem]
-        assert_rollout_objective_run(preset.stem, GRPOTrainer(config).train())
+        assert_rollout_objective_run(preset.stem, Trainer(config).train())
         return
     if preset.stem == "drl_adjoint":  # a discriminator made for the tiny model, its units of 1 trajectory
         from flowalign.reward_models.discriminator import untrained_discriminator
@@ -133,7 +133,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         extra["objectives.adjoint_matching.batch_size"] = 1
     if preset.stem in OBJECTIVE_ONLY:  # no rollout: 2 iterations of the objective alone
         config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
-        history = GRPOTrainer(config).train()
+        history = Trainer(config).train()
         (name,) = config.objectives
         assert len(history) == 2 and not config.loss and "reward" not in history[0]
         assert [h["nfe"] for h in history] == [h["nfe/objectives"] for h in history] == [OBJECTIVE_ONLY[preset.stem]] * 2
@@ -166,7 +166,7 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
             extra["objectives.shell_lcc.path"] = str(manifold)
             extra["objectives.shell_lcc.batch_size"] = 2
     config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path, **extra))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
     stochastic, nfe = EXPECTED[preset.stem]
@@ -188,7 +188,7 @@ def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_pa
     config = load_config(TrainConfig, REPO / "configs/methods/euphonium.yaml", small_run(
         tiny_paths["sd3"], tmp_path, **{"credit.process_reward": "brightness", "credit.log_prob_under": "guided",
                                         "credit.start_step": 1, "sampling.num_steps": 4, "train.iterations": 1}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[0]["first_ratio_max"] == 1.0 and history[0]["guidance/shift_norm_mean"] > 0
     assert history[0]["credit/guided_steps"] == 2 and history[0]["credit/pra_abs_mean"] > 0
 
@@ -212,7 +212,7 @@ def test_euphonium_with_registers_as_the_process_reward_trains_and_counts_its_pa
     sample, each of the guided states x_1, x_2 costs a forward and a backward of the reference transformer and x_3
     (credit: next) a forward: 5 NFEs on top of the rollout's 4, no decode."""
     config, _ = euphonium_with_registers(tiny_paths, tmp_path, **{"sampling.num_steps": 4, "credit.start_step": 1})
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
     assert history[0]["nfe"] == 2 * 2 * (4 + 2 * 2 + 1)
     assert history[0]["guidance/nfe"] == 3 * 2 and history[0]["guidance/backward_nfe"] == 2 * 2  # a chunk of 2
@@ -228,7 +228,7 @@ def test_euphonium_register_shift_is_the_guidance_of_the_registers_own_gradient(
     from flowalign.samplers import euphonium_guidance
 
     config, checkpoint = euphonium_with_registers(tiny_paths, tmp_path)
-    trainer = GRPOTrainer(config)
+    trainer = Trainer(config)
     model, sampling, cfg = trainer.model, config.sampling, config.credit
     prompts = trainer.prompts.prompts_for(0)[:2]
     cond = model.encode([p["prompt"] for p in prompts])
@@ -398,7 +398,7 @@ def test_sd35_medium_preset_has_the_published_defaults_and_runs_on_a_tiny_sd3(ti
     assert (preset.loss["grpo"].kl_std, preset.optim.minibatches, preset.optim.minibatch_split) == ("std_t", 2, "samples")
     config = load_config(TrainConfig, REPO / "configs/models/sd35_medium.yaml", small_run(
         tiny_paths["sd3"], tmp_path, **{"sampling.guidance_scale": 4.5}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # CFG doubles the evaluations
     assert config.loss["grpo"].beta == 0.04
     assert_kl_follows_the_lora(config, history)
@@ -410,7 +410,7 @@ def test_flux_dev_preset_has_the_published_defaults_and_runs_on_a_tiny_flux(tiny
         (6, 0.9, 0.0, "flux")
     config = load_config(TrainConfig, REPO / "configs/models/flux_dev.yaml", small_run(
         tiny_paths["flux"], tmp_path, **{"model.gradient_checkpointing": "false"}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
     assert config.loss["grpo"].beta == 0.0
     assert_kl_follows_the_lora(config, history)
@@ -428,7 +428,7 @@ def test_flux2_dev_preset_has_flow_factorys_settings_and_runs_on_a_tiny_flux2(tm
     assert [(r.name, r.weight) for r in preset.reward.rewards] == [("clipscore", 1.0), ("pickscore", 0.5)]
     tiny_pipeline("flux2").save_pretrained(tmp_path / "flux2")
     config = load_config(TrainConfig, REPO / "configs/models/flux2_dev.yaml", small_run(tmp_path / "flux2", tmp_path))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 8  # the guidance embedding needs no second pass
     assert history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
@@ -449,7 +449,7 @@ def test_flux_kontext_preset_has_flow_grpos_settings_and_trains_on_editing_promp
     tiny_pipeline("flux_kontext").save_pretrained(tmp_path / "kontext")
     config = load_config(TrainConfig, REPO / "configs/models/flux_kontext.yaml",
                          small_run(tmp_path / "kontext", tmp_path, **{"data.train_prompts": editing_prompts(tmp_path)}))
-    history = GRPOTrainer(config).train()
+    history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 6  # the guidance embedding needs no second pass
     assert history[0]["first_ratio_max"] == 1.0
     assert_kl_follows_the_lora(config, history)
@@ -472,7 +472,7 @@ def test_qwen_image_edit_plus_preset_has_flow_grpos_edit_settings_and_trains_on_
                                                       **{"data.train_prompts": editing_prompts(tmp_path),
                                                          "model.gradient_checkpointing": "false"}))
     with edit_plus_areas():  # the tiny model's condition-image areas
-        history = GRPOTrainer(config).train()
+        history = Trainer(config).train()
     assert history[-1]["nfe"] == 2 * 2 * 10 * 2  # true CFG: two passes a step
     assert history[0]["first_ratio_max"] == 1.0
 
@@ -491,7 +491,7 @@ def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_a
             tiny_paths["sd3"], tmp_path / register_pass, **{"credit.registers": str(checkpoint),
                                                             "credit.register_pass": register_pass,
                                                             "sampling.batch_size": 4}))
-        trainer = GRPOTrainer(config)
+        trainer = Trainer(config)
         (chunk,) = trainer.rollout(0, trainer.prompts.prompts_for(0))
         assert ("register_scores" not in chunk.extras) == (register_pass == "reference")
         rewards[register_pass], nfes[register_pass] = trainer.parts.credit.register_rewards(
@@ -526,7 +526,7 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         resume = {"train.resume": "latest"} if (run, iterations) == ("split", 2) else {}
         config = load_config(TrainConfig, preset, small_run(tiny_paths["sd3"], tmp_path / run, **settings, **resume,
                                                             **{"train.iterations": iterations}))
-        GRPOTrainer(config).train()
+        Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
     assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))

@@ -1,5 +1,5 @@
 """Training prompt files: plain text, plain JSONL, or GenEval metadata; a GenEval reward refuses plain prompts before
-anything is built (flowalign.data.prompts.load_prompts, flowalign.training.setup.check_prompts_fit_rewards)."""
+anything is built (flowalign.data.prompts.load_prompts, flowalign.training.builder.check_prompts_fit_rewards)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from flowalign.errors import SetupError
 from flowalign.evaluation.geneval import GenEvalError
 from flowalign.models.tiny import tiny_sd3_pipeline
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 PROMPTS = ["a photo of a red circle", "a blue square"]
 
@@ -75,7 +75,7 @@ def config(model, prompts, out, reward):
 def test_plain_prompts_train_with_a_reward_of_the_image_alone(tiny_model, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
-    trainer = GRPOTrainer(config(tiny_model, prompts, tmp_path / "run", "brightness"))
+    trainer = Trainer(config(tiny_model, prompts, tmp_path / "run", "brightness"))
     trainer.train()
     assert [row["iteration"] for row in trainer.history] == [0]
 
@@ -85,7 +85,7 @@ def test_a_geneval_reward_refuses_plain_prompts_before_building_anything(tmp_pat
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     with pytest.raises(SetupError, match=rf"reward\.rewards\[0\]\.name = '{reward}'.*prompts\.txt.*a photo of a red"):
-        GRPOTrainer(config(tmp_path / "no-model-here", prompts, tmp_path / "run", reward))
+        Trainer(config(tmp_path / "no-model-here", prompts, tmp_path / "run", reward))
 
 
 def test_flowalign_sample_takes_plain_prompts_and_refuses_them_for_a_geneval_reward(tiny_model, tmp_path):

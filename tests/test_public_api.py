@@ -15,7 +15,7 @@ import flowalign
 EXPORTS = {
     "TrainConfig": ("flowalign.training.config", "TrainConfig"),
     "load_config": ("flowalign.config", "load_config"),
-    "GRPOTrainer": ("flowalign.training.trainer", "GRPOTrainer"),
+    "Trainer": ("flowalign.training.trainer", "Trainer"),
     "load_flow_model": ("flowalign.models", "load_flow_model"),
     "FlowModel": ("flowalign.models", "FlowModel"),
     "Reward": ("flowalign.rewards", "Reward"),
@@ -59,7 +59,7 @@ def test_every_export_resolves_to_its_defining_object():
     assert sorted(flowalign.__all__) == sorted(EXPORTS)
     for name, (module, attribute) in EXPORTS.items():
         assert getattr(flowalign, name) is getattr(importlib.import_module(module), attribute), name
-    from flowalign import GRPOTrainer, Registry, register_reward  # noqa: F401 - ``from`` imports work too
+    from flowalign import Trainer, Registry, register_reward  # noqa: F401 - ``from`` imports work too
 
     assert set(EXPORTS) <= set(dir(flowalign)) and "__version__" in dir(flowalign)
 
@@ -74,7 +74,7 @@ def test_an_unknown_attribute_is_an_attribute_error():
 # mkdocstrings renders them into tables) ----------------------------------------------------------------------------
 
 # The trainer's public API is its constructor, ``train`` and ``step``; its other methods are the loop's parts.
-METHODS_OF = {"GRPOTrainer": ("train", "step"), "Trainer": ("train", "step")}
+METHODS_OF = {"Trainer": ("train", "step")}
 SECTION = re.compile(r"^(Args|Returns|Yields):\s*$")
 ENTRY = re.compile(r"^    (\*{0,2}\w+)(?: \([^)]*\))?:(?: |$)")
 

@@ -34,7 +34,7 @@ from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, T
 from flowalign.remote.wire import decode_request, encode_request
 from flowalign.rewards import build_reward, check_reward_run
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -307,7 +307,7 @@ def test_bad_remote_settings_fail_before_any_model_loads(server, tmp_path):
             [{"name": "remote", "kwargs": settings}]), "train.out_dir": str(tmp_path / "run"), **extra}
         config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
         with pytest.raises(SetupError) as caught:
-            GRPOTrainer(config)
+            Trainer(config)
         return str(caught.value)
 
     key = "reward.rewards[0].kwargs"
@@ -504,7 +504,7 @@ def test_vlm_judge_bad_settings_fail_before_anything_loads(judge_server, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------ training with a remote reward
-def toy_trainer(out: Path, entry: dict, **extra) -> GRPOTrainer:
+def toy_trainer(out: Path, entry: dict, **extra) -> Trainer:
     """The toy world's model and reward, cut to 2 prompts x 4 images, 4 steps, chunks of 4."""
     values = {"model.path": str(REPO / "assets/toy-sd3"), "reward.rewards": json.dumps([entry]),
               "data.prompts_per_iteration": 2, "data.group_size": 4, "sampling.num_steps": 4,
@@ -512,15 +512,15 @@ def toy_trainer(out: Path, entry: dict, **extra) -> GRPOTrainer:
               "sampling.window_last": "null", "collapse.held_out": "toy_geneval",
               "collapse.held_out_kwargs": "{partial_credit: false}",  # the same measurement whatever the reward's name "train.iterations": 5, "train.tracker": "none", "train.eval_at_end": "false",
               "train.sample_every": 0, "train.out_dir": str(out), **extra}
-    return GRPOTrainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
+    return Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
 
 
-def run_steps(trainer: GRPOTrainer, count: int) -> list[dict]:
+def run_steps(trainer: Trainer, count: int) -> list[dict]:
     return [{k.replace("rewards/remote/", "rewards/toy_geneval/"): v for k, v in trainer.step().items()
              if not k.startswith("time/")} for _ in range(count)]
 
 
-def weights(trainer: GRPOTrainer) -> dict:
+def weights(trainer: Trainer) -> dict:
     return {name: value.detach().clone() for name, value in trainer.trainable_state().items()}
 
 

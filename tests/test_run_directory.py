@@ -182,12 +182,12 @@ def test_sharded_launches_are_refused_before_the_model_loads(tmp_path, kind):
 
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     launch = SimpleNamespace(distributed_type=DistributedType[kind], num_processes=8)
     config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run"))
     with pytest.raises(SetupError, match=f"distributed_type {kind} is not how flowalign train shards.*ddp.yaml.*distributed.engine: fsdp2"):
-        GRPOTrainer(config, accelerator=launch)
+        Trainer(config, accelerator=launch)
     assert not (tmp_path / "run").exists()
 
 

@@ -191,6 +191,31 @@ def test_window_larger_than_steps_is_rejected():
         SDEWindow(0.7, size=2, start="middle")
 
 
+def test_a_window_owns_its_start_arithmetic():
+    """The config reads the window's starts, its latest start and whether it moves from ``SDEWindow`` (issue #42)."""
+    assert SDEWindow(0.7, size=2, first=3).starts(10) == range(3, 4)
+    assert SDEWindow(0.7, size=2, start="random", first=1).starts(10) == range(1, 8)
+    assert SDEWindow(0.7, size=2, start="sliding", last=4).starts(10) == range(0, 5)
+    assert SDEWindow(0.7, size=2).latest_start(10) == 7 and SDEWindow(0.7, size=2, last_step_ode=False).latest_start(
+        10) == 8
+    assert SDEWindow(0.7, size=12).latest_start(10) < 0
+    assert [SDEWindow(0.7, size=2, start=s).reads_progress() for s in ("fixed", "random", "sliding")] == [
+        False, False, True]
+    assert not ConstantNoise(0.7).reads_progress() and not PerStepNoise([0.1, 0.0]).reads_progress()
+    levels = [0.0, 0.7, 0.7, 0.7, 0.7, 0.0]  # the stochastic steps of each rollout: a window start each
+    assert SDEWindow(0.7, size=2, start="random").stochastic_step_sets(levels, 6) == [{1}, {1, 2}, {2, 3}, {3, 4}]
+    assert ConstantNoise(0.7).stochastic_step_sets(levels, 6) == [{1, 2, 3, 4}]
+
+
+def test_each_sde_kind_bounds_its_noise_level():
+    from flowalign.kernels.sde_reference import check_noise_level, max_noise_level
+
+    assert [max_noise_level(kind) for kind in KINDS] == [None, None, 1.0]
+    check_noise_level(5.0, "flow_grpo")
+    with pytest.raises(ValueError, match=r"noise_level for kind 'cps' must lie in \[0, 1\]"):
+        check_noise_level(1.5, "cps")
+
+
 def test_schedule_from_config():
     assert isinstance(noise_schedule(0.7), ConstantNoise)
     assert isinstance(noise_schedule([0.1, 0.0]), PerStepNoise)

@@ -186,17 +186,17 @@ def train_config(model_path: Path, out: Path, *overrides: str, preset: str = "sh
 
 
 def refuse_loading(monkeypatch):
-    import flowalign.training.setup as setup
+    import flowalign.training.builder as builder
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the bad input was refused")
 
-    monkeypatch.setattr(setup, "load_flow_model", no_model)
+    monkeypatch.setattr(builder, "load_flow_model", no_model)
 
 
 def test_a_manifold_for_another_model_is_refused_before_the_model_loads(tiny_sd3, tmp_path, monkeypatch):
     from flowalign.errors import SetupError
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     refuse_loading(monkeypatch)
     other_channels = tiny_manifold(tiny_sd3, tmp_path / "c16.safetensors", channels=16)
@@ -204,25 +204,25 @@ def test_a_manifold_for_another_model_is_refused_before_the_model_loads(tiny_sd3
     for path, says in ((other_channels, "16-channel latents"), (other_vae, "another VAE")):
         reward = f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {path}}}}}]"
         with pytest.raises(SetupError, match=says) as error:
-            GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", reward))
+            Trainer(train_config(tiny_sd3, tmp_path / "run", reward))
         assert str(path) in str(error.value) and "flowalign prep fit-manifold" in str(error.value)
         with pytest.raises(SetupError, match=says):
-            GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2", f"objectives.shell_lcc.path={path}",
+            Trainer(train_config(tiny_sd3, tmp_path / "run2", f"objectives.shell_lcc.path={path}",
                                      preset="shell_lcc_objective"))
 
 
 def test_a_missing_manifold_names_the_command_that_makes_it(tiny_sd3, tmp_path, monkeypatch):
     from flowalign.errors import SetupError
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     refuse_loading(monkeypatch)
     missing = tmp_path / "none.safetensors"
     with pytest.raises(SetupError, match="flowalign prep fit-manifold") as error:
-        GRPOTrainer(train_config(tiny_sd3, tmp_path / "run", f"objectives.shell_lcc.path={missing}",
+        Trainer(train_config(tiny_sd3, tmp_path / "run", f"objectives.shell_lcc.path={missing}",
                                  preset="shell_lcc_objective"))
     assert str(missing) in str(error.value)
     with pytest.raises(Exception, match="flowalign prep fit-manifold"):
-        GRPOTrainer(train_config(tiny_sd3, tmp_path / "run2",
+        Trainer(train_config(tiny_sd3, tmp_path / "run2",
                                  f"reward.rewards=[{{name: shell_lcc, kwargs: {{path: {missing}}}}}]"))
 
 
@@ -267,18 +267,18 @@ def test_the_latent_reward_guides_rgs_without_decoding(tiny_sd3, tmp_path):
 
 def test_the_objective_resumes_bitwise_and_its_first_ratio_is_one(tiny_sd3, tmp_path):
     """The released objective on top of GRPO: 2 iterations, then the same run resumed after iteration 1."""
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     path = tiny_manifold(tiny_sd3, tmp_path / "m.safetensors")
     settings = [f"objectives.shell_lcc.path={path}", "objectives.shell_lcc.batch_size=2", "train.checkpoint_every=1",
                 "objectives.shell_lcc.drift_margin=0.0", "sampling.num_steps=4"]  # a short rollout: the objective is tested
-    full = GRPOTrainer(train_config(tiny_sd3, tmp_path / "full", *settings, preset="shell_lcc_objective"))
+    full = Trainer(train_config(tiny_sd3, tmp_path / "full", *settings, preset="shell_lcc_objective"))
     history = full.train()
     assert history[0]["first_ratio_max"] == 1.0
     stats = {k: v for k, v in history[0].items() if k.startswith("objectives/shell_lcc/")}
     assert stats["objectives/shell_lcc/distance"] > 0 and stats["objectives/shell_lcc/drift"] == 0.0
     checkpoint = sorted((tmp_path / "full").glob("checkpoint-*"))[0]
-    resumed = GRPOTrainer(train_config(tiny_sd3, tmp_path / "resumed", *settings, f"train.resume={checkpoint}",
+    resumed = Trainer(train_config(tiny_sd3, tmp_path / "resumed", *settings, f"train.resume={checkpoint}",
                                        preset="shell_lcc_objective"))
     assert resumed.iteration == 1
     resumed.train()

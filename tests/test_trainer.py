@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from flowalign.models.tiny import tiny_sd3_pipeline
 from flowalign.rewards import REWARDS, register_reward
 from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -68,7 +69,7 @@ def overrides(model, out, **extra):
 
 
 def make_trainer(model, out, **extra):
-    return GRPOTrainer(load_config(TrainConfig, None, overrides(model, out, **extra)))
+    return Trainer(load_config(TrainConfig, None, overrides(model, out, **extra)))
 
 
 def final_checkpoint(run: Path) -> Path:
@@ -108,7 +109,7 @@ def test_a_short_run_on_the_toy_model_raises_the_reward(seed, tmp_path):
         f"train.out_dir={tmp_path}", f"model.path={REPO / 'assets/toy-sd3'}",
         f"data.train_prompts={REPO / 'assets/prompts/train.jsonl'}",
     ])
-    rewards = [m["reward"] for m in GRPOTrainer(config).train()]
+    rewards = [m["reward"] for m in Trainer(config).train()]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.025, rewards
 
 
@@ -234,6 +235,23 @@ def test_all_zero_variance_skips_the_update(tiny_model, tmp_path):
         history = trainer.train()
     assert history[0]["skipped"] == 1.0 and history[0]["zero_std_frac"] == 1.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.params))
+
+
+def test_a_credit_estimator_that_declares_no_skip_updates_on_zero_variance(tiny_model, tmp_path):
+    """The skip is the credit estimator's declaration (``CreditEstimator.skip_without_signal``), not the trainer's."""
+    trainer = make_trainer(tiny_model, tmp_path / "run", **{"reward.rewards": "[{name: toy_geneval}]",
+                                                             "train.iterations": 1})
+    trainer.parts.credit.skip_without_signal = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*skipping the update")
+        history = trainer.train()
+    assert history[0]["skipped"] == 0.0 and history[0]["zero_std_frac"] == 1.0 and trainer.optimizer_steps == 1
+
+
+def test_the_trainer_is_the_loop_in_at_most_300_lines():
+    """Issue #42: set-up, contexts, NFE accounting, the learning rate and signals live in their own modules."""
+    lines = (REPO / "flowalign/training/trainer.py").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 300, len(lines)
 
 
 def test_bad_configs_fail_before_any_model_loads(tmp_path):
@@ -587,6 +605,6 @@ def test_rg_opd_reward_kwargs_reach_its_constructor_before_the_model_loads(tmp_p
     settings = {"loss.rg_opd.weight": 1, "loss.rg_opd.reward": "brightness", "loss.rg_opd.reward_kwargs": "{channel: 7}"}
     config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run", **settings))
     with pytest.raises(SetupError, match="brightness channel must be 0, 1, 2 or None"):
-        GRPOTrainer(config)
+        Trainer(config)
     with pytest.raises(ConfigError, match="loss.rg_opd.reward_kwargs are the constructor arguments of reward"):
         load_config(TrainConfig, None, overrides(tmp_path, tmp_path, **{"loss.rg_opd.reward_kwargs": "{channel: 0}"}))

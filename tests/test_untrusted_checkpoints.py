@@ -24,7 +24,7 @@ from flowalign import cli
 from flowalign.config import load_config
 from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
-from flowalign.training.trainer import GRPOTrainer
+from flowalign.training.trainer import Trainer
 
 from test_fsdp2 import one_world_per_test, settings, train_here  # noqa: F401 - the autouse fixture tears worlds down
 from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
@@ -195,7 +195,7 @@ def test_two_processes_refuse_a_crafted_non_tensor_item_on_every_rank(runs, tiny
 def test_a_real_sharded_checkpoint_still_resumes(runs, tiny_model, tmp_path):
     """Its .metadata passes the allow-list, its non-tensor items load under weights_only=True."""
     run, _ = copy_run(runs, "fsdp2", tmp_path)
-    trainer = GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, run, **EMA, **{
+    trainer = Trainer(load_config(TrainConfig, None, settings(tiny_model, run, **EMA, **{
         "train.resume": "latest"})))
     assert trainer.iteration == 1
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3)
@@ -261,7 +261,7 @@ def test_a_missing_ema_is_refused_at_resume_unless_train_restart_ema(runs, tiny_
     extra = {"distributed.engine": engine}
     error = resume_fails_with_exit_2(tmp_path / "no-model", run, capsys, **extra)  # before the model would load
     assert named in error and "train.restart_ema=true" in error
-    trainer = GRPOTrainer(load_config(TrainConfig, None, settings(tiny_model, run, **EMA, **extra, **{
+    trainer = Trainer(load_config(TrainConfig, None, settings(tiny_model, run, **EMA, **extra, **{
         "train.resume": "latest", "train.restart_ema": "true"})))
     assert trainer.iteration == 1
     weights, averages = trainer.trainable_state(), trainer.ema.state_dict()

@@ -297,10 +297,10 @@ def test_a_rewards_settings_are_checked_against_its_constructor_before_the_model
     config = _load(tmp_path, "reward: {rewards: [{name: parts/rewards.py:RedReward, kwargs: {chanel: 1}}]}\n")
     with pytest.raises(ValueError, match=r"reward.rewards\[0\].kwargs.chanel is not a setting of the .*RedReward' "
                                          r"reward; known: channel; did you mean 'channel'\?"):
-        flowalign.GRPOTrainer(config)  # its model path does not exist: the check came first
+        flowalign.Trainer(config)  # its model path does not exist: the check came first
     config = _load(tmp_path, "reward: {rewards: [{name: parts/rewards.py:Plain, kwargs: {scale: 1}}]}\n")
     with pytest.raises(ValueError, match=r"kwargs.scale is not a setting of the .*Plain' reward; known: \(none\)$"):
-        flowalign.GRPOTrainer(config)
+        flowalign.Trainer(config)
 
 
 def test_a_file_that_raises_is_named_with_its_error_chained(tmp_path):

@@ -138,14 +138,14 @@ def test_instant_rewards_come_from_the_rollout_at_no_nfe_and_equal_a_recomputed_
     """x0_pass = rollout keeps x0_hat of the rollout's own passes: the same instant rewards as evaluating the velocity
     again (recompute), for 0 NFEs instead of T - 1 per sample; a negative one met at first use is an error."""
     from flowalign.training.scoring import score_iteration
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
     from test_presets import small_run
 
     rewards, nfes = {}, {}
     for x0_pass in ("rollout", "recompute"):
         config = load_config(TrainConfig, PRESET, small_run(tiny_paths["sd3"], tmp_path / x0_pass, **{
             "credit.x0_pass": x0_pass, "sampling.batch_size": 4}))
-        trainer = GRPOTrainer(config)
+        trainer = Trainer(config)
         batches = trainer.rollout(0, trainer.prompts.prompts_for(0))
         assert ("x0_hat" in batches[0].extras) == (x0_pass == "rollout")
         (share,) = score_iteration(trainer, batches).slices(batches)

@@ -25,14 +25,14 @@ DEFAULT_RUN = "configs/default.yaml"  # relative to the working directory, like 
 def _run_train(config, args: argparse.Namespace) -> None:
     from flowalign.config import set_keys
     from flowalign.training.toy_defaults import check_world_is_named
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     from .options import config_and_overrides
 
     path, overrides = config_and_overrides(args.items, DEFAULT_RUN)
     overrides += getattr(args, "flag_overrides", None) or []  # --reward.rewards VALUE, --resume
     check_world_is_named(config, set_keys(type(config), path, overrides), path)  # before anything loads
-    trainer = GRPOTrainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
+    trainer = Trainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
     # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish, and the exit status says so (128 + signal)
     _leave_process_group(trainer.accelerator, 0 if trainer.stop_signal is None else 128 + trainer.stop_signal)

@@ -65,6 +65,8 @@ class CreditEstimator(Component):
 
     shapes: ClassVar[tuple[str, ...]] = ("group", "probe")
     whole_prompts: ClassVar[bool] = False
+    # An iteration whose groups all have zero reward variance skips its update if every part training then says so.
+    skip_without_signal: ClassVar[bool] = True
 
     def check_shape(self, config) -> None:
         """The rollout shape must be one this estimator accepts (the error names the setting more likely at fault:

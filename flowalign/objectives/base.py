@@ -139,6 +139,9 @@ class Objective(Component):
     trains_on_rollouts: ClassVar[bool] = False
     # The setting that decides samples_per_unit (named in batch-arithmetic errors).
     unit_setting: ClassVar[str] = "batch_size"
+    # As CreditEstimator.skip_without_signal; and the CFG scale its units are evaluated at (1: conditional velocity).
+    skip_without_signal: ClassVar[bool] = True
+    guidance_scale: ClassVar[float] = 1.0
 
     def samples_per_unit(self, config) -> int | None:
         """For an objective on rollouts: the consecutive samples one unit holds (each process's share of the samples

@@ -57,7 +57,7 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     of positive and negative ``dR`` per step)."""
     from flowalign.errors import SetupError
     from flowalign.training.scoring import score_iteration
-    from flowalign.training.trainer import GRPOTrainer
+    from flowalign.training.trainer import Trainer
 
     if rounds < 1:
         raise SetupError(f"rounds must be >= 1, got {rounds}")
@@ -70,7 +70,7 @@ def calibrate(config: TrainConfig, *, rounds: int, eps1: float = 2.0, eps2: floa
     # every process (they check that they run one config).
     with _scratch_directory() as scratch:
         run = dataclasses.replace(config.train, out_dir=scratch, resume=None, tracker="none", overwrite=False)
-        trainer = GRPOTrainer(dataclasses.replace(config, train=run))
+        trainer = Trainer(dataclasses.replace(config, train=run))
     num_steps = config.sampling.num_steps
     levels = torch.tensor(config.sampling.base_levels(), dtype=torch.float64)
     stochastic = [t for t in range(num_steps) if levels[t] > 0]

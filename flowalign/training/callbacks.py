@@ -62,7 +62,7 @@ class RunLog:
         if trainer.is_main and cfg.train.sample_every and iteration % cfg.train.sample_every == 0 and batches:
             self.save_samples(iteration, batches, scores)
         postfix = {"reward": f"{metrics['reward']:.3f}"} if "reward" in metrics else {}
-        if trainer.computes_kl and "kl" in metrics:  # a KL to the reference is computed only for these
+        if trainer.parts.reads_reference() and "kl" in metrics:  # a KL to the reference is computed only for these
             postfix["kl"] = f"{metrics['kl']:.2e}"
         postfix.update(collapse_postfix(metrics))
         self.bar.set_postfix(postfix)

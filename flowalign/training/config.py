@@ -24,9 +24,11 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from flowalign.components import REFERENCE_POLICY, ComponentConfig
-from flowalign.config import ConfigError, component, component_map, names
+from flowalign.components import REFERENCE_POLICY
+from flowalign.config import ConfigError, names
 from flowalign.settings import at_least as _at_least, check as _check, finite as _finite, option, section
+from flowalign.training.batch_layout import BatchLayout, batch_layout
+from flowalign.training.kinds import Components, component_sections
 
 __all__ = [
     "TrainConfig",
@@ -55,10 +57,6 @@ def _installed(package: str) -> bool:
         return importlib.util.find_spec(package) is not None
     except ValueError:  # in sys.modules with no __spec__
         return True
-
-
-def _processes(n: int) -> str:
-    return "1 process" if n == 1 else f"{n} processes"
 
 
 # ------------------------------------------------------------------------------------------------ sections
@@ -185,17 +183,18 @@ class SamplingConfig:
             return list(self.noise_table)
         return [self.noise_level] * (self.num_steps - 1) + [0.0]
 
-    def _window_starts(self) -> range:
-        latest = self.num_steps - 1 - self.window_size
-        if self.window_start == "fixed":
-            return range(self.window_first, self.window_first + 1)
-        return range(self.window_first, (latest if self.window_last is None else self.window_last) + 1)
+    def noise_schedule(self):
+        """The rollouts' noise schedule (``flowalign.samplers.noise_schedule``), which owns the window arithmetic."""
+        from flowalign.samplers import noise_schedule
+
+        return noise_schedule(self.noise_schedule_spec())
+
+    def _stochastic_step_sets(self) -> list[set[int]]:
+        """The stochastic steps of every rollout the schedule can make (one set per SDE window start)."""
+        return self.noise_schedule().stochastic_step_sets(self.base_levels(), self.num_steps)
 
     def _stochastic_counts(self) -> set[int]:
-        levels = self.base_levels()
-        if self.window_size is None:
-            return {sum(level > 0 for level in levels)}
-        return {sum(level > 0 for level in levels[s : s + self.window_size]) for s in self._window_starts()}
+        return {len(steps) for steps in self._stochastic_step_sets()}
 
     def stochastic_steps(self) -> int:
         """How many steps of a rollout are stochastic (the same for every rollout of a valid config)."""
@@ -256,12 +255,7 @@ class SamplingConfig:
 
     def possibly_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic in some rollout (wherever the SDE window starts)."""
-        levels = self.base_levels()
-        stochastic = {i for i, level in enumerate(levels) if level > 0}
-        if self.window_size is None:
-            return stochastic
-        covered = {s + k for s in self._window_starts() for k in range(self.window_size)}
-        return stochastic & covered
+        return set().union(*self._stochastic_step_sets())
 
     def _validate_base_tail(self) -> None:
         tail, n = self.base_tail_steps, self.num_steps
@@ -276,13 +270,7 @@ class SamplingConfig:
 
     def always_stochastic_steps(self) -> set[int]:
         """Steps that are stochastic wherever the SDE window starts (the only steps a tree may split at)."""
-        levels = self.base_levels()
-        stochastic = {i for i, level in enumerate(levels) if level > 0}
-        if self.window_size is None:
-            return stochastic
-        for start in self._window_starts():
-            stochastic &= set(range(start, start + self.window_size))
-        return stochastic
+        return set.intersection(*self._stochastic_step_sets())
 
     def _validate_window(self) -> None:
         n = self.num_steps
@@ -299,7 +287,9 @@ class SamplingConfig:
             "sampling.window_size",
             f"must be in 1..{n - 1} (sampling.num_steps - 1: the last step is always ODE), got {self.window_size}",
         )
-        latest = n - 1 - self.window_size
+        from flowalign.samplers.schedules import SDEWindow
+
+        latest = SDEWindow(0.0, self.window_size).latest_start(n)
         fits = f"a window of {self.window_size} steps in a {n}-step rollout can start at 0..{latest}"
         _check(0 <= self.window_first <= latest, "sampling.window_first", f"= {self.window_first} does not fit: {fits}")
         if self.window_last is not None:
@@ -530,56 +520,8 @@ class DistributedConfig:
 # ------------------------------------------------------------------------------------------------ the whole config
 
 
-@dataclass(frozen=True)
-class BatchLayout:
-    """The batch arithmetic of one iteration on ``num_processes`` processes (all counts per process but the first)."""
-
-    num_processes: int
-    global_samples: int
-    samples_per_process: int
-    rollout_batch_size: int
-    trained_steps: int
-    transitions_per_process: int
-    micro_batches_per_process: int
-    micro_batches_per_minibatch: int
-
-
-@dataclass(frozen=True)
-class Components:
-    """The registered parts a ``TrainConfig`` names, built from its settings (cheap: nothing is loaded)."""
-
-    shape: Any
-    credit: Any
-    step_selection: Any
-    step_weighting: Any
-    losses: dict[str, Any]
-    objectives: dict[str, Any]
-    reference: Any = None
-
-    def named(self) -> dict[str, Any]:
-        """Every part by its config section (``credit``, ``loss.grpo``, ``objectives.sft``, ``reference``)."""
-        parts = {"rollout": self.shape, "credit": self.credit, "step_selection": self.step_selection,
-                 "step_weighting": self.step_weighting}
-        parts.update({f"loss.{name}": term for name, term in self.losses.items()})
-        parts.update({f"objectives.{name}": objective for name, objective in self.objectives.items()})
-        if self.reference is not None:
-            parts["reference"] = self.reference
-        return parts
-
-    def all(self) -> list[Any]:
-        return list(self.named().values())
-
-    def sampling_policy(self) -> str | None:
-        """The policy the rollouts sample with (``Component.sampling_policy``): the one a component names, else None
-        (the trained weights). Two components naming different ones are a ConfigError."""
-        named = {part.sampling_policy() for part in self.all()} - {None}
-        _check(len(named) <= 1, "objectives",
-               f"name different sampling policies ({', '.join(sorted(named))}): the rollouts sample with one; set "
-               "the others' sampling options off")
-        return named.pop() if named else None
-
-
 @dataclass
+@component_sections(after="advantage")
 class TrainConfig:
     """Everything ``flowalign train`` needs; see the module docstring for the vocabulary.
 
@@ -609,25 +551,10 @@ class TrainConfig:
     model: ModelConfig = section(ModelConfig, "the model and its LoRA adapter")
     data: DataConfig = section(DataConfig, "prompts and rollout size")
     sampling: SamplingConfig = section(SamplingConfig, "rollout sampling and noise schedule")
-    rollout: ComponentConfig = component("flowalign.rollout:SHAPES", "group",
-                                         "rollout shape: independent chains, branching trees or probed trunks")
-    credit: ComponentConfig = component("flowalign.credit:CREDIT", "group",
-                                        "how rewards become per-transition advantages")
-    step_selection: ComponentConfig = component("flowalign.credit.steps:STEP_SELECTIONS", "all",
-                                                "which stochastic steps are trained each iteration")
-    step_weighting: ComponentConfig = component("flowalign.credit.steps:STEP_WEIGHTINGS", "uniform",
-                                                "the weight of each trained step's loss")
     reward: RewardConfig = section(RewardConfig, "reward models")
     advantage: AdvantageConfig = section(AdvantageConfig, "advantage normalization")
-    loss: dict[str, ComponentConfig] = component_map("flowalign.losses:LOSSES", ["grpo"],
-                                                     "loss terms on the rollout's transitions, summed; none (every "
-                                                     "term null) with an objective = an objective-only run: no "
-                                                     "rollout, no rewards")
-    objectives: dict[str, ComponentConfig] = component_map("flowalign.objectives:OBJECTIVES", [],
-                                                           "losses on data units, interleaved into the minibatches")
-    reference: ComponentConfig = component("flowalign.losses.reference:REFERENCES", "base",
-                                           "the reference policy the KL terms read: the base model, or GARDO's "
-                                           "adaptive reference (periodically reset to the policy)")
+    # then one section per kind of component (flowalign.training.kinds.COMPONENT_KINDS): rollout, credit,
+    # step_selection, step_weighting, loss, objectives, reference
     collapse: CollapseConfig = section(CollapseConfig, "collapse metrics: within-group diversity, saturated pixels, "
                                        "a held-out reward")
     optim: OptimConfig = section(OptimConfig, "optimizer and minibatching")
@@ -650,26 +577,13 @@ class TrainConfig:
         return migrate_layer(layer)
 
     def components(self) -> Components:
-        """The registered parts this config names (``flowalign.rollout``, ``.credit``, ``.credit.steps``,
-        ``.losses``, ``.objectives``), built from their settings.
+        """The registered parts this config names (``flowalign.training.kinds.COMPONENT_KINDS``), built from their
+        settings.
 
         Returns:
             The built parts (cheap: nothing is loaded).
         """
-        from flowalign.config import resolve_reference
-
-        def build(ref: str, settings: ComponentConfig):
-            return resolve_reference(ref).build(settings.name, settings)
-
-        return Components(
-            shape=build("flowalign.rollout:SHAPES", self.rollout),
-            credit=build("flowalign.credit:CREDIT", self.credit),
-            step_selection=build("flowalign.credit.steps:STEP_SELECTIONS", self.step_selection),
-            step_weighting=build("flowalign.credit.steps:STEP_WEIGHTINGS", self.step_weighting),
-            losses={name: build("flowalign.losses:LOSSES", s) for name, s in self.loss.items()},
-            objectives={name: build("flowalign.objectives:OBJECTIVES", s) for name, s in self.objectives.items()},
-            reference=build("flowalign.losses.reference:REFERENCES", self.reference),
-        )
+        return Components.build(self)
 
     def noise_schedule_spec(self) -> dict[str, Any]:
         """The dict ``flowalign.samplers.noise_schedule`` accepts.
@@ -687,8 +601,9 @@ class TrainConfig:
             One description per such feature that is on; empty when none is.
         """
         features = []
-        if self.sampling.window_size is not None and self.sampling.window_start == "sliding":
-            features.append("sampling.window_start = 'sliding' (MixGRPO's moving SDE window)")
+        if self.sampling.noise_schedule().reads_progress():
+            features.append(f"sampling.window_start = {self.sampling.window_start!r} (the SDE window moves with the "
+                            "run's progress)")
         for part in self.components().all():
             features.extend(part.progress_dependent())
         if self.optim.lr_schedule != "constant":
@@ -702,13 +617,8 @@ class TrainConfig:
         Returns:
             The dotted keys (``train.iterations``, ``loss.grpo.KEY``, ...).
         """
-        parts = self.components()
         owners = [(f.name, getattr(self, f.name)) for f in fields(self) if hasattr(getattr(self, f.name), "resumable")]
-        owners += [("rollout", parts.shape), ("credit", parts.credit), ("step_selection", parts.step_selection),
-                   ("step_weighting", parts.step_weighting)]
-        owners += [(f"loss.{n}", c) for n, c in parts.losses.items()]
-        owners += [(f"objectives.{n}", c) for n, c in parts.objectives.items()]
-        owners += [("reference", parts.reference)]
+        owners += list(self.components().named().items())
         return [f"{prefix}.{key}" for prefix, owner in owners for key in owner.resumable]
 
     def samples_per_prompt(self) -> int:
@@ -720,7 +630,8 @@ class TrainConfig:
         return self.components().shape.samples_per_prompt(self.data.group_size)
 
     def check_batch(self, num_processes: int) -> BatchLayout:
-        """Check that an iteration's samples and transitions split evenly; return the resulting sizes.
+        """Check that an iteration's samples and transitions split evenly over ``num_processes``; return the sizes
+        (``flowalign.training.batch_layout``).
 
         Args:
             num_processes: the number of processes the run trains on.
@@ -729,93 +640,7 @@ class TrainConfig:
             The ``BatchLayout``: the samples, transitions and micro-batches per process. A split that does not
             divide is a ``ConfigError`` naming the key to change.
         """
-        if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-            raise ConfigError(f"the number of processes must be an integer >= 1, got {num_processes!r}")
-        data, sampling, optim = self.data, self.sampling, self.optim
-        parts = self.components()
-        shape = parts.shape
-        per_prompt = shape.samples_per_prompt(data.group_size)
-        samples = data.prompts_per_iteration * per_prompt
-        groups = shape.groups_per_prompt()
-        probes = f" * {groups} rollout.probe_steps" if groups > 1 else ""
-        _check(
-            samples % num_processes == 0,
-            "data.prompts_per_iteration",
-            f"* data.group_size{probes} = {samples} samples cannot be split over {_processes(num_processes)} "
-            f"({data.prompts_per_iteration} prompts x {per_prompt} images): make it a multiple of {num_processes}",
-        )
-        local = samples // num_processes
-        rollout_batch = sampling.batch_size or local
-        _check(
-            local % rollout_batch == 0,
-            "sampling.batch_size",
-            f"= {rollout_batch} does not divide the {local} samples per process "
-            f"(data.prompts_per_iteration * data.group_size / {_processes(num_processes)})",
-        )
-        if shape.whole_prompts or parts.credit.whole_prompts:
-            # A tree or a probed trunk is grown in one batched pass, and step rewards are normalised per group from
-            # the states of one chunk, so these cannot span processes or rollout chunks.
-            which = f"rollout.name = {self.rollout.name!r} and credit.name = {self.credit.name!r}"
-            _check(
-                local % per_prompt == 0,
-                "data.prompts_per_iteration",
-                f"= {data.prompts_per_iteration} prompts cannot be split evenly over {_processes(num_processes)}: "
-                f"with {which} every process takes whole prompts ({per_prompt} samples each)",
-            )
-            _check(
-                rollout_batch % per_prompt == 0,
-                "sampling.batch_size",
-                f"= {rollout_batch} is not a multiple of the {per_prompt} samples of one prompt: with {which} a rollout "
-                "chunk holds whole prompts",
-            )
-        for name, objective in parts.objectives.items():
-            count = getattr(objective.config, "units_per_iteration", None)
-            if not objective.trains_on_rollouts and isinstance(count, int) and num_processes > 1:
-                share = num_processes * self.optim.minibatches  # flowalign.objectives.unit_keys
-                _check(count % share == 0, f"objectives.{name}.units_per_iteration",
-                       f"= {count} must be a multiple of the processes times optim.minibatches ({num_processes} x "
-                       f"{self.optim.minibatches}) so every minibatch trains the same units on any number of "
-                       "processes: make it a multiple of " + str(share))
-            per_unit = objective.samples_per_unit(self) if objective.trains_on_rollouts else None
-            if per_unit:
-                _check(local % per_unit == 0, f"objectives.{name}.{objective.unit_setting}",
-                       f"makes units of {per_unit} consecutive samples, which do not divide the {local} samples per "
-                       f"process (data.prompts_per_iteration * data.group_size / {_processes(num_processes)}): make "
-                       "the samples per process a multiple of it, or change it")
-        stochastic = shape.stochastic_steps(sampling) if self.loss else 0  # no loss term: no transition is trained
-        steps = parts.step_selection.count(stochastic) if self.loss else 0
-        steps_from = parts.step_selection.count_source() or shape.stochastic_step_source()
-        transitions = local * steps
-        micro_batches = (local // rollout_batch) * steps
-        if optim.minibatch_split == "steps":
-            _check(
-                steps % optim.minibatches == 0,
-                "optim.minibatches",
-                f"= {optim.minibatches} does not divide the {steps} {steps_from}: a minibatch is a share of the "
-                "trained steps over all samples, so that the updates do not depend on the number of processes (or "
-                "set optim.minibatch_split: samples)",
-            )
-        elif self.loss:
-            chunks = local // rollout_batch
-            _check(
-                chunks % optim.minibatches == 0,
-                "optim.minibatches",
-                f"= {optim.minibatches} does not divide the {chunks} rollout chunks per process ({local} samples / "
-                f"sampling.batch_size {rollout_batch}): with optim.minibatch_split: samples a minibatch trains a share "
-                "of the chunks: " + (f"set sampling.batch_size to {local // optim.minibatches} (or a divisor of it)"
-                                     if local % optim.minibatches == 0 else
-                                     f"make the samples per process a multiple of {optim.minibatches}"),
-            )
-        return BatchLayout(
-            num_processes=num_processes,
-            global_samples=samples,
-            samples_per_process=local,
-            rollout_batch_size=rollout_batch,
-            trained_steps=steps,
-            transitions_per_process=transitions,
-            micro_batches_per_process=micro_batches,
-            micro_batches_per_minibatch=micro_batches // optim.minibatches,
-        )
+        return batch_layout(self, num_processes)
 
     def validate(self) -> None:
         """Cross-section checks; runs after every section's own ``validate``: each component checks what it needs

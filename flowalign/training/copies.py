@@ -13,15 +13,15 @@ continues exactly.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator, Mapping
 
 from torch import Tensor
 
-from flowalign.components import PolicyCopy
+from flowalign.components import REFERENCE_POLICY, PolicyCopy
 from flowalign.training.ema import EMA
 
-__all__ = ["PolicyCopies"]
+__all__ = ["PolicyCopies", "sampling_weights"]
 
 
 class PolicyCopies:
@@ -49,6 +49,10 @@ class PolicyCopies:
             copy.update(decay=etas[name])
         return etas
 
+    def end_iteration_metrics(self, steps: int) -> dict[str, float]:
+        """``end_iteration``, its ``eta`` by copy as metrics (``copies/<name>/eta``)."""
+        return {f"copies/{name}/eta": eta for name, eta in self.end_iteration(steps).items()}
+
     @contextmanager
     def swapped_in(self, name: str) -> Iterator[None]:
         """A block in which the trainable parameters hold copy ``name``."""
@@ -68,3 +72,13 @@ class PolicyCopies:
             if not own:
                 raise ValueError(f"the checkpoint holds no policy copy {name!r}")
             copy.load_state_dict(own)
+
+
+def sampling_weights(model: Any, copies: PolicyCopies, name: str | None) -> ContextManager:
+    """A block in which ``model`` holds the weights the rollouts sample with, the sampling policy ``name``
+    (``Components.sampling_policy``): the trained weights (None), the reference model (``"reference"``), or a copy."""
+    if name is None:
+        return nullcontext()
+    if name == REFERENCE_POLICY:
+        return model.reference()
+    return copies.swapped_in(name)

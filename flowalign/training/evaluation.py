@@ -17,7 +17,7 @@ import torch
 from flowalign.evaluation.geneval import load_metadata
 from flowalign.training.run_files import RunFiles
 
-__all__ = ["evaluate_before_after", "write_before_after"]
+__all__ = ["eval_seed", "evaluate_before_after", "write_before_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,12 @@ EVAL_FILES = ("before_after.md", "before_after.json", "grid_before.png", "grid_a
 
 
 @torch.no_grad()
+def eval_seed(config) -> int:
+    """The final evaluation's sample seed: ``train.eval_seed``, else ``train.seed + 10000``."""
+    seed = config.train.eval_seed
+    return config.train.seed + 10_000 if seed is None else seed
+
+
 def evaluate_before_after(trainer) -> dict | None:
     """Run the evaluation (module docstring); returns the report on the main process."""
     from accelerate.utils import gather_object
@@ -37,7 +43,7 @@ def evaluate_before_after(trainer) -> dict | None:
     metadata = load_metadata(cfg.data.eval_prompts)
     counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, cfg.train.eval_images_per_tag)
     shard = (accelerator.process_index, accelerator.num_processes)
-    kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=trainer.eval_seed,
+    kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg),
                   image_size=cfg.sampling.image_size, shard=shard)
     model.transformer.eval()
     wrapped, model.forward_module = model.forward_module, None
@@ -56,7 +62,7 @@ def evaluate_before_after(trainer) -> dict | None:
         RunFiles(trainer.out_dir).record(*(f"eval/{name}" for name in EVAL_FILES))  # before they are written
         report = write_before_after(trainer.out_dir / "eval", before, after, summarize(before), summarize(after),
                                     paired_difference(before, after), before_images, after_images,
-                                    seed=trainer.eval_seed)
+                                    seed=eval_seed(cfg))
     accelerator.wait_for_everyone()
     return report
 

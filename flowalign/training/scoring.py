@@ -18,7 +18,7 @@ from flowalign.credit import BatchScores
 from flowalign.advantages import group_advantages
 from flowalign.rewards import RewardScores, combine_rewards, score_all
 
-__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "score_iteration", "state_reward"]
+__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "score_iteration", "skip_reason", "state_reward"]
 
 
 @dataclass
@@ -149,6 +149,19 @@ def check_invalid_fraction(valid: Tensor, limit: float, names) -> None:
             f"(NaN from {', '.join(names)}), more than reward.max_invalid_fraction = {limit:g}: the reward cannot be "
             "trusted to train on. Look at the reward's warnings above (a reward server down or refusing, a judge "
             "whose answers do not parse), fix it, and resume from the last checkpoint (train.resume=latest)")
+
+
+def skip_reason(config, parts, scores: Scores, global_samples: int) -> str | None:
+    """Why the iteration's rewards skip its update (no optimizer step, logged as skipped), or None: more invalid
+    rewards than ``reward.skip_invalid_fraction``, or every group with zero reward variance when the parts that train
+    then say a batch without signal skips (``Components.skip_without_signal``)."""
+    invalid, limit = scores.stats["reward_invalid"] / global_samples, config.reward.skip_invalid_fraction
+    if invalid > limit:
+        return (f"{invalid:.0%} of the samples have an invalid reward, more than reward.skip_invalid_fraction = "
+                f"{limit:g}")
+    if scores.stats["zero_std_frac"] >= 1.0 and parts.skip_without_signal():
+        return "every group has zero reward variance"
+    return None
 
 
 def state_reward(rewards):

@@ -1,120 +1,18 @@
-"""What a trainer loads: its rewards (from the registry, or callables given to it) and its policy (the model with a
-LoRA adapter on frozen weights).
-"""
+"""Deprecated: this module is ``flowalign.training.builder`` now (issue #42; ``setup`` is a name Python's packaging
+reserves). This path re-exports its names, warns, and goes in the next release."""
 
-from __future__ import annotations
+import warnings
 
-import logging
-from collections.abc import Callable, Mapping
+from flowalign.training.builder import (  # noqa: F401
+    build_rewards,
+    check_prompts_fit_model,
+    check_prompts_fit_rewards,
+    enable_xformers,
+    load_flow_model,
+    load_policy,
+)
 
+__all__ = ["build_rewards", "check_prompts_fit_model", "check_prompts_fit_rewards", "enable_xformers", "load_policy"]
 
-from flowalign.models import FlowModel, load_flow_model
-from flowalign.errors import SetupError
-from flowalign.rewards import build_reward, is_groupwise
-
-__all__ = ["build_rewards", "enable_xformers", "load_policy"]
-
-logger = logging.getLogger(__name__)
-
-
-def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
-    """Before any reward is built: each configured reward that reads GenEval metadata finds it in every training
-    prompt (``flowalign.rewards.require_prompt_metadata``), and a reward whose class has a ``check_run(kwargs, *, key,
-    model, image_size)`` classmethod (a fitted checkpoint it reads) accepts the run's model path and image size."""
-    from flowalign.rewards import check_reward_run, require_prompt_metadata
-
-    for i, spec in enumerate(config.reward.rewards):
-        require_prompt_metadata(spec.name, f"reward.rewards[{i}].name", prompts, config.data.train_prompts)
-        check_reward_run(spec.name, spec.kwargs, key=f"reward.rewards[{i}].kwargs", model=config.model.path,
-                         image_size=config.sampling.image_size)
-
-
-def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
-    """Before the model loads: training prompts with condition images (``images``) need a model family that takes
-    them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
-    ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
-    from flowalign.data.condition_images import check_family_takes, has_condition_images
-    from flowalign.models.loading import adapter_class
-
-    if has_condition_images(prompts):
-        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
-        check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
-
-
-def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
-    """``(name, weight, fn)`` for each reward: ``config.reward.rewards`` built from the registry, or ``rewards``: reward
-    callables ``fn(images, prompts, metadata) -> scores`` (weight 1, named after the function or class), a mapping of
-    names to callables, or ``(name, weight, fn)`` triples. A groupwise reward needs every process (``layout``) to hold
-    whole groups."""
-    built = _rewards(config, rewards)
-    for name, _, fn in built:
-        if is_groupwise(fn) and layout is not None and layout.samples_per_process % config.data.group_size:
-            raise SetupError(
-                f"reward {name!r} is groupwise (it scores whole groups), but each of the {layout.num_processes} "
-                f"processes holds {layout.samples_per_process} samples, not a multiple of data.group_size = "
-                f"{config.data.group_size}: change data.prompts_per_iteration or the number of processes")
-        if is_groupwise(fn) and layout is not None and config.reward.overlap and (
-                layout.rollout_batch_size % config.data.group_size):
-            raise SetupError(
-                f"reward.overlap scores each rollout chunk of {layout.rollout_batch_size} samples on its own, and "
-                f"reward {name!r} is groupwise: a chunk must hold whole groups of data.group_size = "
-                f"{config.data.group_size}: set sampling.batch_size to a multiple of it, or reward.overlap: false")
-    return built
-
-
-def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
-    if rewards is None:
-        return [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
-    if isinstance(rewards, Mapping):
-        rewards = [(name, 1.0, fn) for name, fn in rewards.items()]
-    elif callable(rewards):
-        rewards = [rewards]
-    out = []
-    for item in rewards:
-        if isinstance(item, tuple):
-            name, weight, fn = item
-        else:
-            fn, weight = item, 1.0
-            name = getattr(fn, "__name__", None) or type(fn).__name__
-        if not callable(fn):
-            raise TypeError(f"reward {name!r} is not callable: a reward is fn(images, prompts, metadata) -> scores")
-        out.append((str(name), float(weight), fn))
-    logger.info("rewards given to the trainer: %s (config.reward.rewards is not used)", ", ".join(n for n, _, _ in out))
-    return out
-
-
-def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
-    """The model of ``model.path`` (or ``model``) with a fresh LoRA adapter on frozen weights, LoRA weights in fp32;
-    or, with ``model.finetune: full``, every transformer weight trained as an fp32 master weight beside a frozen
-    reference copy of the base (``FlowModel.make_full_finetune``)."""
-    cfg = config.model
-    if model is None:
-        model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
-                                max_sequence_length=cfg.max_sequence_length)
-    if cfg.attention == "xformers":
-        enable_xformers(model)
-    if cfg.gradient_checkpointing:
-        model.transformer.enable_gradient_checkpointing()
-    if cfg.finetune == "full":
-        model.make_full_finetune(offload=cfg.reference_offload)
-        return model
-    if not model.has_lora:
-        model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
-    model.freeze_base()
-    for param in model.transformer.parameters():
-        if param.requires_grad:  # LoRA weights train in fp32 whatever the base dtype
-            param.data = param.data.float()
-    return model
-
-
-def enable_xformers(model: FlowModel) -> None:
-    """xformers attention needs its extra and a CUDA device; otherwise say which is missing."""
-    try:
-        import xformers  # noqa: F401
-    except ImportError:
-        raise ValueError("model.attention='xformers' needs the xformers extra: pip install -e '.[xformers]'") from None
-    if model.device.type != "cuda":
-        raise ValueError(f"model.attention='xformers' needs a CUDA device, but the model is on {model.device}")
-    model.pipe.enable_xformers_memory_efficient_attention()
-
-
+warnings.warn("flowalign.training.setup is now flowalign.training.builder; the old path goes in the next release",
+              DeprecationWarning, stacklevel=2)
