@@ -31,7 +31,7 @@ __all__ = ["EXPORT_RECORD", "WEIGHTS", "check_out_dir", "export_lora"]
 logger = logging.getLogger(__name__)
 
 EXPORT_RECORD = "flowalign_export.json"
-# Names that moved to flowalign.lora_loading in 0.2 (issue #42): still importable from here, with a warning.
+# Names that moved to flowalign.lora_loading in 0.2: still importable from here, with a warning.
 _MOVED = ("LORA_FILE", "LoraSource", "apply_lora", "base_model_path", "load_model", "resolve_lora")
 
 

@@ -1,5 +1,5 @@
 """Deprecated: group advantages moved to ``flowalign.advantages``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.advantages`` and warns; it goes in the next release.
 """

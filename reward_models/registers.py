@@ -1,5 +1,5 @@
 """Deprecated: the latent reward registers moved to ``flowalign.reward_models.latent_registers``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.reward_models.latent_registers`` and warns; it goes in the next release.
 """

@@ -61,7 +61,7 @@ def test_a_new_kind_of_component_is_one_row(monkeypatch):
 
 
 def test_every_registered_credit_and_objective_keeps_the_policies_of_before():
-    """Before #42 the trainer skipped every zero-variance update and evaluated every objective at guidance 1: each
+    """Before 0.2 the trainer skipped every zero-variance update and evaluated every objective at guidance 1: each
     built-in component declares exactly that, so no method changed."""
     from flowalign.credit import CREDIT
     from flowalign.objectives import OBJECTIVES

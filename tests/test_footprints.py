@@ -14,8 +14,10 @@ less ``SHARED_NAMES`` below (parts any run may use). A word matches the stem of 
 extension, and for a test without ``test_``) equal to it, equal to it with an ``s`` (``trees`` is ``tree``), or
 starting with it and ``_`` (``tp_grpo_paper``). The files looked at are every ``*.py`` under ``flowalign/``,
 ``samplers/``, ``reward_models/`` and ``kernels/``, every preset, and every ``tests/*.py``; the protocol and package
-modules ``base.py`` and ``__init__.py`` are never method-specific. The test reads text only (the YAML of the
-presets, the Markdown of the pages), so it imports nothing of the package.
+modules ``base.py`` and ``__init__.py`` are never method-specific, and neither is a **deprecated shim**: a module
+whose docstring begins ``Deprecated:`` and which warns with ``DeprecationWarning`` (an old import path kept for one
+release, docs/reference/moved.md). A shim holds no code of the method, so no page may list it. The test reads text
+only (the YAML of the presets, the Markdown of the pages, the source files), so it imports nothing of the package.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ PRESETS = sorted((ROOT / "configs" / "methods").glob("*.yaml"))
 SECTION = "## Where it lives"
 LISTED = re.compile(r"`([\w./-]+\.(?:py|yaml|md))`")
 
-# The command words of the tools that serve one method and whose modules are named after the tool, not the method:
-# ``flowalign calibrate`` (DenseGRPO) and ``flowalign reward fit-manifold`` (Shell-LCC). (``train-discriminator``
-# and ``registers train`` are covered by the reward and credit names ``discriminator`` and ``registers``.)
-TOOL_WORDS = {"calibrate", "manifold"}
+# The command words of the preparation tools, each serving one method, whose modules (``flowalign/prep/``) are named
+# after the command, not the method: ``flowalign prep calibrate`` (DenseGRPO), ``prep fit-manifold`` (Shell-LCC),
+# ``prep train-discriminator`` (DRL) and ``prep registers`` (Register-GRPO; its module is ``train_registers``).
+TOOL_WORDS = {"calibrate", "fit_manifold", "train_discriminator", "train_registers"}
 # Parts that presets name but that belong to no one method: rewards any run may score with, the default step
 # weighting and the default reference policy.
 SHARED_NAMES = {"toy_geneval", "toy_geneval_soft", "jpeg_compressibility", "uniform", "base"}
@@ -90,10 +92,19 @@ def method_words() -> dict[str, str]:
     return {word: source for word, source in words.items() if word not in SHARED_NAMES}
 
 
+def is_deprecated_shim(path: Path) -> bool:
+    """An old import path kept for one release (module docstring): its docstring begins ``Deprecated:`` and it warns
+    with ``DeprecationWarning``."""
+    if path.suffix != ".py":
+        return False
+    text = path.read_text(encoding="utf-8")
+    return text.lstrip().startswith('"""Deprecated:') and "DeprecationWarning" in text
+
+
 def candidate_files() -> list[Path]:
     files = [path for folder in SOURCE_FOLDERS for path in (ROOT / folder).rglob("*.py")]
     files += PRESETS + sorted((ROOT / "tests").glob("*.py"))
-    return sorted(path for path in files if path.name not in NEVER_SPECIFIC)
+    return sorted(path for path in files if path.name not in NEVER_SPECIFIC and not is_deprecated_shim(path))
 
 
 def matching_word(path: Path, words) -> str | None:
@@ -120,6 +131,15 @@ def test_every_listed_file_exists():
     assert not missing, "\n".join(missing)
 
 
+def test_no_page_lists_a_deprecated_shim():
+    """A method lives in its new homes: an old path that only re-exports and warns is not where it lives."""
+    shims = [f"{page.relative_to(ROOT)} lists {path}, a deprecated shim: list the module it re-exports from "
+             "(docs/reference/moved.md)"
+             for page in PAGES for path in listed_files(page) if (ROOT / path).is_file()
+             and is_deprecated_shim(ROOT / path)]
+    assert not shims, "\n".join(shims)
+
+
 def test_every_method_specific_file_appears_on_some_page():
     listed = {path for page in PAGES for path in listed_files(page)}
     words = method_words()
@@ -138,9 +158,15 @@ def test_the_rule_finds_the_method_files_it_is_meant_to_find():
     words = method_words()
     assert matching_word(ROOT / "flowalign/rollout/trees.py", words) == "tree"
     assert matching_word(ROOT / "tests/test_tp_grpo_released.py", words) == "tp_grpo"
-    assert matching_word(ROOT / "flowalign/training/manifold.py", words) == "manifold"
+    assert matching_word(ROOT / "flowalign/prep/fit_manifold.py", words) == "fit_manifold"
+    assert matching_word(ROOT / "flowalign/prep/train_registers.py", words) == "train_registers"
+    assert matching_word(ROOT / "flowalign/objectives/soar_math.py", words) == "soar"
     assert matching_word(ROOT / "tests/test_euphonium.py", words) == "euphonium"
     assert matching_word(ROOT / "reward_models/jpeg.py", words) is None
     assert matching_word(ROOT / "flowalign/losses/reference.py", words) is None
     assert "base" not in words and "discriminator" in words and "adjoint_matching" in words
     assert all(path.name not in NEVER_SPECIFIC for path in candidate_files())
+    # a shim is recognised, and is no candidate; its new home is
+    assert is_deprecated_shim(ROOT / "flowalign/training/manifold.py")
+    assert not is_deprecated_shim(ROOT / "flowalign/prep/fit_manifold.py")
+    assert ROOT / "flowalign/training/manifold.py" not in candidate_files()

@@ -60,3 +60,16 @@ def test_from_the_repository_root_import_kernels_is_the_installed_hub_package(tm
         assert alone.returncode == 0 and Path(alone.stdout.strip()).parent.parent != REPO, alone.stdout
     else:
         assert alone.returncode != 0 and "No module named 'kernels'" in alone.stderr
+
+
+def test_every_package_folder_is_listed_for_installation():
+    """A non-editable install (a wheel, ``pip install .``) ships only the packages pyproject lists: every folder with
+    an ``__init__.py`` under the four installed folders must be one of them (``flowalign.prep`` once was not)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {"flowalign": "flowalign", "samplers": "flowalign.samplers", "reward_models": "flowalign.reward_models",
+               "kernels": "flowalign.kernels"}
+    found = {".".join([package, *init.parent.relative_to(REPO / folder).parts])
+             for folder, package in folders.items() for init in (REPO / folder).rglob("__init__.py")}
+    assert not found - listed, f"pyproject.toml [tool.setuptools] packages lacks {sorted(found - listed)}"

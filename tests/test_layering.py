@@ -15,7 +15,7 @@ from module_sources import REPO, imported_names, module_name, sources
 
 # The foundation: plain Python (and torch) that every layer may use; it imports only itself.
 FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.advantages",
-              "flowalign.normalization",  # the deprecated path of flowalign.advantages (#42)
+              "flowalign.normalization",  # the deprecated path of flowalign.advantages
               "flowalign.serialization", "flowalign.sharded_reading", "flowalign.lr_schedule", "flowalign.config",
               "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code")
 COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives")

@@ -1,4 +1,4 @@
-"""The moves and renames of #42 (docs/reference/moved.md): every old module path still imports for one release, warns
+"""The moves and renames of 0.2 (docs/reference/moved.md): every old module path still imports for one release, warns
 with a DeprecationWarning naming the new path and re-exports the new module's names; every old command name still
 runs the same command and prints one line on stderr naming the new one."""
 

@@ -1,4 +1,4 @@
-"""The moves of issue #42 in the components (docs/reference/moved.md, "Component protocols and objectives' math"):
+"""The moves of 0.2 in the components (docs/reference/moved.md, "Component protocols and objectives' math"):
 each old import path still works for one release, warns where the name moved, and gives the new home's objects."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The old paths of the guided samplers' modules (issue #42, docs/reference/moved.md) still work for one release:
+"""The old paths of the guided samplers' modules (docs/reference/moved.md) still work for one release:
 each warns with a DeprecationWarning and hands back the very objects of the new home."""
 
 from __future__ import annotations

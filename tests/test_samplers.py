@@ -192,7 +192,7 @@ def test_window_larger_than_steps_is_rejected():
 
 
 def test_a_window_owns_its_start_arithmetic():
-    """The config reads the window's starts, its latest start and whether it moves from ``SDEWindow`` (issue #42)."""
+    """The config reads the window's starts, its latest start and whether it moves from ``SDEWindow``."""
     assert SDEWindow(0.7, size=2, first=3).starts(10) == range(3, 4)
     assert SDEWindow(0.7, size=2, start="random", first=1).starts(10) == range(1, 8)
     assert SDEWindow(0.7, size=2, start="sliding", last=4).starts(10) == range(0, 5)

@@ -249,7 +249,7 @@ def test_a_credit_estimator_that_declares_no_skip_updates_on_zero_variance(tiny_
 
 
 def test_the_trainer_is_the_loop_in_at_most_300_lines():
-    """Issue #42: set-up, contexts, NFE accounting, the learning rate and signals live in their own modules."""
+    """set-up, contexts, NFE accounting, the learning rate and signals live in their own modules."""
     lines = (REPO / "flowalign/training/trainer.py").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 300, len(lines)
 

@@ -1,4 +1,4 @@
-"""Deprecated: ``add_train_discriminator`` moved to ``flowalign.cli.prep`` in 0.2 (issue #42, docs/reference/moved.md).
+"""Deprecated: ``add_train_discriminator`` moved to ``flowalign.cli.prep`` in 0.2 (docs/reference/moved.md).
 
 This module only re-exports it and warns; it goes in the next release.
 """

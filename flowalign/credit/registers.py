@@ -1,5 +1,5 @@
 """Deprecated: the credit estimator from latent reward registers moved to ``flowalign.credit.register_grpo``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.credit.register_grpo`` and warns; it goes in the next release.
 """

@@ -1,5 +1,5 @@
 """Deprecated: DenseGRPO's noise calibration moved to ``flowalign.prep.calibrate``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.prep.calibrate`` and warns; it goes in the next release.
 """

@@ -1,5 +1,5 @@
 """Deprecated: the files of a checkpoint moved to ``flowalign.training.checkpoint_files``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.training.checkpoint_files`` and warns; it goes in the next release.
 """

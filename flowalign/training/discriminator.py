@@ -1,5 +1,5 @@
 """Deprecated: DRL's discriminator training moved to ``flowalign.prep.train_discriminator``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.prep.train_discriminator`` and warns; it goes in the next release.
 """

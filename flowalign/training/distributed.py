@@ -1,5 +1,5 @@
 """Deprecated: the launch checks and collectives moved to ``flowalign.training.collectives``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.training.collectives`` and warns; it goes in the next release.
 """

@@ -1,5 +1,5 @@
 """Deprecated: the DDP and FSDP2 engines moved to ``flowalign.training.parallel_engines``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.training.parallel_engines`` and warns; it goes in the next release.
 """

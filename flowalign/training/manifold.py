@@ -1,5 +1,5 @@
 """Deprecated: Shell-LCC's manifold fit moved to ``flowalign.prep.fit_manifold``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.prep.fit_manifold`` and warns; it goes in the next release.
 """

@@ -1,5 +1,5 @@
 """Deprecated: the tool that trains latent reward registers moved to ``flowalign.prep.train_registers``
-in 0.2 (issue #42, docs/reference/moved.md).
+in 0.2 (docs/reference/moved.md).
 
 This module only re-exports ``flowalign.prep.train_registers`` and warns; it goes in the next release.
 """

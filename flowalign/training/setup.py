@@ -1,4 +1,4 @@
-"""Deprecated: this module is ``flowalign.training.builder`` now (issue #42; ``setup`` is a name Python's packaging
+"""Deprecated: this module is ``flowalign.training.builder`` now (``setup`` is a name Python's packaging
 reserves). This path re-exports its names, warns, and goes in the next release."""
 
 import warnings

@@ -309,7 +309,7 @@ class Trainer:
 
 
 def __getattr__(name: str):
-    if name == "GRPOTrainer":  # the name before 0.2 (issue #42): the trainer trains every method, not only GRPO
+    if name == "GRPOTrainer":  # the name before 0.2: the trainer trains every method, not only GRPO
         warnings.warn("flowalign.training.trainer.GRPOTrainer is now Trainer; the old name goes in the next release",
                       DeprecationWarning, stacklevel=2)
         return Trainer
