@@ -18,11 +18,11 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from pathlib import Path
 
 import torch
 
+from flowalign.deprecation import moved_names
 from flowalign import lora_loading
 from flowalign.lora_loading import WEIGHTS
 
@@ -87,10 +87,5 @@ def export_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weight
     return out
 
 
-def __getattr__(name: str):
-    """The LoRA-loading names of ``flowalign.export`` before 0.2, from ``flowalign.lora_loading``, with a warning."""
-    if name in _MOVED:
-        warnings.warn(f"flowalign.export.{name} moved to flowalign.lora_loading.{name}; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        return getattr(lora_loading, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The LoRA-loading names of flowalign.export before 0.2, from flowalign.lora_loading, with a warning.
+__getattr__ = moved_names(__name__, {name: f"flowalign.lora_loading:{name}" for name in _MOVED})

@@ -50,6 +50,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from flowalign.deprecation import moved_names
 from .fk_resampling import (
     POTENTIALS,
     FKDecision,
@@ -86,14 +87,8 @@ __all__ = ["POTENTIALS", "RESAMPLING", "FKDecision", "FKState", "effective_sampl
 RESAMPLING = ("reference", "flowalign")
 
 
-def __getattr__(name: str):
-    if name == "SEMANTICS":  # the old name of RESAMPLING, for one release
-        import warnings
-
-        warnings.warn("flowalign.samplers.fk.SEMANTICS is renamed RESAMPLING; the old name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return RESAMPLING
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# SEMANTICS is the old name of RESAMPLING, for one release.
+__getattr__ = moved_names(__name__, {"SEMANTICS": f"{__name__}:RESAMPLING"})
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowalign.deprecation import moved_names
 from ..kernels import sde_transition
 from ..kernels.sde_reference import (  # the step math is pure tensor math: it lives one layer down
     REDUCTIONS,
@@ -190,16 +191,7 @@ def standard_normal(
     return torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
 
 
-def __getattr__(name: str):
-    """``euphonium_guidance`` and ``GUIDANCE_NORMS`` moved to ``flowalign.samplers.euphonium`` (Euphonium's sampler
-    module); the old path works for one release with a DeprecationWarning. The new home is looked up when the old
-    name is read (``importlib``): this module does not depend on it, and Euphonium's module imports this one."""
-    if name in ("euphonium_guidance", "GUIDANCE_NORMS"):
-        import importlib
-        import warnings
-
-        warnings.warn(f"flowalign.samplers.sde.{name} moved to flowalign.samplers.euphonium.{name} (also "
-                      "flowalign.samplers.euphonium_guidance); the old path goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(f"{__package__}.euphonium"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# euphonium_guidance and GUIDANCE_NORMS moved to flowalign.samplers.euphonium (Euphonium's sampler module), which
+# imports this one: the new home is imported when an old name is read, for one release, with a warning.
+__getattr__ = moved_names(__name__, {name: f"{__package__}.euphonium:{name}"
+                                     for name in ("euphonium_guidance", "GUIDANCE_NORMS")})

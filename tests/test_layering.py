@@ -17,7 +17,8 @@ from module_sources import REPO, imported_names, module_name, sources
 FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.advantages",
               "flowalign.normalization",  # the deprecated path of flowalign.advantages
               "flowalign.serialization", "flowalign.sharded_reading", "flowalign.lr_schedule", "flowalign.config",
-              "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code")
+              "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code",
+              "flowalign.deprecation")
 COMPONENTS = ("flowalign.rollout", "flowalign.credit", "flowalign.losses", "flowalign.objectives")
 UPPER = ("flowalign.inference", "flowalign.training", "flowalign.prep", "flowalign.cli")
 # The old paths of the preparation tools: shims that re-export flowalign.prep for one release.
@@ -54,7 +55,8 @@ RULES = [
     Rule("kernels/ imports nothing of flowalign but itself", under("flowalign.kernels"), only("flowalign.kernels")),
     Rule("samplers/ imports only kernels and flowalign.seeding/errors/registry (samplers take callables)",
          under("flowalign.samplers"),
-         only("flowalign.samplers", "flowalign.kernels", "flowalign.seeding", "flowalign.errors", "flowalign.registry")),
+         only("flowalign.samplers", "flowalign.kernels", "flowalign.seeding", "flowalign.errors", "flowalign.registry",
+              "flowalign.deprecation")),
     Rule("the foundation imports only the foundation", under(*FOUNDATION), only(*FOUNDATION)),
     Rule("reward_models/ (images or latents in, scores or embeddings out) never imports models, the reward and embedding "
          "registries, the components "

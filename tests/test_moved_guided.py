@@ -50,5 +50,5 @@ def test_euphonium_guidance_moved_to_euphoniums_sampler_module_and_the_old_path_
 def test_the_old_name_of_fks_resampling_schemes_warns():
     import flowalign.samplers.fk as fk
 
-    with pytest.warns(DeprecationWarning, match="renamed RESAMPLING"):
+    with pytest.warns(DeprecationWarning, match="SEMANTICS moved to flowalign.samplers.fk.RESAMPLING"):
         assert fk.SEMANTICS is fk.RESAMPLING == ("reference", "flowalign")

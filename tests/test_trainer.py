@@ -468,7 +468,8 @@ def _credited(trainer, iteration=0):
     prompts = trainer.prompts.prompts_for(iteration)
     chunks = trainer.rollout(iteration, prompts)
     scores = score_iteration(trainer, chunks)
-    nfe, _ = trainer.assign_credit(iteration, chunks, scores, trainer.trained_steps(iteration, chunks))
+    steps = trainer.parts.trained_steps(chunks[0].rollout.transitions, trainer.config.train.seed, iteration)
+    nfe, _ = trainer.assign_credit(iteration, chunks, scores, steps)
     return chunks, scores, nfe
 
 

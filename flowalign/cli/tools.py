@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from flowalign.deprecation import moved_names
 from .options import ConfigCommand, add_config_command
 
 __all__ = ["add_export", "add_toy_pretrain", "add_toy_segmenter"]
@@ -83,14 +84,5 @@ def _run_export(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({kind})")
 
 
-def __getattr__(name: str):
-    """``add_registers_train``, which moved to ``flowalign.cli.prep`` in 0.2, with a warning."""
-    if name == "add_registers_train":
-        import warnings
-
-        from . import prep
-
-        warnings.warn("flowalign.cli.tools.add_registers_train moved to flowalign.cli.prep.add_registers_train; the "
-                      "old name goes in the next release", DeprecationWarning, stacklevel=2)
-        return prep.add_registers_train
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# add_registers_train moved to flowalign.cli.prep in 0.2: the old name works for one release, with a warning.
+__getattr__ = moved_names(__name__, {"add_registers_train": "flowalign.cli.prep:add_registers_train"})

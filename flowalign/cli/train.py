@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 
+from flowalign.deprecation import moved_names
 from .options import ConfigCommand, add_config_command
 
 __all__ = ["DEFAULT_RUN", "add_train"]
@@ -77,14 +78,6 @@ def add_train(commands) -> None:
     )
 
 
-def __getattr__(name: str):
-    """``CalibrateOptions`` and ``add_calibrate``, which moved to ``flowalign.cli.prep`` in 0.2, with a warning."""
-    if name in ("CalibrateOptions", "add_calibrate"):
-        import warnings
-
-        from . import prep
-
-        warnings.warn(f"flowalign.cli.train.{name} moved to flowalign.cli.prep.{name}; the old name goes in the next "
-                      "release", DeprecationWarning, stacklevel=2)
-        return getattr(prep, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# CalibrateOptions and add_calibrate moved to flowalign.cli.prep in 0.2: one release with a warning.
+__getattr__ = moved_names(__name__, {name: f"flowalign.cli.prep:{name}" for name in ("CalibrateOptions",
+                                                                                   "add_calibrate")})

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flowalign.deprecation import moved_names
 from flowalign.config import ConfigError
 from flowalign.devices import resolve_device
 from flowalign.evaluation.geneval import TAGS, format_table, judge, load_metadata, summarize
@@ -528,15 +529,5 @@ def run_eval(config: EvalConfig) -> dict:
     return summary
 
 
-def __getattr__(name: str):
-    """``resolve_model_path``, which moved to ``flowalign.lora_loading`` in 0.2, with a warning."""
-    if name == "resolve_model_path":
-        import warnings
-
-        from flowalign import lora_loading
-
-        warnings.warn("flowalign.evaluation.toy_eval.resolve_model_path moved to "
-                      "flowalign.lora_loading.resolve_model_path; the old name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return lora_loading.resolve_model_path
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# resolve_model_path moved to flowalign.lora_loading in 0.2: the old name works for one release, with a warning.
+__getattr__ = moved_names(__name__, {"resolve_model_path": "flowalign.lora_loading:resolve_model_path"})

@@ -13,26 +13,17 @@ The protocol (registry, base class, dataclasses) is ``flowalign.losses.base``; t
 the built-in modules so they register.
 """
 
-import warnings
 
+from flowalign.deprecation import moved_names
 from flowalign.losses.base import LOSSES, LossTerm, MicroBatch, PolicyOutput, register_loss
 # The built-in terms register themselves on import.
 from flowalign.losses import gated_kl, grpo, reference, rg_opd  # noqa: F401
 
 __all__ = ["LOSSES", "LossTerm", "MicroBatch", "PolicyOutput", "register_loss"]
 
-_MOVED = {"soar_aux_points": "flowalign.objectives.soar_math", "soar_loss": "flowalign.objectives.soar_math"}
+_MOVED = {name: f"flowalign.objectives.soar_math:{name}" for name in ("soar_aux_points", "soar_loss")}
 
 
-def __getattr__(name: str):
-    """``soar_aux_points`` and ``soar_loss`` (SOAR's math, not loss terms) moved to ``flowalign.objectives.soar_math``:
-    still importable from here for one release, with a ``DeprecationWarning``, through the deprecated
-    ``flowalign.losses.soar``."""
-    if name not in _MOVED:
-        raise AttributeError(f"module 'flowalign.losses' has no attribute {name!r}")
-    warnings.warn(f"flowalign.losses.{name} moved to {_MOVED[name]}; import it from there (the old path goes in the "
-                  "next release)", DeprecationWarning, stacklevel=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from flowalign.losses import soar
-    return getattr(soar, name)
+# soar_aux_points and soar_loss (SOAR's math, not loss terms) moved to flowalign.objectives.soar_math: importable
+# from here for one release, with a DeprecationWarning.
+__getattr__ = moved_names(__name__, _MOVED)

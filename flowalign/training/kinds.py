@@ -138,6 +138,20 @@ class Components:
         rollouts."""
         return bool(self.losses) or any(o.trains_on_rollouts for o in self.objectives.values())
 
+    def trained_steps(self, transitions, seed: int, iteration: int) -> list[int]:
+        """The steps an iteration trains: the step selection's choice among the rollout's stochastic steps.
+
+        Args:
+            transitions: a batch's rollout transitions (every batch of an iteration has the same steps).
+            seed: the run's ``train.seed``.
+            iteration: the iteration.
+
+        Returns:
+            The trained step indices.
+        """
+        stochastic = sorted({int(s) for s in transitions.step[transitions.stochastic]})
+        return self.step_selection.select(stochastic, seed, iteration)
+
     def reads_reference(self) -> bool:
         """Whether a loss term reads the reference velocity (a KL penalty, the velocity MSE logged, RG-OPD's x0)."""
         return any(term.wants_reference() for term in self.losses.values())

@@ -1,27 +1,18 @@
-"""Fine-tuning a flow-matching text-to-image model with rewards: the loop behind ``flowalign train``.
-
-``Trainer(config)`` is built by ``flowalign.training.builder`` (the components the config names, the rewards, the
-policy, the optimizer) and runs one iteration as a straight pass:
+"""The training loop behind ``flowalign train``: ``Trainer(config)`` (built by ``flowalign.training.builder``) runs
+one iteration as a straight pass:
 
     prompts -> rollout (the shape grows this process's batches) -> rewards (gathered, group-normalised)
             -> credit (per-transition advantages and weights) -> minibatches of micro-batches and data units
             -> loss terms and objectives on one policy forward each -> optimizer step, EMA -> callbacks
 
-Layout and determinism. The ``P * K`` samples of an iteration are numbered prompt-major and each process takes a
-contiguous slice; every random draw is keyed by what it is for (``flowalign.seeding.Purpose``). A 2-process run
-therefore equals a 1-process run at the same global batch, and a resumed run equals an uninterrupted one. Training
-forward passes run on micro-batches of one rollout batch at one step (``flowalign.training.policy``), so the first
-recomputed log-prob ratio of an iteration is exactly 1. Log-probs are always fp32.
-
-An objective-only run (no loss terms, and an objective on data) has no rollout, rewards or credit. An objective on
-rollouts (``Objective.trains_on_rollouts``) makes the iteration roll out and score as for GRPO and gets the final
-samples and their rewards. Policy copies (``flowalign.training.copies``) move at the end of every iteration.
+Each process takes a contiguous slice of the prompt-major samples and every random draw is keyed by its purpose
+(``flowalign.seeding.Purpose``), so a 2-process run equals a 1-process run and a resumed run an uninterrupted one. A
+micro-batch is one rollout batch at one step (``flowalign.training.policy``): the first log-prob ratio is exactly 1.
+An objective-only run has no rollout, rewards or credit; policy copies move at the end of every iteration.
 
 Everything method-specific lives in the components, which declare the method's policies too: whether an iteration
-whose groups all have zero reward variance skips its update (``Components.skip_without_signal``), and the guidance
-scale of an objective's units (``Objective.guidance_scale``). This module knows none of them by name; what it hands
-them comes from ``flowalign.training.contexts``, ``nfe`` from ``flowalign.training.nfe``, early stops from
-``flowalign.training.stopping``.
+without reward variance skips its update (``Components.skip_without_signal``) and an objective's guidance scale
+(``Objective.guidance_scale``). Contexts: ``training.contexts``; NFEs: ``training.nfe``; stops: ``training.stopping``.
 """
 
 from __future__ import annotations
@@ -36,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flowalign.deprecation import moved_names
 from flowalign.errors import RunStopped, setup_phase
 from flowalign.kernels import use_backend
 from flowalign.lr_schedule import set_learning_rate
@@ -61,13 +53,13 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    """``Trainer(config).train()``: the training loop (rollout, credit, update, checkpoint) of every method.
+    """``Trainer(config).train()``: the training loop of every method.
 
     Args:
         config: the run's ``TrainConfig`` (``flowalign.load_config``).
-        rewards: reward callables ``(images, prompts, metadata) -> scores`` (a mapping of names to them, or
-            ``(name, weight, fn)`` triples) that replace ``config.reward.rewards``; None builds the configured ones.
-        model: a ``FlowModel`` to train instead of loading ``config.model.path``.
+        rewards: callables ``(images, prompts, metadata) -> scores`` (a mapping of names to them, or ``(name, weight,
+            fn)`` triples) that replace ``config.reward.rewards``; None builds the configured ones.
+        model: a ``FlowModel`` to train instead of loading ``config.model.path``; None loads it.
         accelerator: an ``accelerate.Accelerator`` to run on; None builds one from the config.
     """
 
@@ -140,7 +132,7 @@ class Trainer:
         self.last_advantages = scores.global_advantages
         steps, completion_nfe, credit_stats = [], 0, {}
         if self.parts.losses:  # credit for the transitions the loss terms train
-            steps = self.trained_steps(iteration, batches)
+            steps = self.parts.trained_steps(batches[0].rollout.transitions, self.config.train.seed, iteration)
             completion_nfe, credit_stats = self.assign_credit(iteration, batches, scores, steps)
         timings["time/reward"] = time.perf_counter() - clock
         clock = time.perf_counter()
@@ -200,11 +192,6 @@ class Trainer:
                     on_chunk(batch)
         self.iteration_cond = cond  # one row per prompt: what objectives on rollouts condition on
         return batches
-
-    def trained_steps(self, iteration: int, batches) -> list[int]:
-        t = batches[0].rollout.transitions
-        stochastic = sorted({int(s) for s in t.step[t.stochastic]})
-        return self.parts.step_selection.select(stochastic, self.config.train.seed, iteration)
 
     def assign_credit(self, iteration: int, batches, scores, steps: list[int]) -> tuple[int, dict[str, float]]:
         """Every transition's advantage and weight (the step weighting's times the credit's); the NFEs spent."""
@@ -308,9 +295,5 @@ class Trainer:
         return self.ema.swapped_in() if self.ema is not None else nullcontext()
 
 
-def __getattr__(name: str):
-    if name == "GRPOTrainer":  # the name before 0.2: the trainer trains every method, not only GRPO
-        warnings.warn("flowalign.training.trainer.GRPOTrainer is now Trainer; the old name goes in the next release",
-                      DeprecationWarning, stacklevel=2)
-        return Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# GRPOTrainer is the name before 0.2 (the trainer trains every method, not only GRPO), for one release.
+__getattr__ = moved_names(__name__, {"GRPOTrainer": f"{__name__}:Trainer"})
