@@ -3,26 +3,21 @@ each old import path still works for one release, warns where the name moved, an
 
 from __future__ import annotations
 
-import importlib
 import subprocess
 import sys
 
 import pytest
+from test_moved import import_fresh
 
 import flowalign.objectives.adjoint_matching_math as adjoint_math
 import flowalign.objectives.soar_math as soar_math
 import flowalign.samplers.memoryless as memoryless
 
 
-def fresh(name: str):
-    """Import ``name`` anew (its module-level warning fires again even when an earlier test imported it)."""
-    sys.modules.pop(name, None)
-    return importlib.import_module(name)
-
 
 def test_the_old_soar_module_warns_and_re_exports_the_math():
     with pytest.warns(DeprecationWarning, match="flowalign.losses.soar moved to flowalign.objectives.soar_math"):
-        old = fresh("flowalign.losses.soar")
+        old = import_fresh("flowalign.losses.soar")
     assert set(old.__all__) == set(soar_math.__all__)
     assert all(getattr(old, name) is getattr(soar_math, name) for name in old.__all__)
 
@@ -39,7 +34,7 @@ def test_the_old_soar_names_of_the_losses_package_warn_and_re_export():
 
 def test_the_old_adjoint_matching_module_warns_and_re_exports_both_new_homes():
     with pytest.warns(DeprecationWarning, match="flowalign.losses.adjoint_matching moved"):
-        old = fresh("flowalign.losses.adjoint_matching")
+        old = import_fresh("flowalign.losses.adjoint_matching")
     homes = (adjoint_math, memoryless)
     for name in old.__all__:
         assert any(getattr(home, name, None) is getattr(old, name) for home in homes), name

@@ -3,23 +3,17 @@ each warns with a DeprecationWarning and hands back the very objects of the new 
 
 from __future__ import annotations
 
-import importlib
-import sys
 
 import pytest
+from test_moved import import_fresh
 
-
-def fresh_import(name: str):
-    """Import ``name`` anew, so its import-time warning fires again."""
-    sys.modules.pop(name, None)
-    return importlib.import_module(name)
 
 
 def test_inference_guided_is_a_shim_over_the_one_module_per_sampler_package():
     import flowalign.inference as inference
 
     with pytest.warns(DeprecationWarning, match="flowalign.inference.guided is deprecated"):
-        guided = fresh_import("flowalign.inference.guided")
+        guided = import_fresh("flowalign.inference.guided")
     for name in guided.__all__:
         assert getattr(guided, name) is getattr(inference, name), name
 
