@@ -75,7 +75,8 @@ class LoraSource:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The chosen weights by parameter name: the safetensors file, or a sharded checkpoint's part (read without
         running anything from it: ``flowalign.serialization``); a damaged or refused file is a ValueError naming it."""
-        from flowalign.serialization import read_safetensors, read_sharded
+        from flowalign.serialization import read_safetensors
+        from flowalign.sharded_reading import read_sharded
 
         if self.sharded:
             return read_sharded(self.path / "sharded", "trainable" if self.weights == "last" else "ema")

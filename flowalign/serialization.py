@@ -4,8 +4,8 @@ A pickle may call any function while it loads, so a file from elsewhere could ru
 
 * ``.pt`` files (optimizer states, RNG states, register heads): ``safe_load``, torch's restricted unpickler
   (``weights_only=True``), which builds only tensors, numbers, strings and containers;
-* a sharded checkpoint (``torch.distributed.checkpoint``, as the FSDP2 engine writes it): ``read_sharded`` here, and
-  ``flowalign.sharded_reading``, whose reader and planner replace torch's (torch's own unpickle ``.metadata`` and the
+* a sharded checkpoint (``torch.distributed.checkpoint``, as the FSDP2 engine writes it): ``flowalign.sharded_reading``
+  (``read_sharded``), whose reader and planner replace torch's (torch's own unpickle ``.metadata`` and the
   non-tensor items with no restriction);
 * safetensors (``read_safetensors``) and JSON (``read_json``) hold no code; a truncated or corrupt one is named.
 
@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["CheckpointFileError", "read_json", "read_safetensors", "read_sharded", "safe_load"]
+from flowalign.deprecation import moved_names
+
+__all__ = ["CheckpointFileError", "read_json", "read_safetensors", "safe_load"]
 
 
 class CheckpointFileError(ValueError):
@@ -97,21 +99,5 @@ def read_json(path: str | Path, what: str) -> Any:
         raise damaged(path, what, error) from None
 
 
-def read_sharded(directory: str | Path, part: str) -> dict[str, torch.Tensor]:
-    """One part (``trainable`` or ``ema``) of a sharded checkpoint's ``sharded/`` folder as whole CPU tensors, read
-    in this one process without a process group, through ``flowalign.sharded_reading`` (nothing in the folder runs):
-    the tensors' full shapes come from the folder's metadata, whatever the process count that wrote it."""
-    from flowalign.sharded_reading import load_sharded, read_sharded_metadata
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    directory = Path(directory)
-    prefix = f"{part}."
-    metadata = read_sharded_metadata(directory / ".metadata")
-    shapes = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
-              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    if not shapes:
-        raise CheckpointFileError(f"{str(directory / '.metadata')!r} lists no {part!r} tensors: the checkpoint "
-                                  f"holds no {part} weights")
-    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()}
-    load_sharded({part: tensors}, directory, no_dist=True)
-    return tensors
+# read_sharded moved to flowalign.sharded_reading (the sharded checkpoints' reader): one release with a warning.
+__getattr__ = moved_names(__name__, {"read_sharded": "flowalign.sharded_reading:read_sharded"})

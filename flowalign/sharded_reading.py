@@ -32,7 +32,7 @@ from torch.futures import Future
 from flowalign.serialization import CheckpointFileError, damaged, untrusted, weights_only_reason
 
 __all__ = ["METADATA_GLOBALS", "SafeLoadPlanner", "SafeShardedReader", "holds_part", "load_sharded",
-           "read_sharded_metadata"]
+           "read_sharded_metadata", "read_sharded"]
 
 METADATA = "the metadata of a sharded checkpoint (torch.distributed.checkpoint)"
 METADATA_CLASSES = "the classes of a checkpoint's metadata"
@@ -168,3 +168,22 @@ def load_sharded(state_dict: dict, directory: str | Path, *, no_dist: bool = Fal
         first = next((f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}" for e in errors), "")
         raise CheckpointFileError(f"cannot load the sharded checkpoint {str(directory)!r} into this run ({first})"
                                   ) from failure
+
+
+def read_sharded(directory: str | Path, part: str) -> dict[str, torch.Tensor]:
+    """One part (``trainable`` or ``ema``) of a sharded checkpoint's ``sharded/`` folder as whole CPU tensors, read
+    in this one process without a process group, (nothing in the folder runs):
+    the tensors' full shapes come from the folder's metadata, whatever the process count that wrote it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    directory = Path(directory)
+    prefix = f"{part}."
+    metadata = read_sharded_metadata(directory / ".metadata")
+    shapes = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    if not shapes:
+        raise CheckpointFileError(f"{str(directory / '.metadata')!r} lists no {part!r} tensors: the checkpoint "
+                                  f"holds no {part} weights")
+    tensors = {name: torch.empty(meta.size, dtype=meta.properties.dtype) for name, meta in shapes.items()}
+    load_sharded({part: tensors}, directory, no_dist=True)
+    return tensors

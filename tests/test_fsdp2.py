@@ -184,7 +184,7 @@ def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to
     """Saved on 2 processes, resumed on 1 (and the reverse): the resumed run continues the same run, agreeing
     with the uninterrupted one to the reduce-scatter's rounding; a checkpoint that did not load would be an update
     away."""
-    from flowalign.serialization import read_sharded
+    from flowalign.sharded_reading import read_sharded
 
     launch(tiny_model, tmp_path / "two")  # 2 iterations, a checkpoint after each
     # the two processes' shards read back whole in this one, without a process group: the run's last weights
@@ -300,7 +300,7 @@ def test_a_sharded_checkpoint_exports_and_evaluates_like_a_whole_one(tiny_model,
     last weights equal its lora/ folder, and the EMA is the run's EMA."""
     from flowalign.export import export_lora
     from flowalign.lora_loading import resolve_lora
-    from flowalign.serialization import read_sharded
+    from flowalign.sharded_reading import read_sharded
 
     train_here(tiny_model, tmp_path / "run", **{"optim.ema_decay": 0.5})
     checkpoint = tmp_path / "run" / "checkpoint-000002"

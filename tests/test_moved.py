@@ -39,6 +39,7 @@ MOVED_NAMES = {
     "flowalign.cli.train": ("flowalign.cli.prep", ["CalibrateOptions", "add_calibrate"]),
     "flowalign.cli.tools": ("flowalign.cli.prep", ["add_registers_train"]),
     "flowalign.evaluation.toy_eval": ("flowalign.lora_loading", ["resolve_model_path"]),
+    "flowalign.serialization": ("flowalign.sharded_reading", ["read_sharded"]),
 }
 
 

@@ -143,7 +143,7 @@ def test_a_crafted_metadata_is_refused_at_resume_before_the_model_loads(runs, ti
 
 
 def test_a_metadata_naming_a_file_outside_its_folder_is_refused(runs, tmp_path):
-    from flowalign.serialization import read_sharded
+    from flowalign.sharded_reading import read_sharded
 
     run, checkpoint = copy_run(runs, "fsdp2", tmp_path)
     metadata = pickle.loads((checkpoint / "sharded" / ".metadata").read_bytes())
