@@ -208,9 +208,10 @@ def test_a_window_owns_its_start_arithmetic():
 
 
 def test_each_sde_kind_bounds_its_noise_level():
-    from flowalign.kernels.sde_reference import check_noise_level, max_noise_level
+    from flowalign.kernels.sde_kinds import sde_kind
+    from flowalign.kernels.sde_reference import check_noise_level
 
-    assert [max_noise_level(kind) for kind in KINDS] == [None, None, 1.0]
+    assert [sde_kind(kind).max_noise_level for kind in KINDS] == [None, None, 1.0]
     check_noise_level(5.0, "flow_grpo")
     with pytest.raises(ValueError, match=r"noise_level for kind 'cps' must lie in \[0, 1\]"):
         check_noise_level(1.5, "cps")

@@ -132,14 +132,15 @@ def test_calibration_asks_the_parts_what_it_needs_and_refuses_a_shared_trunk_bef
 
     from flowalign.config import load_config
     from flowalign.errors import SetupError
-    from flowalign.kernels.sde_reference import SDE_KINDS, check_noise_level, max_noise_level
+    from flowalign.kernels.sde_kinds import sde_kind
+    from flowalign.kernels.sde_reference import SDE_KINDS, check_noise_level
     from flowalign.prep.calibrate import calibrate
     from flowalign.rollout import SHAPES
     from flowalign.training.config import TrainConfig
 
     assert {name: SHAPES.get(name).independent_trajectories for name in SHAPES.names()} == {
         "group": True, "probe": False, "tree": False}
-    assert {kind: max_noise_level(kind) for kind in SDE_KINDS} == {"flow_grpo": None, "dance": None, "cps": 1.0}
+    assert {kind: sde_kind(kind).max_noise_level for kind in SDE_KINDS} == {"flow_grpo": None, "dance": None, "cps": 1.0}
     with pytest.raises(ValueError, match=r"noise_level for kind 'cps' must lie in \[0, 1\], got 1\.5"):
         check_noise_level(1.5, "cps")
     check_noise_level(1.5, "flow_grpo")
