@@ -1,0 +1,203 @@
+"""Video outputs (flowalign.evaluation.videos): mp4 through PyAV decoded back within the codec's loss, frame strips,
+grid videos, GIFs for TensorBoard, and the files ``flowalign sample`` writes for a video model. Every video is a tiny
+synthetic clip: a red square moving right on a grey ground, 5 frames of 16x16."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowalign.evaluation.videos import (PAD, check_fps, frame_strip, gif_bytes, mp4_codec, read_mp4,
+                                         save_frame_strip, strip_indices, tile_videos, write_mp4)
+
+FRAMES, SIZE = 5, 16
+
+
+def moving_square(frames: int = FRAMES, height: int = SIZE, width: int = SIZE, *, colour=(1.0, 0.0, 0.0),
+                  step: int = 2) -> torch.Tensor:
+    """``[F, 3, H, W]`` in [0, 1]: a 6x6 square of ``colour`` at x = 2 + step * f (rows 4..9) on a 0.5 grey ground."""
+    video = torch.full((frames, 3, height, width), 0.5)
+    for f in range(frames):
+        x = 2 + step * f
+        video[f, :, 4:10, x : x + 6] = torch.tensor(colour).view(3, 1, 1)
+    return video
+
+
+def red_centre_x(frame: np.ndarray) -> float:
+    """The x of the red square's centre in a decoded ``[H, W, 3]`` uint8 frame (its red-dominant pixels)."""
+    red = (frame[..., 0].astype(int) - frame[..., 1].astype(int)) > 100
+    return float(np.nonzero(red)[1].mean())
+
+
+@pytest.mark.parametrize("codec", [None, "mpeg4"])
+def test_an_mp4_decodes_back_to_its_frames_size_and_fps_within_the_codec_loss(tmp_path, codec):
+    video = moving_square()
+    path = write_mp4(video, tmp_path / "clip.mp4", fps=12, codec=codec)
+    decoded = read_mp4(path)
+    assert decoded.frames.shape == (FRAMES, SIZE, SIZE, 3) and decoded.fps == 12
+    assert decoded.codec == {"libx264": "h264", "mpeg4": "mpeg4"}[codec or mp4_codec()]
+    expected = np.rint(video.permute(0, 2, 3, 1).numpy() * 255)
+    error = np.abs(decoded.frames.astype(float) - expected)
+    # yuv420p keeps colour at half resolution: the saturated square's edges blur over a 2x2 chroma block (about 30
+    # levels there); the flat ground stays within a few levels
+    assert error.mean() < 6 and error[:, 12:].max() <= 6, (error.mean(), error[:, 12:].max())
+    assert np.allclose([red_centre_x(f) for f in decoded.frames], [4.5 + 2 * f for f in range(FRAMES)], atol=0.5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]  # no temporary file left
+
+
+def test_h264_is_the_encoder_when_ffmpeg_has_it():
+    import av
+
+    av.codec.Codec("libx264", "w")  # the installed PyAV wheel ships libx264
+    assert mp4_codec() == "libx264"
+
+
+def test_an_odd_sized_video_is_padded_to_even_by_repeating_its_last_row_and_column(tmp_path):
+    video = torch.zeros(3, 3, 13, 15)
+    video[:, 1, -1, :] = 1.0  # the last row green, repeated below it
+    video[:, 2, :, -1] = 1.0  # the last column blue, repeated to its right
+    decoded = read_mp4(write_mp4(video, tmp_path / "odd.mp4", fps=8))
+    assert decoded.frames.shape == (3, 14, 16, 3)
+    assert decoded.frames[:, 13, 4:10, 1].min() > 200 and decoded.frames[:, 4:10, 15, 2].min() > 200
+
+
+def test_a_fractional_fps_is_kept_exactly(tmp_path):
+    assert check_fps(29.97) == Fraction(2997, 100) and check_fps(24) == 24
+    assert read_mp4(write_mp4(moving_square(), tmp_path / "ntsc.mp4", fps=30000 / 1001)).fps == Fraction(30000, 1001)
+
+
+@pytest.mark.parametrize("fps", [0, -1, float("nan"), float("inf"), True, "16", 5000])
+def test_a_bad_fps_is_refused_naming_it(fps):
+    with pytest.raises(ValueError, match=r"train\.video_fps must be a number of frames per second"):
+        check_fps(fps, "train.video_fps")
+
+
+def test_a_failed_write_leaves_the_old_mp4_whole_and_no_temporary_file(tmp_path):
+    path = write_mp4(moving_square(), tmp_path / "clip.mp4", fps=8)
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        write_mp4(moving_square(), path, fps=8, codec="no-such-encoder")
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
+    with pytest.raises(ValueError, match=r"expected a video shaped \[F, 3, H, W\]"):
+        write_mp4(torch.zeros(3, 16, 16), tmp_path / "image.mp4")
+
+
+def test_reading_refuses_a_video_over_its_limits_before_decoding(tmp_path):
+    path = write_mp4(moving_square(), tmp_path / "clip.mp4", fps=8)
+    with pytest.raises(ValueError, match="exceed the limit of 100 pixels"):
+        read_mp4(path, max_pixels=100)
+    with pytest.raises(ValueError, match="5 frames exceed the limit of 4"):
+        read_mp4(path, max_frames=4)
+
+
+@pytest.mark.parametrize("count, most, expected", [(5, 0, [0, 1, 2, 3, 4]), (5, 8, [0, 1, 2, 3, 4]), (9, 3, [0, 4, 8]),
+                                                   (10, 4, [0, 3, 6, 9]), (81, 5, [0, 20, 40, 60, 80]), (5, 1, [0])])
+def test_a_strip_shows_every_frame_or_evenly_spaced_ones_from_first_to_last(count, most, expected):
+    assert strip_indices(count, most) == expected
+
+
+def test_a_frame_strip_is_the_frames_side_by_side_and_its_png_is_exact(tmp_path):
+    video = moving_square(9)
+    strip = frame_strip(video, 3)
+    pixels = np.rint(video.permute(0, 2, 3, 1).numpy() * 255).astype(np.uint8)
+    assert strip.shape == (SIZE, 3 * SIZE, 3)
+    assert np.array_equal(strip, np.concatenate([pixels[0], pixels[4], pixels[8]], axis=1))
+    path = save_frame_strip(video, tmp_path / "strip.png", 3)
+    assert np.array_equal(np.asarray(Image.open(path)), strip) and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_grid_video_tiles_the_videos_per_frame_row_major():
+    videos = torch.stack([moving_square(colour=c) for c in ((1, 0, 0), (0, 1, 0), (0, 0, 1))])
+    grid = tile_videos(videos, columns=2)
+    cell = SIZE + 2 * PAD
+    assert grid.shape == (FRAMES, 3, 2 * cell, 2 * cell)
+    for index in range(3):
+        row, col = divmod(index, 2)
+        y, x = row * cell + PAD, col * cell + PAD
+        assert np.array_equal(grid[:, :, y : y + SIZE, x : x + SIZE], videos[index].numpy())
+    assert (grid[:, :, cell + PAD :, cell + PAD :] == 1.0).all()  # the empty fourth cell is white
+
+
+def test_a_gif_plays_every_frame_at_the_fps():
+    gif = Image.open(__import__("io").BytesIO(gif_bytes(moving_square(), fps=10)))
+    assert (gif.format, gif.n_frames, gif.size, gif.info["duration"], gif.info["loop"]) == ("GIF", FRAMES, (SIZE, SIZE),
+                                                                                          100, 0)
+    xs = []
+    for f in range(FRAMES):
+        gif.seek(f)
+        xs.append(red_centre_x(np.asarray(gif.convert("RGB"))))
+    assert xs == [4.5 + 2 * f for f in range(FRAMES)]
+
+
+def test_flowalign_sample_writes_an_mp4_and_a_frame_strip_per_video_and_their_results(tmp_path):
+    """``write_outputs`` for a video model (``modality == "video"``, decoded ``[P, F, 3, H, W]``): the decision
+    comes from the modality and the tensor's shape, with no model class involved."""
+    from flowalign.inference.sample import SAMPLE_OUTPUTS, SampleConfig, write_outputs
+    from flowalign.outputs import OutputFolder
+
+    videos = torch.stack([moving_square(colour=c) for c in ((1, 0, 0), (0, 1, 0))])
+    metadata = [{"prompt": "a red square moving right", "tag": "motion"}, {"prompt": "a green square", "tag": "x"}]
+    config = SampleConfig(out_dir=str(tmp_path / "out"), strip_frames=3)
+    summary = write_outputs(config, metadata, videos, torch.tensor([0.5, 0.25]), torch.tensor([10, 10]),
+                            modality="video", model_fps=12)
+    out = tmp_path / "out"
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == [
+        "grid.mp4", "grid.png", "results.json", "summary.md", "videos/0000.mp4", "videos/0000.png", "videos/0001.mp4",
+        "videos/0001.png"]
+    written = json.loads((out / "results.json").read_text())
+    assert written == json.loads(json.dumps(summary))
+    assert {k: written[k] for k in ("modality", "frames", "fps", "video_codec", "prompts", "mean_reward")} == {
+        "modality": "video", "frames": FRAMES, "fps": 12.0, "video_codec": mp4_codec(), "prompts": 2,
+        "mean_reward": 0.375}
+    assert written["config"]["strip_frames"] == 3 and written["config"]["fps"] is None
+    assert [(r["prompt_id"], r["reward"], r["video"], r["frame_strip"]) for r in written["results"]] == [
+        (0, 0.5, "videos/0000.mp4", "videos/0000.png"), (1, 0.25, "videos/0001.mp4", "videos/0001.png")]
+    decoded = read_mp4(out / "videos/0001.mp4")
+    assert decoded.frames.shape == (FRAMES, SIZE, SIZE, 3) and decoded.fps == 12
+    assert np.asarray(Image.open(out / "videos/0001.png")).shape == (SIZE, 3 * SIZE, 3)
+    grid = read_mp4(out / "grid.mp4")
+    assert grid.frames.shape == (FRAMES, SIZE + 2 * PAD, 2 * (SIZE + 2 * PAD), 3)
+    assert "videos of 5 frames at 12 fps" in (out / "summary.md").read_text()
+    # every file it wrote is one an --overwrite of the next run deletes
+    assert len(OutputFolder(out, SAMPLE_OUTPUTS, "flowalign sample").earlier_outputs()) == 8
+
+
+def test_flowalign_sample_writes_a_set_of_videos_per_prompt_at_the_configured_fps(tmp_path):
+    from flowalign.inference.sample import SampleConfig, write_outputs
+
+    videos = torch.stack([moving_square(), moving_square(step=1)]).unsqueeze(0)  # one prompt, a set of two
+    config = SampleConfig(out_dir=str(tmp_path), fps=8, strip_frames=0)
+    summary = write_outputs(config, [{"prompt": "p"}], videos, torch.tensor([[0.1, 0.2]]), torch.tensor([20]),
+                            modality="video", model_fps=12)
+    assert summary["fps"] == 8.0 and summary["images_per_prompt"] == 2
+    assert [(r["image_index"], r["filename"], r["frame_strip"]) for r in summary["results"]] == [
+        (0, "videos/0000_00.mp4", "videos/0000_00.png"), (1, "videos/0000_01.mp4", "videos/0000_01.png")]
+    assert read_mp4(tmp_path / "videos/0000_01.mp4").fps == 8
+    assert np.asarray(Image.open(tmp_path / "videos/0000_01.png")).shape == (SIZE, FRAMES * SIZE, 3)
+
+
+def test_a_video_models_samples_must_have_a_frame_axis(tmp_path):
+    from flowalign.inference.sample import SampleConfig, write_outputs
+
+    with pytest.raises(ValueError, match=r"a video model's decoded samples must be \[P, F, 3, H, W\], got shape "
+                                         r"\[2, 3, 16, 16\]"):
+        write_outputs(SampleConfig(out_dir=str(tmp_path)), [{"prompt": "a"}, {"prompt": "b"}], torch.zeros(2, 3, 16, 16),
+                      torch.zeros(2), torch.zeros(2), modality="video")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fps", "0"], "fps must be a number of frames per second in (0, 1000], got 0"),
+    (["--strip-frames", "-1"], "strip_frames must be an integer >= 0"),
+])
+def test_flowalign_sample_refuses_a_bad_fps_or_strip_before_loading(tmp_path, capsys, argv, message):
+    from flowalign.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sample", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "no-model"), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
