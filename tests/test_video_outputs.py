@@ -201,3 +201,87 @@ def test_flowalign_sample_refuses_a_bad_fps_or_strip_before_loading(tmp_path, ca
         main(["sample", "--out", str(tmp_path / "o"), "--model", str(tmp_path / "no-model"), *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def run_log_of_a_video_model(out, *, tracker: str, fps=None, strip_frames: int = 3):
+    """The trainer's ``RunLog`` over a real accelerate ``Accelerator`` whose tracker writes into ``out``, for a model
+    that declares ``modality = "video"`` and ``fps = 10``: the parts of a trainer that the sample grids read."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from flowalign.training.callbacks import TRACKER_FOLDER, RunLog
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.run_files import TrackedFolder
+
+    config = TrainConfig()
+    config.train.tracker, config.train.out_dir = tracker, str(out)
+    config.train.video_fps, config.train.strip_frames = fps, strip_frames
+    accelerator = Accelerator(log_with=None if tracker == "none" else tracker, project_dir=str(out))
+    trainer = SimpleNamespace(config=config, out_dir=out, accelerator=accelerator, is_main=True,
+                              model=SimpleNamespace(modality="video", fps=10))
+    log = RunLog(trainer)
+    log.tracked = TrackedFolder(log.files, out / TRACKER_FOLDER)  # as RunLog.start: before the tracker writes
+    if log.tracking:
+        accelerator.init_trackers(TRACKER_FOLDER)
+    return log
+
+
+def sample_batch(count: int = 3):
+    """An iteration's batches and scores as ``RunLog.save_samples`` reads them: prompts, rewards and videos."""
+    from types import SimpleNamespace
+
+    colours = ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+    videos = torch.stack([moving_square(colour=colours[i % 3]) for i in range(count)])
+    batches = [SimpleNamespace(sample_metadata=[{"prompt": f"square {i}"} for i in range(count)])]
+    return batches, SimpleNamespace(images=videos, display=torch.linspace(0, 1, count))
+
+
+def test_a_video_runs_sample_grid_is_a_grid_mp4_a_strip_png_and_a_tensorboard_gif(tmp_path):
+    import io
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from flowalign.training.run_files import RunFiles
+
+    log = run_log_of_a_video_model(tmp_path, tracker="tensorboard")
+    batches, scores = sample_batch(3)
+    log.save_samples(4, batches, scores)
+    log.end()
+    grid = read_mp4(tmp_path / "samples/iteration-000004.mp4")
+    cell = SIZE + 2 * PAD
+    assert grid.frames.shape == (FRAMES, cell, 3 * cell, 3) and grid.fps == 10  # the model's fps
+    assert np.allclose([red_centre_x(f[PAD : PAD + SIZE, PAD : PAD + SIZE]) for f in grid.frames],
+                       [4.5 + 2 * f for f in range(FRAMES)], atol=0.5)
+    strips = Image.open(tmp_path / "samples/iteration-000004.png")
+    assert strips.width == 2 * (3 * SIZE * 4 + 2 * PAD)  # two columns of 3-frame strips, frames upscaled 4 times
+    recorded = {str(p.relative_to(tmp_path)) for p in RunFiles(tmp_path).recorded()}
+    assert {"samples/iteration-000004.mp4", "samples/iteration-000004.png"} <= recorded
+    assert any(name.startswith("flowalign/") and "tfevents" in name for name in recorded)
+    events = EventAccumulator(str(tmp_path / "flowalign"), size_guidance={"images": 0})
+    events.Reload()
+    [image] = events.Images("samples")
+    assert (image.step, image.width, image.height) == (4, 3 * cell, cell)
+    gif = Image.open(io.BytesIO(image.encoded_image_string))
+    assert (gif.format, gif.n_frames, gif.info["duration"]) == ("GIF", FRAMES, 100)
+
+
+def test_a_video_runs_sample_grid_takes_train_video_fps_and_needs_no_tracker(tmp_path):
+    log = run_log_of_a_video_model(tmp_path, tracker="none", fps=5, strip_frames=0)
+    batches, scores = sample_batch(2)
+    log.save_samples(10, batches, scores)
+    assert read_mp4(tmp_path / "samples/iteration-000010.mp4").fps == 5
+    assert Image.open(tmp_path / "samples/iteration-000010.png").width == 2 * (FRAMES * SIZE * 4 + 2 * PAD)
+    assert not (tmp_path / "flowalign").exists()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("train.video_fps", "0", "train.video_fps must be a number of frames per second"),
+    ("train.strip_frames", "-1", "train.strip_frames"),
+])
+def test_a_bad_video_fps_or_strip_frames_is_refused_naming_the_key(key, value, message):
+    from flowalign.config import ConfigError, load_config
+    from flowalign.training.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainConfig, None, [f"{key}={value}"]).validate()
