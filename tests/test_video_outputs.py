@@ -285,3 +285,19 @@ def test_a_bad_video_fps_or_strip_frames_is_refused_naming_the_key(key, value, m
 
     with pytest.raises(ConfigError, match=message):
         load_config(TrainConfig, None, [f"{key}={value}"]).validate()
+
+
+def test_a_video_runs_sample_grid_goes_to_wandb_as_its_mp4(tmp_path, monkeypatch):
+    """wandb, where installed (the tracking extra), in offline mode: the logged video is the grid mp4 itself."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb-dir").mkdir()
+    run = tmp_path / "run"
+    log = run_log_of_a_video_model(run, tracker="wandb")
+    batches, scores = sample_batch(2)
+    log.save_samples(7, batches, scores)
+    log.end()
+    [logged] = (tmp_path / "wandb-dir").rglob("files/media/videos/samples_*.mp4")
+    assert logged.read_bytes() == (run / "samples/iteration-000007.mp4").read_bytes()
