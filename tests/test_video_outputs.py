@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from flowalign.evaluation.videos import (PAD, check_fps, frame_strip, gif_bytes, mp4_codec, read_mp4,
-                                         save_frame_strip, strip_indices, tile_videos, write_mp4)
+from flowalign.evaluation.videos import (PAD, check_fps, frame_strip, gif_bytes, grid_frames, mp4_codec, read_mp4,
+                                         save_frame_strip, strip_indices, video_frames, write_mp4, write_mp4_frames)
 
 FRAMES, SIZE = 5, 16
 
@@ -85,6 +85,9 @@ def test_a_failed_write_leaves_the_old_mp4_whole_and_no_temporary_file(tmp_path)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
     with pytest.raises(ValueError, match=r"expected a video shaped \[F, 3, H, W\]"):
         write_mp4(torch.zeros(3, 16, 16), tmp_path / "image.mp4")
+    with pytest.raises(ValueError, match="a video needs at least one frame"):
+        write_mp4_frames(iter([]), tmp_path / "empty.mp4")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
 
 
 def test_reading_refuses_a_video_over_its_limits_before_decoding(tmp_path):
@@ -111,20 +114,24 @@ def test_a_frame_strip_is_the_frames_side_by_side_and_its_png_is_exact(tmp_path)
     assert np.array_equal(np.asarray(Image.open(path)), strip) and len(list(tmp_path.iterdir())) == 1
 
 
-def test_a_grid_video_tiles_the_videos_per_frame_row_major():
+def test_a_grid_video_tiles_the_videos_per_frame_row_major(tmp_path):
     videos = torch.stack([moving_square(colour=c) for c in ((1, 0, 0), (0, 1, 0), (0, 0, 1))])
-    grid = tile_videos(videos, columns=2)
+    grid = np.stack(list(grid_frames(videos, columns=2)))
     cell = SIZE + 2 * PAD
-    assert grid.shape == (FRAMES, 3, 2 * cell, 2 * cell)
+    assert grid.shape == (FRAMES, 2 * cell, 2 * cell, 3) and grid.dtype == np.uint8
     for index in range(3):
         row, col = divmod(index, 2)
         y, x = row * cell + PAD, col * cell + PAD
-        assert np.array_equal(grid[:, :, y : y + SIZE, x : x + SIZE], videos[index].numpy())
-    assert (grid[:, :, cell + PAD :, cell + PAD :] == 1.0).all()  # the empty fourth cell is white
+        assert np.array_equal(grid[:, y : y + SIZE, x : x + SIZE], video_frames(videos[index]))
+    assert (grid[:, cell + PAD :, cell + PAD :] == 255).all()  # the empty fourth cell is white
+    decoded = read_mp4(write_mp4_frames(grid_frames(videos, columns=2), tmp_path / "grid.mp4", fps=8))
+    assert decoded.frames.shape == grid.shape and np.abs(decoded.frames.astype(float) - grid).mean() < 6
 
 
-def test_a_gif_plays_every_frame_at_the_fps():
-    gif = Image.open(__import__("io").BytesIO(gif_bytes(moving_square(), fps=10)))
+def test_a_gif_plays_every_frame_at_the_fps_and_shrinks_to_a_largest_side():
+    import io
+
+    gif = Image.open(io.BytesIO(gif_bytes(video_frames(moving_square()), fps=10)))
     assert (gif.format, gif.n_frames, gif.size, gif.info["duration"], gif.info["loop"]) == ("GIF", FRAMES, (SIZE, SIZE),
                                                                                           100, 0)
     xs = []
@@ -132,6 +139,8 @@ def test_a_gif_plays_every_frame_at_the_fps():
         gif.seek(f)
         xs.append(red_centre_x(np.asarray(gif.convert("RGB"))))
     assert xs == [4.5 + 2 * f for f in range(FRAMES)]
+    wide = video_frames(torch.zeros(2, 3, 10, 40))
+    assert Image.open(io.BytesIO(gif_bytes(wide, fps=10, max_side=20))).size == (20, 5)
 
 
 def test_flowalign_sample_writes_an_mp4_and_a_frame_strip_per_video_and_their_results(tmp_path):
@@ -261,7 +270,7 @@ def test_a_video_runs_sample_grid_is_a_grid_mp4_a_strip_png_and_a_tensorboard_gi
     events = EventAccumulator(str(tmp_path / "flowalign"), size_guidance={"images": 0})
     events.Reload()
     [image] = events.Images("samples")
-    assert (image.step, image.width, image.height) == (4, 3 * cell, cell)
+    assert (image.step, image.width, image.height) == (4, 3 * cell, cell)  # under GIF_SIDE: not shrunk
     gif = Image.open(io.BytesIO(image.encoded_image_string))
     assert (gif.format, gif.n_frames, gif.info["duration"]) == ("GIF", FRAMES, 100)
 

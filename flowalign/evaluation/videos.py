@@ -12,9 +12,11 @@ A video is ``[F, 3, H, W]`` with values in [0, 1] (one row of the decoded ``[B, 
 * **Frame strip** (``frame_strip``, ``save_frame_strip``): the frames side by side left to right, no gap, at the
   video's own size; a video of more than ``max_frames`` frames shows ``max_frames`` evenly spaced ones, always the
   first and the last (``strip_indices``); ``max_frames = 0`` shows every frame.
-* **Grid video** (``tile_videos``): several videos of one size tiled per frame, row-major, ``columns`` per row,
-  ``PAD`` white pixels around each tile, as ``save_grid`` lays images out.
-* **GIF** (``gif_bytes``): the animated GIF a tracker's image panel plays (TensorBoard's video summary is one).
+* **Grid video** (``grid_frames``): several videos of one size tiled per frame, row-major, ``columns`` per row,
+  ``PAD`` white pixels around each tile, as ``save_grid`` lays images out; made a frame at a time and written so
+  (``write_mp4_frames``), never held whole.
+* **GIF** (``gif_bytes``): the animated GIF a tracker's image panel plays (TensorBoard's video summary is one),
+  shrunk to a largest side when asked.
 
 ``read_mp4`` decodes a file back (frames, size, fps, codec); it checks the stream's declared size and frame count
 against its limits before it decodes a frame.
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from os import PathLike
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -36,8 +38,8 @@ from flowalign.evaluation.images import to_uint8
 from flowalign.outputs import write_atomically
 
 __all__ = ["DEFAULT_FPS", "MP4_CODECS", "PAD", "DecodedVideo", "captioned_strips", "check_fps", "check_strip_frames",
-           "frame_strip", "gif_bytes", "mp4_codec", "read_mp4", "save_frame_strip", "strip_indices", "strips_of",
-           "tile_videos", "video_frames", "write_mp4"]
+           "frame_strip", "gif_bytes", "grid_frames", "mp4_codec", "read_mp4", "save_frame_strip", "strip_indices",
+           "strips_of", "video_frames", "write_mp4", "write_mp4_frames"]
 
 DEFAULT_FPS = 16  # Wan's published frame rate: the fps of a model that declares none
 MP4_CODECS = ("libx264", "mpeg4")  # in order of preference: H.264 when FFmpeg has it
@@ -88,23 +90,34 @@ def _pad_even(frames: np.ndarray) -> np.ndarray:
 def write_mp4(video: Any, path: str | PathLike[str], fps: float = DEFAULT_FPS, *, codec: str | None = None) -> Path:
     """Write ``video`` ``[F, 3, H, W]`` in [0, 1] to ``path`` as an mp4 (module docstring: codec, yuv420p, even
     sizes, atomic); returns the path."""
+    return write_mp4_frames(iter(video_frames(video)), path, fps, codec=codec)
+
+
+def write_mp4_frames(frames: Iterator[np.ndarray], path: str | PathLike[str], fps: float = DEFAULT_FPS, *,
+                     codec: str | None = None) -> Path:
+    """``write_mp4`` of frames ``[H, W, 3]`` uint8 taken one at a time from ``frames`` (all of one size), so that a
+    long or large video (a grid) is never held whole."""
     import av
 
     rate = check_fps(fps)
-    frames = _pad_even(video_frames(video))
-    height, width = frames.shape[1:3]
     codec = codec or mp4_codec()
     path = Path(path)
     with write_atomically(path) as tmp:
         with av.open(str(tmp), "w", format="mp4") as container:
-            stream = container.add_stream(codec, rate=rate)
-            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            stream.options = dict(CODEC_OPTIONS.get(codec, {}))
-            if codec == "mpeg4":
-                stream.bit_rate = max(200_000, int(MPEG4_BITS_PER_PIXEL * width * height * float(rate)))
+            stream = None
             for pixels in frames:
+                pixels = _pad_even(pixels[None])[0]
+                if stream is None:
+                    height, width = pixels.shape[:2]
+                    stream = container.add_stream(codec, rate=rate)
+                    stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+                    stream.options = dict(CODEC_OPTIONS.get(codec, {}))
+                    if codec == "mpeg4":
+                        stream.bit_rate = max(200_000, int(MPEG4_BITS_PER_PIXEL * width * height * float(rate)))
                 for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
                     container.mux(packet)
+            if stream is None:
+                raise ValueError(f"{path}: a video needs at least one frame")
             for packet in stream.encode():  # flush the encoder's delayed frames
                 container.mux(packet)
     return path
@@ -171,34 +184,43 @@ def save_frame_strip(video: Any, path: str | PathLike[str], max_frames: int = 0)
     return path
 
 
-def tile_videos(videos: Any, columns: int = 4) -> np.ndarray:
-    """Videos ``[B, F, 3, H, W]`` in [0, 1] tiled per frame into one grid video ``[F, 3, H', W']`` in [0, 1]
-    (float32): ``min(columns, B)`` per row, ``PAD`` white pixels around each tile."""
-    if hasattr(videos, "detach"):
-        videos = videos.detach().float().cpu().numpy()
-    videos = np.asarray(videos, dtype=np.float32)
-    if videos.ndim != 5 or videos.shape[2] != 3 or videos.shape[0] < 1:
-        raise ValueError(f"expected videos shaped [B, F, 3, H, W] with B >= 1, got shape {list(videos.shape)}")
+def grid_frames(videos: Any, columns: int = 4) -> Iterator[np.ndarray]:
+    """Videos ``[B, F, 3, H, W]`` in [0, 1] tiled per frame into one grid video, yielded a frame ``[H', W', 3]``
+    uint8 at a time: ``min(columns, B)`` per row, ``PAD`` white pixels around each tile."""
+    shape = tuple(videos.shape)
+    if len(shape) != 5 or shape[2] != 3 or shape[0] < 1:
+        raise ValueError(f"expected videos shaped [B, F, 3, H, W] with B >= 1, got shape {list(shape)}")
     if columns < 1:
         raise ValueError(f"columns must be >= 1, got {columns}")
-    count, frames, _, height, width = videos.shape
+    count, frames, _, height, width = shape
     ncols = min(columns, count)
     nrows = math.ceil(count / ncols)
     cell_h, cell_w = height + 2 * PAD, width + 2 * PAD
-    grid = np.ones((frames, 3, nrows * cell_h, ncols * cell_w), dtype=np.float32) * (BACKGROUND / 255.0)
-    for index in range(count):
-        row, col = divmod(index, ncols)
-        y0, x0 = row * cell_h + PAD, col * cell_w + PAD
-        grid[:, :, y0 : y0 + height, x0 : x0 + width] = videos[index]
-    return grid
+    for f in range(frames):
+        grid = np.full((nrows * cell_h, ncols * cell_w, 3), BACKGROUND, dtype=np.uint8)
+        for index, pixels in enumerate(to_uint8(videos[:, f])):
+            row, col = divmod(index, ncols)
+            y0, x0 = row * cell_h + PAD, col * cell_w + PAD
+            grid[y0 : y0 + height, x0 : x0 + width] = pixels
+        yield grid
 
 
-def gif_bytes(video: Any, fps: float = DEFAULT_FPS) -> bytes:
-    """``video`` ``[F, 3, H, W]`` in [0, 1] as an animated GIF (PIL, looping, ``1000 / fps`` ms a frame)."""
+def gif_bytes(frames: Iterable[np.ndarray], fps: float = DEFAULT_FPS, *, max_side: int | None = None) -> bytes:
+    """Frames ``[H, W, 3]`` uint8 as an animated GIF (PIL, looping, ``1000 / fps`` ms a frame); with ``max_side``,
+    frames whose longer side exceeds it are shrunk (box filter) to fit."""
     from PIL import Image
 
     rate = check_fps(fps)
-    images = [Image.fromarray(frame) for frame in video_frames(video)]
+    images = []
+    for frame in frames:
+        image = Image.fromarray(frame)
+        if max_side is not None and max(image.size) > max_side:
+            ratio = max_side / max(image.size)
+            image = image.resize((max(1, round(image.width * ratio)), max(1, round(image.height * ratio))),
+                                 resample=Image.Resampling.BOX)
+        images.append(image)
+    if not images:
+        raise ValueError("a GIF needs at least one frame")
     buffer = io.BytesIO()
     images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:], loop=0,
                    duration=max(1, round(1000 / float(rate))), optimize=False)

@@ -501,15 +501,15 @@ def _write_videos(config: SampleConfig, out: Path, videos: Tensor, names: Sequen
                   model_fps: float | None) -> dict[str, Any]:
     """``videos/NAME.mp4`` and ``videos/NAME.png`` per video ``[N, F, 3, H, W]``, ``grid.mp4`` and ``grid.png``;
     returns the summary's video fields."""
-    from flowalign.evaluation.videos import (DEFAULT_FPS, captioned_strips, check_fps, mp4_codec, save_frame_strip,
-                                             tile_videos, write_mp4)
+    from flowalign.evaluation.videos import (DEFAULT_FPS, captioned_strips, check_fps, grid_frames, mp4_codec,
+                                             save_frame_strip, write_mp4, write_mp4_frames)
 
     fps = config.fps if config.fps is not None else (model_fps or DEFAULT_FPS)
     rate, codec = check_fps(fps, "fps"), mp4_codec()
     for name, clip in zip(names, videos):
         write_mp4(clip, out / "videos" / f"{name}.mp4", rate, codec=codec)
         save_frame_strip(clip, out / "videos" / f"{name}.png", config.strip_frames)
-    write_mp4(tile_videos(videos[:GRID_VIDEOS]), out / "grid.mp4", rate, codec=codec)
+    write_mp4_frames(grid_frames(videos[:GRID_VIDEOS]), out / "grid.mp4", rate, codec=codec)
     captioned_strips(videos[:GRID_VIDEOS], list(captions[:GRID_VIDEOS]), out / "grid.png",
                      max_frames=config.strip_frames, columns=2)
     return {"modality": "video", "frames": int(videos.shape[1]), "fps": float(rate), "video_codec": codec}

@@ -86,7 +86,7 @@ class RunLog:
         """``samples/iteration-NNNNNN.mp4`` (the videos ``[N, F, 3, H, W]`` tiled per frame, at ``train.video_fps``,
         else the model's ``fps``, else 16) and ``.png`` (their frame strips of ``train.strip_frames`` frames,
         captioned); the grid video goes to the tracker as ``samples`` (``flowalign.training.tracker_videos``)."""
-        from flowalign.evaluation.videos import DEFAULT_FPS, captioned_strips, tile_videos, write_mp4
+        from flowalign.evaluation.videos import DEFAULT_FPS, captioned_strips, grid_frames, write_mp4_frames
 
         if videos.dim() != 5:
             raise ValueError(f"a video model's samples must be [N, F, 3, H, W], got shape {list(videos.shape)}")
@@ -95,14 +95,13 @@ class RunLog:
                                                                    or DEFAULT_FPS)
         name = f"samples/iteration-{iteration:06d}"
         self.files.record(f"{name}.mp4", f"{name}.png")
-        grid = tile_videos(videos, columns=4)
-        mp4 = write_mp4(grid, self.trainer.out_dir / f"{name}.mp4", fps)
+        mp4 = write_mp4_frames(grid_frames(videos, columns=4), self.trainer.out_dir / f"{name}.mp4", fps)
         captioned_strips(videos, captions, self.trainer.out_dir / f"{name}.png", max_frames=train.strip_frames,
                          columns=2)
         if self.tracking:
             from flowalign.training.tracker_videos import log_video
 
-            log_video(self.trainer.accelerator, "samples", grid, fps=fps, step=iteration, mp4=mp4)
+            log_video(self.trainer.accelerator, "samples", videos, fps=fps, step=iteration, mp4=mp4, columns=4)
             self.record_tracker_files()
 
     def record_tracker_files(self) -> None:
