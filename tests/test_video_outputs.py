@@ -310,3 +310,36 @@ def test_a_video_runs_sample_grid_goes_to_wandb_as_its_mp4(tmp_path, monkeypatch
     log.end()
     [logged] = (tmp_path / "wandb-dir").rglob("files/media/videos/samples_*.mp4")
     assert logged.read_bytes() == (run / "samples/iteration-000007.mp4").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def tiny_wan_dir(tmp_path_factory):
+    """The tiny Wan2.1 pipeline (flowalign.models.tiny.wan) saved with 16 px frames by default (the transformer's
+    ``sample_size``, which the Wan adapter reads): 9 frames (its default) of 16x16."""
+    from flowalign.models.tiny.wan import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline("a red square moving left right".split(), seed=0)
+    pipe.transformer.register_to_config(sample_size=4)
+    path = tmp_path_factory.mktemp("tiny-wan") / "pipe"
+    pipe.save_pretrained(path)
+    return path
+
+
+def test_flowalign_sample_on_the_tiny_wan_model_writes_its_videos(tmp_path, tiny_wan_dir):
+    from flowalign.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square moving left\na red square moving right\n")
+    out = tmp_path / "out"
+    main(["sample", "--model", str(tiny_wan_dir), "--prompts", str(prompts), "--reward", "brightness", "--steps", "2",
+          "--budget", "2", "--strip-frames", "3", "--out", str(out)])
+    summary = json.loads((out / "results.json").read_text())
+    assert {k: summary[k] for k in ("modality", "frames", "fps", "prompts")} == {
+        "modality": "video", "frames": 9, "fps": 16.0, "prompts": 2}
+    for row in summary["results"]:
+        decoded = read_mp4(out / row["video"])
+        assert decoded.frames.shape == (9, SIZE, SIZE, 3) and decoded.fps == 16
+        strip = np.asarray(Image.open(out / row["frame_strip"]))  # frames 0, 4 and 8, exact
+        frames = np.concatenate([decoded.frames[i] for i in (0, 4, 8)], axis=1).astype(float)
+        assert strip.shape == (SIZE, 3 * SIZE, 3) and np.abs(frames - strip).mean() < 6
+    assert read_mp4(out / "grid.mp4").frames.shape == (9, SIZE + 2 * PAD, 2 * (SIZE + 2 * PAD), 3)
