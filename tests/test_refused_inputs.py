@@ -8,7 +8,6 @@ load, which would have failed on the path."""
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
 import sys
 from pathlib import Path
