@@ -265,3 +265,43 @@ def test_motion_refuses_single_frames_and_images():
         MotionScore()(torch.zeros(1, 3, 8, 8), ["a"])
     with pytest.raises(ValueError, match="direction must be a non-zero"):
         MotionScore(direction=[0, 0])
+
+
+# ------------------------------------------------------------------------------------------- Shell-LCC on video latents
+def test_shell_lcc_scores_video_latents_by_hand(tmp_path):
+    """Shell-LCC's video setting (docs/methods/shell_lcc.md): every latent position of every frame is a point, and R
+    is the mean of d over all of them. One basis (so the coding is 1 whatever the predictor says), skeleton
+    ``(1, 0)``, a surface head answering ``log 2``: ``d = ||z - (1, 0)|| / (2 + 1e-6)``."""
+    from flowalign.reward_models.shell_lcc import ShellLCC, ShellLCCReward, save_manifold
+    from flowalign.rewards import score_all
+
+    manifold = ShellLCC(embedding_dim=2, num_bases=1, hidden_dim=2).eval()
+    with torch.no_grad():
+        manifold.basis.copy_(torch.tensor([[1.0, 0.0]]))
+        manifold.surface_head[2].weight.zero_()
+        manifold.surface_head[2].bias.fill_(math.log(2.0))
+    path = save_manifold(manifold, tmp_path / "m.safetensors", fitted_for=None, extra={"data_distance": 1.0})
+    # [B=2, C=2, f=3, h=1, w=2]; sample 0: one position at (4, 4) (distance 5), five at (1, 2) (distance 2);
+    # sample 1: positions at (1, 3) and (-2, 0) (distance 3 each)
+    z = torch.empty(2, 2, 3, 1, 2)
+    z[0, 0], z[0, 1] = 1.0, 2.0
+    z[0, :, 1, 0, 1] = torch.tensor([4.0, 4.0])
+    z[1, 0, :, :, 0], z[1, 1, :, :, 0] = 1.0, 3.0
+    z[1, 0, :, :, 1], z[1, 1, :, :, 1] = -2.0, 0.0
+    scale = 2.0 + 1e-6
+    expected = torch.tensor([(5.0 + 5 * 2.0) / 6 / scale, 3.0 / scale])
+    for variant, tau, want in (("distance", None, -expected), ("band", 1.0, -(expected - 1.0).abs())):
+        reward = ShellLCCReward(str(path), variant=variant, tau=tau)
+        assert torch.allclose(reward(z, ["a", "b"], [{}, {}]), want, rtol=1e-6)
+        # score_all hands a latent reward the video latents in place of the decoded videos
+        frames = torch.zeros(2, 3, 3, 4, 4)
+        raw = score_all([("shell_lcc", 1.0, reward)], frames, ["a", "b"], [{}, {}], latents=z).raw[0]
+        assert torch.allclose(raw, want, rtol=1e-6)
+    # the gradient by hand: d R_0 / d z at (4, 4) is the unit vector (3, 4) / 5 over 6 positions and the scale
+    x = z.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(ShellLCCReward(str(path), variant="distance").forward(x)[0], x)
+    assert torch.allclose(grad[0, :, 1, 0, 1], -torch.tensor([0.6, 0.8]) / 6 / scale, rtol=1e-5)
+    assert torch.allclose(grad[0, :, 0, 0, 0], -torch.tensor([0.0, 1.0]) / 6 / scale, rtol=1e-5)
+    assert grad[1].abs().sum() == 0
+    # a video of one latent frame is the image latent (B, C, h, w)
+    assert torch.equal(manifold.sample_distances(z[:, :, :1]), manifold.sample_distances(z[:, :, 0]))
