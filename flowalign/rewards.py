@@ -32,6 +32,13 @@ A *latent* reward (``reads_latents = True`` on the callable, e.g. ``shell_lcc``)
 model declares a ``check_run(kwargs, *, key, model, image_size)`` classmethod, asked before it is built and before that
 model loads (``check_reward_run``).
 
+Modality. A reward declares what it scores with ``modality``: ``"image"`` (the default), ``"video"`` (videos
+``[B, F, 3, H, W]`` in [0, 1], frames first: ``temporal_consistency``, ``motion``, ``videoalign``) or ``"any"``
+(``shell_lcc``, ``remote``, ``vlm_judge``); ``reward_modality`` reads it from the registry without building anything.
+An image reward scores a video through its frame aggregation (``reward.rewards[i].frames``,
+``flowalign.reward_models.frames``), and ``check_reward_modality`` refuses, before any model loads, a reward that does
+not fit the model's modality.
+
 Input and files. A reward that fails on its *input* (a sample's metadata lacks a field it needs) raises
 ``flowalign.errors.RewardInputError``, not a plain exception: a reward server answers it with a 4xx that the client
 does not retry, where any other exception is the reward's own fault (500). A reward may also declare the optional

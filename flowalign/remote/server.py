@@ -87,7 +87,7 @@ class ServedReward:
 class ServeRewardConfig:
     """Settings of ``flowalign serve-reward``."""
 
-    rewards: list[ServedReward] = option([ServedReward()], "rewards to serve, each {name, kwargs}")
+    rewards: list[ServedReward] = option([ServedReward()], "rewards to serve, each {name, kwargs, frames}")
     host: str = option("127.0.0.1", "address to listen on; 127.0.0.1 = this machine only (use 0.0.0.0 with a "
                                     "token_file to serve other machines)")
     port: int = option(8765, "port to listen on; 0 = any free port (written to port_file)")

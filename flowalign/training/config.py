@@ -324,7 +324,7 @@ class RewardConfig:
     """The rewards and how they are combined."""
 
     rewards: list[RewardSpec] = option(
-        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs}"
+        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs, frames}"
     )
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = option(
         "sum_then_normalize",
