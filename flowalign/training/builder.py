@@ -165,11 +165,15 @@ def _built(spec, key: str) -> Callable:
 
 def check_rewards_fit_modality(config, model: FlowModel | None = None) -> None:
     """Before any reward is built and the model loads: the rewards fit the model's modality, image or video
-    (``flowalign.rewards.check_reward_modality``), read from ``model`` or from the model's ``model_index.json``."""
+    (``flowalign.rewards.check_reward_modality``), read from ``model`` or from the model's ``model_index.json``. A
+    model path that cannot be read is left to the loader, whose error names it."""
     from flowalign.models.loading import adapter_class
     from flowalign.rewards import check_reward_modality
 
-    adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    try:
+        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    except FileNotFoundError:
+        return
     check_reward_modality(config.reward, getattr(adapter, "modality", "image"),
                           num_frames=getattr(config.sampling, "num_frames", None))
 
