@@ -13,13 +13,14 @@ Read from the public code (KwaiVGI/VideoAlign: ``trainer.py::Qwen2VLRewardModelB
   at each; ``reward_token: last`` reads the last token's ``output_dim`` (>= 3) values.
 * **Input.** The prompt filled into the ``detailed_special`` template (the release's; it names the three special
   tokens), after the video, in Qwen2-VL's chat format with the generation prompt:
-  ``<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n<|vision_start|>`` +
-  ``<|video_pad|>`` x (tokens of the video) + ``<|vision_end|>`` + text + ``<|im_end|>\\n<|im_start|>assistant\\n``.
+  ``<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<|vision_start|>`` +
+  ``<|video_pad|>`` x (tokens of the video) + ``<|vision_end|>`` + text + ``<|im_end|>\n<|im_start|>assistant\n``.
   The video: ``num_frames`` frames sampled as Qwen2-VL's video processor samples them (``arange(0, F, F / n)``;
   default: the checkpoint's ``num_frames``, else every frame: a tensor has no fps to sample ``fps: 2`` by), each
   frame resized (bicubic, antialiased) to Qwen2-VL's ``smart_resize`` size between ``min_pixels`` (qwen-vl-utils'
-  ``128 * 28 * 28``) and ``max_pixels`` (the checkpoint's ``max_frame_pixels``), normalised with the CLIP mean and std and patchified by the processor's own ``patchify``
-  (an odd frame count repeats the last frame). All in torch, so ``forward`` is differentiable in the frames.
+  ``128 * 28 * 28``) and ``max_pixels`` (the checkpoint's ``max_frame_pixels``), normalised with the CLIP mean and
+  std and patchified by the video processor's own ``patchify`` (an odd frame count repeats the last frame). All in
+  torch, so ``forward`` is differentiable in the frames.
 * **Scores.** ``VQ, MQ, TA``, each standardised with the checkpoint's ``inference_config`` (``(x - mean) / std``)
   when ``normalize`` and it has one, and ``Overall = VQ + MQ + TA``; ``output`` picks the one the reward returns.
 * **Files.** ``path``: the VideoReward directory, holding ``model_config.json`` and ``checkpoint-<step>/`` with either
@@ -261,6 +262,21 @@ class VideoAlign:
 
     def __repr__(self) -> str:
         return f"VideoAlign(output={self.output!r}, device={str(self.device)!r}, dtype={self.dtype})"
+
+    @classmethod
+    def check_run(cls, kwargs: dict, *, key: str, model: str | None, image_size: Any = None) -> None:
+        """Before it is built and before any model loads (``flowalign.rewards.check_reward_run``): ``path`` holds
+        ``model_config.json`` and a checkpoint, and the base model is a local directory; each error names the file,
+        where it comes from and ``key.<setting>``."""
+        if "path" not in kwargs:
+            raise ValueError(f"{key}.path is required: the VideoReward directory ({SOURCE})")
+        folder = require_dir(kwargs["path"], reward=cls.name, key="path", source=SOURCE, files=("model_config.json",))
+        _checkpoint_dir(folder, kwargs.get("checkpoint_step"))
+        base = kwargs.get("base") or json.loads((folder / "model_config.json").read_text()).get(
+            "model_config", {}).get("model_name_or_path")
+        if base is None or not Path(base).expanduser().is_dir():
+            raise MissingWeightsError(f"videoalign: the base model {base!r} is not a local directory. It usually comes "
+                                      f"from {BASE_SOURCE}; set it with {key}.base.")
 
     # ------------------------------------------------------------------------------------------ input
     def frame_indices(self, frames: int) -> list[int]:

@@ -170,6 +170,16 @@ def test_videoalign_refuses_missing_files_and_images(tiny_videoreward, tmp_path)
         VideoAlign(str(reward_dir))  # the config names a hub id, not a local directory
     with pytest.raises(MissingWeightsError, match="no checkpoint-5 .*checkpoint-3, checkpoint-7"):
         VideoAlign(str(reward_dir), str(base), checkpoint_step=5)
+    from flowalign.rewards import check_reward_run
+
+    key = "reward.rewards[0].kwargs"  # the same checks before anything is built or loaded
+    with pytest.raises(MissingWeightsError, match=r"Qwen/Qwen2-VL-2B-Instruct.*reward.rewards\[0\].kwargs.base"):
+        check_reward_run("videoalign", {"path": str(reward_dir)}, key=key, model=None)
+    with pytest.raises(MissingWeightsError, match="model_config.json"):
+        check_reward_run("videoalign", {"path": str(tmp_path), "base": str(base)}, key=key, model=None)
+    with pytest.raises(ValueError, match=r"reward.rewards\[0\].kwargs.outputs is not a setting.*did you mean 'output'"):
+        check_reward_run("videoalign", {"path": str(reward_dir), "outputs": "VQ"}, key=key, model=None)
+    check_reward_run("videoalign", {"path": str(reward_dir), "base": str(base)}, key=key, model=None)
     reward = VideoAlign(str(reward_dir), str(base), min_pixels=16 * 16)
     with pytest.raises(RewardInputError, match=r"scores videos \[B, F, 3, H, W\]"):
         reward(torch.zeros(1, 3, 16, 16), ["a"])

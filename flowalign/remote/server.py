@@ -63,7 +63,8 @@ import torch
 from torch import Tensor
 
 from flowalign.errors import RewardInputError
-from flowalign.remote.wire import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ENCODINGS, PROTOCOL, Limits,
+from flowalign.remote.wire import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ENCODINGS,
+                                   PROTOCOL, Limits,
                                    ScoreRequest, WireError, decode_request, encode_scores)
 from flowalign.settings import at_least, check, option
 

@@ -44,7 +44,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_MAX_FRAMES", "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS", "PROTOCOL", "SAFETENSORS", "Limits", "ScoreRequest",
+__all__ = ["DEFAULT_MAX_FRAMES", "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS", "PROTOCOL", "SAFETENSORS",
+           "Limits", "ScoreRequest",
            "WireError", "decode_request", "decode_scores", "encode_request", "encode_scores", "png_bytes", "read_png"]
 
 PROTOCOL = 1

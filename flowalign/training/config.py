@@ -350,7 +350,7 @@ class RewardConfig:
         for i, spec in enumerate(self.rewards):
             _check(bool(spec.name), f"reward.rewards[{i}].name", "must not be empty")
             _check(math.isfinite(spec.weight), f"reward.rewards[{i}].weight", f"must be finite, got {spec.weight}")
-            if spec.frames is not None:  # its form here; whether it fits the model: flowalign.rewards.check_reward_modality
+            if spec.frames is not None:  # its form; whether it fits the model: rewards.check_reward_modality
                 from flowalign.reward_models.frames import parse_frames
 
                 parse_frames(spec.frames, f"reward.rewards[{i}].frames")
