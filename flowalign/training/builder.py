@@ -24,7 +24,7 @@ from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
 
 __all__ = ["build_rewards", "build_trainer", "check_prompts_fit_model", "check_prompts_fit_rewards",
-           "enable_xformers", "load_policy"]
+           "check_rewards_fit_modality", "enable_xformers", "load_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     if rewards is None:
         check_prompts_fit_rewards(config, train_prompts)
     check_prompts_fit_model(config, train_prompts, model)
+    if rewards is None:
+        check_rewards_fit_modality(config, model)
     t.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
                               sampling=config.data.prompt_sampling)
     t.rewards = build_rewards(config, rewards, t.layout)
@@ -130,7 +132,8 @@ def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, C
 
 def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
     if rewards is None:
-        return [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        return [(spec.name, spec.weight, _built(spec, f"reward.rewards[{i}]"))
+                for i, spec in enumerate(config.reward.rewards)]
     if isinstance(rewards, Mapping):
         rewards = [(name, 1.0, fn) for name, fn in rewards.items()]
     elif callable(rewards):
@@ -147,6 +150,32 @@ def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
         out.append((str(name), float(weight), fn))
     logger.info("rewards given to the trainer: %s (config.reward.rewards is not used)", ", ".join(n for n, _, _ in out))
     return out
+
+
+def _built(spec, key: str) -> Callable:
+    """The reward of one ``reward.rewards`` entry: built from the registry, scored over a video's frames when the
+    entry has ``frames`` (``flowalign.reward_models.frames.over_frames``)."""
+    reward = build_reward(spec.name, **spec.kwargs)
+    if getattr(spec, "frames", None) is None:
+        return reward
+    from flowalign.reward_models.frames import over_frames
+
+    return over_frames(reward, spec.frames, f"{key}.frames")
+
+
+def check_rewards_fit_modality(config, model: FlowModel | None = None) -> None:
+    """Before any reward is built and the model loads: the rewards fit the model's modality, image or video
+    (``flowalign.rewards.check_reward_modality``), read from ``model`` or from the model's ``model_index.json``. A
+    model path that cannot be read is left to the loader, whose error names it."""
+    from flowalign.models.loading import adapter_class
+    from flowalign.rewards import check_reward_modality
+
+    try:
+        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    except FileNotFoundError:
+        return
+    check_reward_modality(config.reward, getattr(adapter, "modality", "image"),
+                          num_frames=getattr(config.sampling, "num_frames", None))
 
 
 def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:

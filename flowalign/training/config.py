@@ -317,6 +317,9 @@ class RewardSpec:
         "toy_geneval", "registered reward name, or a class of your own: module.path:Class or path/to/file.py:Class"))
     weight: float = option(1.0, "weight of this reward in the combination")
     kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor")
+    frames: dict[str, Any] | None = option(
+        None, "video models: score an image reward over a video's frames, {aggregate: mean|min|weights, weights: "
+        "[...], every: k | count: n} (flowalign.reward_models.frames); null = the reward's own input")
 
 
 @dataclass
@@ -324,7 +327,7 @@ class RewardConfig:
     """The rewards and how they are combined."""
 
     rewards: list[RewardSpec] = option(
-        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs}"
+        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs, frames}"
     )
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = option(
         "sum_then_normalize",
@@ -350,6 +353,10 @@ class RewardConfig:
         for i, spec in enumerate(self.rewards):
             _check(bool(spec.name), f"reward.rewards[{i}].name", "must not be empty")
             _check(math.isfinite(spec.weight), f"reward.rewards[{i}].weight", f"must be finite, got {spec.weight}")
+            if spec.frames is not None:  # its form; whether it fits the model: rewards.check_reward_modality
+                from flowalign.reward_models.frames import parse_frames
+
+                parse_frames(spec.frames, f"reward.rewards[{i}].frames")
         for key in ("max_invalid_fraction", "skip_invalid_fraction"):
             value = getattr(self, key)
             _check(math.isfinite(value) and 0.0 <= value <= 1.0, f"reward.{key}", f"must be in [0, 1], got {value}")
