@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import WanModel
-from flowalign.models.tiny import tiny_wan_pipeline
+from flowalign.models import LTXVideoModel, WanModel
+from flowalign.models.tiny import tiny_ltx_pipeline, tiny_wan_pipeline
 
 from model_families import WORDS
 
@@ -41,6 +41,20 @@ def wan_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latents.dtype)
     inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latents.dtype)
     return (latents - mean) * inverse_std
+
+
+def ltx_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """``LTXImageToVideoPipeline.prepare_latents``' encoding of its condition, taken at the posterior's mode: one video
+    per VAE call through diffusers' ``retrieve_latents(..., sample_mode="argmax")``, then the pipeline's own
+    ``_normalize_latents`` with the VAE's ``latents_mean`` / ``latents_std`` buffers and ``scaling_factor`` (1 in the
+    released VAE and the tiny one; the I2V pipeline passes none, the T2V decode divides by it). Videos
+    ``[B, 3, F, H, W]`` in [-1, 1]."""
+    from diffusers import LTXPipeline
+    from diffusers.pipelines.ltx.pipeline_ltx_image2video import retrieve_latents
+
+    vae = pipe.vae
+    latents = torch.cat([retrieve_latents(vae.encode(video.unsqueeze(0)), sample_mode="argmax") for video in videos])
+    return LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,10 @@ class VideoFamily:
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # Wan2.1 T2V: UMT5 text, CFG in two passes, a causal VAE with per-channel statistics.
     "wan": VideoFamily(WanModel, tiny_wan_pipeline, wan_vae_encoding),
+    # LTX-Video T2V: T5 text with its mask, batched CFG, tokens packed inside the pipeline, a resolution-dependent
+    # shift, a VAE with statistics buffers and a timestep-conditioned decoder (the pipeline checks sizes of 32k).
+    "ltx_video": VideoFamily(LTXVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
+                             pipeline_layout=lambda model, latents: model.pack(latents), sizes=((32, 32), (32, 64))),
 }
 
 

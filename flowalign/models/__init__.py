@@ -9,6 +9,7 @@ from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
+from .ltx_video import LTX_LORA_TARGETS, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditPlusModel
@@ -21,6 +22,8 @@ from .z_image import ZImageModel
 __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
+    "LTX_LORA_TARGETS",
+    "LTXVideoModel",
     "LUMINA2_ATTENTION_TARGETS",
     "MODEL_FAMILIES",
     "SANA_ATTENTION_TARGETS",
