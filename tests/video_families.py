@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import LTXVideoModel, WanModel
-from flowalign.models.tiny import tiny_ltx_pipeline, tiny_wan_pipeline
+from flowalign.models import LTXVideoModel, MochiModel, WanModel
+from flowalign.models.tiny import tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_wan_pipeline
 
 from model_families import WORDS
 
@@ -57,6 +57,17 @@ def ltx_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     return LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
 
 
+def mochi_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """No Mochi pipeline encodes videos, so this is a faithful restatement: the posterior's mode of one video per VAE
+    call, then the inverse of ``MochiPipeline``'s decode normalisation, ``(z - mean) * scaling_factor / std`` with
+    the VAE config's statistics built as the pipeline builds them. Videos ``[B, 3, F, H, W]`` in [-1, 1]."""
+    config = pipe.vae.config
+    latents = torch.cat([pipe.vae.encode(video.unsqueeze(0)).latent_dist.mode() for video in videos])
+    mean = torch.tensor(config.latents_mean).view(1, 12, 1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.tensor(config.latents_std).view(1, 12, 1, 1, 1).to(latents.device, latents.dtype)
+    return (latents - mean) * config.scaling_factor / std
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
@@ -90,6 +101,9 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # shift, a VAE with statistics buffers and a timestep-conditioned decoder (the pipeline checks sizes of 32k).
     "ltx_video": VideoFamily(LTXVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
                              pipeline_layout=lambda model, latents: model.pack(latents), sizes=((32, 32), (32, 64))),
+    # Mochi: its own linear-quadratic sigmas through an inverting scheduler (time and sign flipped), batched CFG, a
+    # VAE 8x in space and 6x in time (7 frames are 2 latent frames).
+    "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),
 }
 
 

@@ -11,6 +11,7 @@ from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .ltx_video import LTX_LORA_TARGETS, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
+from .mochi import MOCHI_LORA_TARGETS, MochiModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditPlusModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
@@ -25,7 +26,9 @@ __all__ = [
     "LTX_LORA_TARGETS",
     "LTXVideoModel",
     "LUMINA2_ATTENTION_TARGETS",
+    "MOCHI_LORA_TARGETS",
     "MODEL_FAMILIES",
+    "MochiModel",
     "SANA_ATTENTION_TARGETS",
     "ChromaModel",
     "CogView4Model",

@@ -13,6 +13,7 @@ from .flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from .hidream import tiny_hidream_pipeline
 from .ltx_video import tiny_ltx_pipeline
 from .lumina2 import tiny_lumina2_pipeline
+from .mochi import tiny_mochi_pipeline
 from .qwen_image import tiny_qwen_image_pipeline
 from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
 from .sana import tiny_sana_pipeline
@@ -32,6 +33,7 @@ __all__ = [
     "tiny_hidream_pipeline",
     "tiny_ltx_pipeline",
     "tiny_lumina2_pipeline",
+    "tiny_mochi_pipeline",
     "tiny_qwen_image_edit_plus_pipeline",
     "tiny_qwen_image_pipeline",
     "tiny_sana_pipeline",
