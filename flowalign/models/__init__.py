@@ -9,7 +9,7 @@ from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
-from .ltx_video import LTX_LORA_TARGETS, LTXVideoModel
+from .ltx_video import LTX_LORA_TARGETS, LTXImageToVideoModel, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .mochi import MOCHI_LORA_TARGETS, MochiModel
 from .qwen_image import QwenImageModel
@@ -24,6 +24,7 @@ __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
     "LTX_LORA_TARGETS",
+    "LTXImageToVideoModel",
     "LTXVideoModel",
     "LUMINA2_ATTENTION_TARGETS",
     "MOCHI_LORA_TARGETS",

@@ -232,3 +232,138 @@ class LTXVideoModel(VideoFlowModel):
             timestep = torch.tensor([self.decode_timestep] * batch, dtype=latents.dtype, device=latents.device)
         video = vae.decode(latents.to(vae.dtype), timestep, return_dict=False)[0]
         return (video.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 1, 3, 4)
+
+
+# ``Cond.extras`` key of the I2V family's first-frame latents ``[B, C, 1, h, w]`` (normalised as the pipeline does).
+FIRST_FRAME = "ltx_first_frame"
+
+
+@register_model_family("ltx_video_i2v")
+class LTXImageToVideoModel(LTXVideoModel):
+    """Adapter over ``diffusers.LTXImageToVideoPipeline`` (LTX-Video I2V): the video's first latent frame is the
+    condition image's latents, kept fixed, and the transformer sees it at timestep 0.
+
+    The pipeline (``prepare_latents`` and its loop):
+
+    * encodes the condition image (resized to the video's frame size by its ``VideoProcessor``) one image per VAE
+      call, a draw from the posterior with the call's generator (``retrieve_latents``), normalised by
+      ``_normalize_latents`` with the VAE's statistics buffers and *no* scaling factor (1 in the released VAE);
+    * then draws the noise ``[B, C, f, h, w]`` from the same generator and puts the condition in frame 0
+      (``latents = cond * mask + noise * (1 - mask)``, ``mask`` 1 on frame 0);
+    * gives the transformer a timestep per token, ``1000 sigma (1 - mask)``: 0 on the first frame's tokens;
+    * steps only frames ``1:`` (``scheduler.step`` on ``latents[:, :, 1:]``), so frame 0 stays the condition bit for
+      bit.
+
+    The adapter's state is the whole latent video ``[B, C, f, h, w]``. ``encode(..., images=)`` stores the condition
+    in ``Cond.extras`` (``FIRST_FRAME``): a draw with ``generator`` as the pipeline's, or the posterior's mode without
+    one (the default: one fixed condition per image, as the trainer wants). ``velocity`` puts the condition in frame 0
+    of what the transformer sees (whatever the state holds there), the per-token timesteps as the pipeline's, and
+    returns on frames ``1:`` the transformer's velocity and on frame 0 ``(x_0 - c) / sigma``: the velocity of the
+    straight path from the state's frame 0 to the condition, independent of the weights. So:
+
+    * started from ``start_latents(noise, cond)`` (frame 0 already the condition, the pipeline's start), frame 0's
+      velocity is exactly 0 and the ODE rollout is the pipeline's bit for bit, frame 0 included;
+    * started from plain noise (the trainer's ``prepare_noise``), frame 0 flows onto the condition, reaching it at
+      sigma 0 within fp32 rounding; frames ``1:`` see the same transformer inputs as in the pipeline;
+    * under an SDE kind frame 0 is a coordinate whose prediction is the condition itself: its mean and noise terms do
+      not depend on the weights, so it contributes the same term to every log-prob of a transition under any
+      weights and cancels in each ratio (it is not frozen bit for bit there: the SDE's noise moves it and the next
+      step pulls it back; freezing it exactly would need a per-coordinate mask in the samplers).
+
+    Condition images are resized to ``image_size`` (an ``encode`` keyword; None is each image's own size, rounded
+    down to the VAE's multiple); the sampled frame size must be that size (``velocity`` refuses another, naming both).
+    """
+
+    family = "ltx_video_i2v"
+    pipeline_class_name = "LTXImageToVideoPipeline"
+    takes_condition_images = True
+    max_condition_images = 1
+
+    @torch.no_grad()
+    def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,
+               images: Sequence | None = None, image_size: int | Sequence[int] | None = None,
+               generator: torch.Generator | list[torch.Generator] | None = None) -> Cond:
+        """T5 embeddings and masks as ``LTXVideoModel``, and each prompt's condition image's latents (exactly one
+        per prompt) in ``extras[FIRST_FRAME]``: a posterior draw with ``generator`` (one, used in turn, or one per
+        prompt: the pipeline's ``prepare_latents``), its mode without."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        rows = self.condition_images(images, len(prompts))
+        missing = [i for i, row in enumerate(rows or [[] for _ in prompts]) if not row]
+        if missing:
+            raise ValueError(f"model family {self.family!r} generates each video from its first frame: give one "
+                             f"condition image per prompt (encode(images=[...]); in a prompt file each entry's "
+                             f"\"images\": [path]); prompts {missing} have none")
+        cond = self.text_cond(prompts, negative_prompts)
+        cond.extras[FIRST_FRAME] = self.first_frame_latents([row[0] for row in rows], image_size, generator)
+        return cond
+
+    def condition_pixels(self, image, image_size: int | Sequence[int] | None) -> Tensor:
+        """One condition image as the pipeline's ``VideoProcessor.preprocess`` makes it, ``[1, 3, H, W]`` in [-1, 1],
+        resized to ``image_size`` (None: the image's own size rounded down to the VAE's multiple)."""
+        from .base import as_image_size
+
+        if image_size is None:
+            height, width = (image.shape[-2:] if isinstance(image, Tensor) else (image.height, image.width))
+            multiple = self.vae_scale_factor
+            image_size = (height // multiple * multiple, width // multiple * multiple)
+        height, width = as_image_size(image_size, self.default_image_size)
+        return self.pipe.video_processor.preprocess(image, height=height, width=width)
+
+    def first_frame_latents(self, images: list, image_size, generator) -> Tensor:
+        """The condition images' normalised latents ``[B, C, 1, h, w]``, fp32, as ``prepare_latents`` computes them
+        (posterior draws with ``generator``, the mode without)."""
+        from diffusers.pipelines.ltx.pipeline_ltx_image2video import retrieve_latents
+
+        pixels = torch.cat([self.condition_pixels(image, image_size) for image in images])
+        pixels = pixels.to(device=self.device, dtype=self.dtype)
+        vae = self.pipe.vae
+        latents = []
+        for i, image in enumerate(pixels):
+            posterior = vae.encode(image.unsqueeze(0).unsqueeze(2).to(vae.dtype))
+            if generator is None:
+                latents.append(retrieve_latents(posterior, sample_mode="argmax"))
+            else:
+                latents.append(retrieve_latents(posterior, generator[i] if isinstance(generator, list) else generator))
+        latents = torch.cat(latents).to(torch.float32)
+        return self.pipe._normalize_latents(latents, vae.latents_mean, vae.latents_std)
+
+    def first_frame(self, latents: Tensor, cond: Cond) -> Tensor:
+        """``cond``'s condition latents in ``latents``' dtype, checked against the sampled frame size."""
+        if FIRST_FRAME not in cond.extras:
+            raise ValueError(f"model family {self.family!r}: this Cond has no condition image latents; encode the "
+                             "prompts with images=[...] (one condition image per prompt)")
+        first = cond.extras[FIRST_FRAME]
+        if first.shape[-2:] != latents.shape[-2:]:
+            scale = self.vae_scale_factor
+            raise ValueError(f"the condition images were encoded at {first.shape[-2] * scale}x{first.shape[-1] * scale}"
+                             f" px but the video is sampled at {latents.shape[-2] * scale}x{latents.shape[-1] * scale}:"
+                             " encode them at the sampled size (encode(..., image_size=)) or sample at theirs")
+        return first.to(device=latents.device, dtype=latents.dtype)
+
+    def start_latents(self, noise: Tensor, cond: Cond) -> Tensor:
+        """The pipeline's start state: ``noise`` with its first frame replaced by the condition
+        (``cond * mask + noise * (1 - mask)``, bitwise: the mask is 0 or 1)."""
+        return torch.cat([self.first_frame(noise, cond), noise[:, :, 1:]], dim=2)
+
+    def conditioning_mask(self, latents: Tensor) -> Tensor:
+        """The pipeline's packed conditioning mask ``[B, N]``, fp32: 1 on the first latent frame's tokens."""
+        batch, _, frames, height, width = latents.shape
+        mask = torch.zeros((batch, 1, frames, height, width), device=latents.device, dtype=torch.float32)
+        mask[:, :, 0] = 1.0
+        return self.pack(mask).squeeze(-1)
+
+    def transformer_tokens(self, latents: Tensor, cond: Cond) -> Tensor:
+        return self.start_latents(latents, cond)
+
+    def token_timestep(self, timestep: Tensor, latents: Tensor, cond: Cond) -> Tensor:
+        """``timestep [B]`` per token, ``t (1 - mask)``: 0 on the condition frame (the pipeline's)."""
+        return timestep.unsqueeze(-1) * (1 - self.conditioning_mask(latents))
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
+        """The transformer's velocity on frames ``1:`` (condition in frame 0, per-token timesteps, CFG batched) and
+        ``(x_0 - c) / sigma`` on frame 0 (see the class docstring)."""
+        v = self.transformer_velocity(x, sigma, cond, guidance_scale)
+        first = self.first_frame(x, cond).float()
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=x.device)
+        sigma = sigma.view(-1, *([1] * (x.ndim - 1))) if sigma.ndim else sigma
+        return torch.cat([(x[:, :, :1].float() - first) / sigma, v[:, :, 1:]], dim=2)
