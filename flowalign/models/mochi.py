@@ -149,6 +149,9 @@ class MochiModel(VideoFlowModel):
         """The pipeline's ``linear_quadratic_schedule(num_steps, 0.025)`` as the scheduler's ``sigmas``."""
         from diffusers.pipelines.mochi.pipeline_mochi import linear_quadratic_schedule
 
+        if num_steps < 2:
+            raise ValueError(f"Mochi samples with at least 2 steps, got {num_steps}: its linear-quadratic schedule "
+                             "spends half the steps on each part (the pipeline fails on 1 step too)")
         return {"sigmas": np.array(linear_quadratic_schedule(num_steps, MOCHI_THRESHOLD_NOISE))}
 
     def sigmas(self, num_steps: int, image_size=None) -> Tensor:
