@@ -107,3 +107,19 @@ def test_decode_timestep_and_noise_are_the_pipelines():
         plain = wrap("ltx_video", vae_batch=2).decode(latents)
     torch.testing.assert_close(ours, frames, rtol=0, atol=1e-6)
     assert not torch.allclose(plain, frames, rtol=0, atol=1e-6)
+
+
+def test_the_ltx_video_preset_has_flow_factorys_ltx_settings_and_frames_the_vae_takes():
+    from pathlib import Path
+
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/ltx_video.yaml", [])
+    s = preset.sampling
+    assert (preset.model.family, s.num_steps, s.kind, s.noise_level, s.stochastic_steps(), s.guidance_scale,
+            s.num_frames, preset.model.lora_rank, preset.model.lora_alpha, preset.optim.lr, preset.data.group_size,
+            preset.loss["grpo"].beta, preset.loss["grpo"].clip_range, preset.advantage.clip) == \
+        ("ltx_video", 24, "cps", 0.8, 3, 1.0, 121, 64, 128, 3e-4, 16, 0.0, 1e-4, 5.0)
+    # The tiny VAE compresses 4x in time, the released one 8x: 121 = 8 * 15 + 1 = 4 * 30 + 1 fits both.
+    assert wrap("ltx_video").check_num_frames(s.num_frames) == 121

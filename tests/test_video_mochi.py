@@ -39,3 +39,18 @@ def test_mochi_takes_6k_plus_1_frames():
         wrap("mochi", num_frames=9)
     model = wrap("mochi")
     assert model.latent_frames() == 2 and model.latent_shape(1, (16, 32)) == (1, 12, 2, 2, 4)
+
+
+def test_the_mochi_preset_samples_with_the_pipelines_defaults():
+    from pathlib import Path
+
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/mochi.yaml", [])
+    s = preset.sampling
+    assert (preset.model.family, s.num_steps, s.guidance_scale, s.num_frames, s.image_size, s.stochastic_steps()) == \
+        ("mochi", 64, 4.5, 19, None, 63)
+    model = wrap("mochi")
+    assert model.check_num_frames(s.num_frames) == 19 and model.default_image_size == (480, 848)
+    assert model.sigmas(s.num_steps).shape == (65,)
