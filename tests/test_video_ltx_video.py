@@ -123,3 +123,20 @@ def test_the_ltx_video_preset_has_flow_factorys_ltx_settings_and_frames_the_vae_
         ("ltx_video", 24, "cps", 0.8, 3, 1.0, 121, 64, 128, 3e-4, 16, 0.0, 1e-4, 5.0)
     # The tiny VAE compresses 4x in time, the released one 8x: 121 = 8 * 15 + 1 = 4 * 30 + 1 fits both.
     assert wrap("ltx_video").check_num_frames(s.num_frames) == 121
+
+
+def test_an_i2v_family_refuses_a_prompt_file_without_condition_images_before_the_model_loads(tmp_path):
+    from flowalign.config import load_config
+    from flowalign.errors import SetupError
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    from golden_runs import small_run_values
+
+    # The model path does not exist: the check runs on the family alone, before anything loads.
+    values = {**small_run_values(tmp_path / "no-model", tmp_path / "run"), "model.family": "ltx_video_i2v",
+              "sampling.num_frames": 5}
+    config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    with pytest.raises(SetupError, match=r"data\.train_prompts = .*model family 'ltx_video_i2v' generates each video "
+                                         r"from a condition image, but the prompt .* has none: give every entry one"):
+        Trainer(config)

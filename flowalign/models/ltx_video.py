@@ -278,6 +278,9 @@ class LTXImageToVideoModel(LTXVideoModel):
     pipeline_class_name = "LTXImageToVideoPipeline"
     takes_condition_images = True
     max_condition_images = 1
+    # Every prompt needs its first frame: a prompt file without one per entry is refused before the model loads
+    # (flowalign.data.condition_images.check_family_takes).
+    requires_condition_images = True
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,
