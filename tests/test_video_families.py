@@ -54,8 +54,12 @@ def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, 
 def adapter_latents(model, family, *, steps, size, guidance, seed=0):
     prompts = compared_prompts(family)
     negatives = [""] * len(prompts) if model.uses_cfg(guidance) else None
-    cond = model.encode(prompts, negative_prompts=negatives, **family.images_kwargs(len(prompts)))
-    x = model.prepare_noise(len(prompts), size, generator=torch.Generator().manual_seed(seed))
+    generator = torch.Generator().manual_seed(seed)
+    if family.start is not None:
+        cond, x = family.start(model, prompts, negatives, size, generator)
+    else:
+        cond = model.encode(prompts, negative_prompts=negatives, **family.images_kwargs(len(prompts)))
+        x = model.prepare_noise(len(prompts), size, generator=generator)
     with torch.no_grad():
         return rollout(model.velocity_fn(cond, guidance), x, model.sigmas(steps, size), torch.zeros(steps)).final
 

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import WanModel
-from flowalign.models.tiny import tiny_wan_pipeline
+from flowalign.models import LTXImageToVideoModel, LTXVideoModel, MochiModel, WanModel
+from flowalign.models.tiny import tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_wan_pipeline
 
 from model_families import WORDS
 
@@ -43,12 +43,52 @@ def wan_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     return (latents - mean) * inverse_std
 
 
+def ltx_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """``LTXImageToVideoPipeline.prepare_latents``' encoding of its condition, taken at the posterior's mode: one video
+    per VAE call through diffusers' ``retrieve_latents(..., sample_mode="argmax")``, then the pipeline's own
+    ``_normalize_latents`` with the VAE's ``latents_mean`` / ``latents_std`` buffers and ``scaling_factor`` (1 in the
+    released VAE and the tiny one; the I2V pipeline passes none, the T2V decode divides by it). Videos
+    ``[B, 3, F, H, W]`` in [-1, 1]."""
+    from diffusers import LTXPipeline
+    from diffusers.pipelines.ltx.pipeline_ltx_image2video import retrieve_latents
+
+    vae = pipe.vae
+    latents = torch.cat([retrieve_latents(vae.encode(video.unsqueeze(0)), sample_mode="argmax") for video in videos])
+    return LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def mochi_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """No Mochi pipeline encodes videos, so this is a faithful restatement: the posterior's mode of one video per VAE
+    call, then the inverse of ``MochiPipeline``'s decode normalisation, ``(z - mean) * scaling_factor / std`` with
+    the VAE config's statistics built as the pipeline builds them. Videos ``[B, 3, F, H, W]`` in [-1, 1]."""
+    config = pipe.vae.config
+    latents = torch.cat([pipe.vae.encode(video.unsqueeze(0)).latent_dist.mode() for video in videos])
+    mean = torch.tensor(config.latents_mean).view(1, 12, 1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.tensor(config.latents_std).view(1, 12, 1, 1, 1).to(latents.device, latents.dtype)
+    return (latents - mean) * config.scaling_factor / std
+
+
+def ltx_i2v_start(model, prompts, negatives, size, generator):
+    """``LTXImageToVideoPipeline.prepare_latents``' order of draws: the condition image's posterior draw, then the
+    noise, from the one generator; the start state is the noise with the condition in frame 0."""
+    cond = model.encode(prompts, negative_prompts=negatives, images=[ltx_condition_image()] * len(prompts),
+                        image_size=size, generator=generator)
+    return cond, model.start_latents(model.prepare_noise(len(prompts), size, generator=generator), cond)
+
+
+def ltx_condition_image() -> torch.Tensor:
+    """The LTX I2V row's condition image: ``[3, 32, 32]`` in [0, 1] (the pipeline resizes it to each frame size)."""
+    return torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(5))
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
     tests/model_families.py). ``frames``: the pixel frames the contract samples; ``vae_encoding(pipe, videos)``:
     the family's own diffusers encoding of videos ``[B, 3, F, H, W]`` in [-1, 1] into the transformer's latents;
-    ``pipeline_frames``: the pipeline's keyword for the frame count."""
+    ``pipeline_frames``: the pipeline's keyword for the frame count. ``start(model, prompts, negatives, size,
+    generator) -> (cond, x_init)``: how a rollout that equals the pipeline's call begins, for a family whose pipeline
+    draws more than the noise from its generator (None: ``encode``, then ``prepare_noise`` with the generator)."""
 
     adapter: type
     build: Callable
@@ -63,6 +103,7 @@ class VideoFamily:
     condition_images: Callable | None = None
     prompts_per_call: int | None = None
     context: Callable = nullcontext
+    start: Callable | None = None
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -72,6 +113,19 @@ class VideoFamily:
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # Wan2.1 T2V: UMT5 text, CFG in two passes, a causal VAE with per-channel statistics.
     "wan": VideoFamily(WanModel, tiny_wan_pipeline, wan_vae_encoding),
+    # LTX-Video T2V: T5 text with its mask, batched CFG, tokens packed inside the pipeline, a resolution-dependent
+    # shift, a VAE with statistics buffers and a timestep-conditioned decoder (the pipeline checks sizes of 32k).
+    "ltx_video": VideoFamily(LTXVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
+                             pipeline_layout=lambda model, latents: model.pack(latents), sizes=((32, 32), (32, 64))),
+    # Mochi: its own linear-quadratic sigmas through an inverting scheduler (time and sign flipped), batched CFG, a
+    # VAE 8x in space and 6x in time (7 frames are 2 latent frames).
+    # LTX-Video I2V: the condition image's latents (a posterior draw from the call's generator) fixed in frame 0,
+    # per-token timesteps (0 there); one prompt per call (the pipeline encodes each image it is given once).
+    "ltx_video_i2v": VideoFamily(LTXImageToVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
+                                 build_kwargs={"image_to_video": True}, pipeline_layout=lambda model, latents: model.pack(latents),
+                                 sizes=((32, 32), (32, 64)), condition_images=ltx_condition_image, prompts_per_call=1,
+                                 start=ltx_i2v_start),
+    "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),
 }
 
 

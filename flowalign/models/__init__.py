@@ -9,7 +9,9 @@ from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
+from .ltx_video import LTX_LORA_TARGETS, LTXImageToVideoModel, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
+from .mochi import MOCHI_LORA_TARGETS, MochiModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditPlusModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
@@ -21,8 +23,13 @@ from .z_image import ZImageModel
 __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
+    "LTX_LORA_TARGETS",
+    "LTXImageToVideoModel",
+    "LTXVideoModel",
     "LUMINA2_ATTENTION_TARGETS",
+    "MOCHI_LORA_TARGETS",
     "MODEL_FAMILIES",
+    "MochiModel",
     "SANA_ATTENTION_TARGETS",
     "ChromaModel",
     "CogView4Model",

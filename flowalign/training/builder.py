@@ -102,9 +102,9 @@ def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None
     them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
     ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
     from flowalign.data.condition_images import check_family_takes, has_condition_images
-    from flowalign.models.loading import adapter_class
+    from flowalign.models.loading import adapter_class, names_adapter
 
-    if has_condition_images(prompts):
+    if has_condition_images(prompts) or model is not None or names_adapter(config.model.path, config.model.family):
         adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
         check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
 

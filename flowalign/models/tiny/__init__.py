@@ -11,7 +11,9 @@ from .cogview4 import tiny_cogview4_pipeline
 from .flux import tiny_chroma_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pipeline
 from .flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from .hidream import tiny_hidream_pipeline
+from .ltx_video import tiny_ltx_pipeline
 from .lumina2 import tiny_lumina2_pipeline
+from .mochi import tiny_mochi_pipeline
 from .qwen_image import tiny_qwen_image_pipeline
 from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
 from .sana import tiny_sana_pipeline
@@ -29,7 +31,9 @@ __all__ = [
     "tiny_flux_kontext_pipeline",
     "tiny_flux_pipeline",
     "tiny_hidream_pipeline",
+    "tiny_ltx_pipeline",
     "tiny_lumina2_pipeline",
+    "tiny_mochi_pipeline",
     "tiny_qwen_image_edit_plus_pipeline",
     "tiny_qwen_image_pipeline",
     "tiny_sana_pipeline",
