@@ -79,3 +79,16 @@ def test_frame_sides_must_be_multiples_of_thirty_two_as_the_pipeline_says():
     assert model.image_multiple == 32
     with pytest.raises(ValueError, match="multiple of 32"):
         model.encode_videos(torch.rand(1, 5, 3, 16, 16))
+
+
+def test_the_preset_samples_at_the_models_inference_defaults():
+    from pathlib import Path
+
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/sana_video.yaml", [])
+    assert (preset.model.family, preset.sampling.num_steps, preset.sampling.guidance_scale, preset.sampling.image_size,
+            preset.sampling.num_frames, preset.model.lora_targets) == ("sana_video", 50, 6.0, None, 81, None)
+    model = wrap_pipeline(tiny_video_pipeline("sana_video"), num_frames=preset.sampling.num_frames)
+    assert model.default_image_size == (480, 832) and model.latent_frames() == 21

@@ -46,3 +46,19 @@ def test_frame_sides_must_be_multiples_of_sixteen_as_the_pipeline_says():
     assert model.image_multiple == 16
     with pytest.raises(ValueError, match="multiple of 16"):
         model.encode_videos(torch.rand(1, 5, 3, 24, 24))
+
+
+def test_the_preset_has_dancegrpos_skyreels_settings():
+    from pathlib import Path
+
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/skyreels_v2.yaml", [])
+    assert (preset.model.family, preset.model.finetune, preset.sampling.num_steps, preset.sampling.kind,
+            preset.sampling.noise_level, preset.sampling.shared_noise, preset.sampling.guidance_scale,
+            preset.sampling.num_frames, preset.data.group_size, preset.optim.lr, preset.loss["grpo"].beta,
+            preset.loss["grpo"].clip_range) == \
+        ("skyreels_v2", "full", 16, "dance", 0.3, True, 5.0, 53, 8, 1e-5, 0.0, 1e-4)
+    assert preset.sampling.stochastic_steps() == 15 and preset.step_selection.count == 9  # timestep_fraction 0.6
+    wrap_pipeline(tiny_video_pipeline("skyreels_v2"), num_frames=preset.sampling.num_frames)  # a 4k+1 count
