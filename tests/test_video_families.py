@@ -48,7 +48,7 @@ def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, 
     images = {} if family.condition_images is None else {"image": family.condition_images()}
     return pipe(prompt=list(compared_prompts(family)), num_inference_steps=steps, output_type=output_type,
                 generator=torch.Generator().manual_seed(seed), height=size[0], width=size[1],
-                num_frames=family.frames, **family.call(model, guidance), **images).frames
+                **{family.pipeline_frames: family.frames}, **family.call(model, guidance), **images).frames
 
 
 def adapter_latents(model, family, *, steps, size, guidance, seed=0):

@@ -18,8 +18,10 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import LTXImageToVideoModel, LTXVideoModel, MochiModel, WanModel
-from flowalign.models.tiny import tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_wan_pipeline
+from flowalign.models import (LTXImageToVideoModel, LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model,
+                              WanModel)
+from flowalign.models.tiny import (tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_sana_video_pipeline,
+                                   tiny_skyreels_v2_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
 
@@ -81,14 +83,48 @@ def ltx_condition_image() -> torch.Tensor:
     return torch.rand(3, 32, 32, generator=torch.Generator().manual_seed(5))
 
 
+def _sana_video_kwargs(model, guidance: float) -> dict:
+    """SANA-Video's CFG scale, with the adapter's (empty) complex human instruction and no resolution binning."""
+    return {**_cfg_kwargs(model, guidance), "complex_human_instruction": model.complex_human_instruction,
+            "use_resolution_binning": False}
+
+
+def sana_video_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """SANA-Video's encoding. One-frame videos go through diffusers' own ``SanaImageToVideoPipeline.prepare_latents``
+    (the first-frame latents it writes over the noise, ``argmax`` of the posterior normalised by the VAE's statistics);
+    diffusers has no SANA-Video video-to-video pipeline, so longer videos are a faithful restatement of the same code
+    (one video per VAE call). Videos ``[B, 3, F, H, W]`` in [-1, 1]."""
+    from diffusers import SanaImageToVideoPipeline
+    from diffusers.pipelines.sana_video.pipeline_sana_video_i2v import retrieve_latents
+
+    if videos.shape[2] == 1:
+        i2v = SanaImageToVideoPipeline(**pipe.components)
+        rows = []
+        for image in videos[:, :, 0]:
+            latents = i2v.prepare_latents(image[None], 1, pipe.transformer.config.in_channels, *image.shape[-2:],
+                                          num_frames=1, dtype=pipe.vae.dtype, device=image.device,
+                                          latents=torch.zeros(1, pipe.transformer.config.in_channels, 1,
+                                                              *(side // pipe.vae_scale_factor_spatial
+                                                                for side in image.shape[-2:])))
+            rows.append(latents[:, :, 0:1])
+        return torch.cat(rows)
+    config = pipe.vae.config
+    latents = torch.cat([retrieve_latents(pipe.vae.encode(video.unsqueeze(0)), sample_mode="argmax")
+                         for video in videos])
+    mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
+    inverse_std = 1.0 / torch.tensor(config.latents_std).view(1, -1, 1, 1, 1).to(latents.device, latents.dtype)
+    return (latents - mean) * inverse_std
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
     tests/model_families.py). ``frames``: the pixel frames the contract samples; ``vae_encoding(pipe, videos)``:
     the family's own diffusers encoding of videos ``[B, 3, F, H, W]`` in [-1, 1] into the transformer's latents;
-    ``pipeline_frames``: the pipeline's keyword for the frame count. ``start(model, prompts, negatives, size,
-    generator) -> (cond, x_init)``: how a rollout that equals the pipeline's call begins, for a family whose pipeline
-    draws more than the noise from its generator (None: ``encode``, then ``prepare_noise`` with the generator)."""
+    ``pipeline_frames``: the pipeline's keyword for the frame count (``frames`` for SANA-Video). ``start(model,
+    prompts, negatives, size, generator) -> (cond, x_init)``: how a rollout that equals the pipeline's call begins, for
+    a family whose pipeline draws more than the noise from its generator (None: ``encode``, then ``prepare_noise``
+    with the generator)."""
 
     adapter: type
     build: Callable
@@ -104,6 +140,7 @@ class VideoFamily:
     prompts_per_call: int | None = None
     context: Callable = nullcontext
     start: Callable | None = None
+    pipeline_frames: str = "num_frames"
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -126,6 +163,11 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
                                  sizes=((32, 32), (32, 64)), condition_images=ltx_condition_image, prompts_per_call=1,
                                  start=ltx_i2v_start),
     "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),
+    # SkyReels-V2 T2V: Wan2.1's pipeline loop, text and VAE under SkyReels' classes; its own LoRA loader.
+    "skyreels_v2": VideoFamily(SkyReelsV2Model, tiny_skyreels_v2_pipeline, wan_vae_encoding),
+    # SANA-Video: SANA's Gemma2 text with its mask and batched CFG over Wan's VAE; 32 px multiples, ``frames=``.
+    "sana_video": VideoFamily(SanaVideoModel, tiny_sana_video_pipeline, sana_video_vae_encoding,
+                              call=_sana_video_kwargs, sizes=((32, 32), (32, 64)), pipeline_frames="frames"),
 }
 
 

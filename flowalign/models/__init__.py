@@ -15,7 +15,9 @@ from .mochi import MOCHI_LORA_TARGETS, MochiModel
 from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditPlusModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
+from .sana_video import SANA_VIDEO_LORA_TARGETS, SanaVideoModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
+from .skyreels_v2 import SkyReelsV2Model
 from .video import VideoFlowModel
 from .wan import WAN_LORA_TARGETS, WanModel
 from .z_image import ZImageModel
@@ -31,6 +33,7 @@ __all__ = [
     "MODEL_FAMILIES",
     "MochiModel",
     "SANA_ATTENTION_TARGETS",
+    "SANA_VIDEO_LORA_TARGETS",
     "ChromaModel",
     "CogView4Model",
     "Cond",
@@ -48,7 +51,9 @@ __all__ = [
     "register_model_family",
     "resolve_dtype",
     "SanaModel",
+    "SanaVideoModel",
     "SD3Model",
+    "SkyReelsV2Model",
     "unpack_latents",
     "VideoFlowModel",
     "WAN_LORA_TARGETS",

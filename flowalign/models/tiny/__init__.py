@@ -17,7 +17,9 @@ from .mochi import tiny_mochi_pipeline
 from .qwen_image import tiny_qwen_image_pipeline
 from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
 from .sana import tiny_sana_pipeline
+from .sana_video import tiny_sana_video_pipeline
 from .sd3 import tiny_sd3_pipeline
+from .skyreels_v2 import tiny_skyreels_v2_pipeline
 from .wan import tiny_wan_pipeline
 from .tokenizers import chat_word_tokenizer, word_level_tokenizer
 from .z_image import tiny_z_image_pipeline
@@ -37,7 +39,9 @@ __all__ = [
     "tiny_qwen_image_edit_plus_pipeline",
     "tiny_qwen_image_pipeline",
     "tiny_sana_pipeline",
+    "tiny_sana_video_pipeline",
     "tiny_sd3_pipeline",
+    "tiny_skyreels_v2_pipeline",
     "tiny_wan_pipeline",
     "tiny_z_image_pipeline",
     "word_level_tokenizer",
