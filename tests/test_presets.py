@@ -388,6 +388,8 @@ def test_method_presets_differ_from_their_base_in_exactly_their_knobs(preset, tm
         node = config
         for part in key.split("."):
             node = node[part]
+        if key == "reward.rewards":  # a spec written without frames reads back with frames: null
+            value = [{"frames": None, **spec} for spec in value]
         assert node == value, key
 
 
