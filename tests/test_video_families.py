@@ -46,9 +46,10 @@ def compared_prompts(family):
 
 def pipeline_output(pipe, model, family, *, steps, size, guidance, output_type, seed=0):
     images = {} if family.condition_images is None else {"image": family.condition_images()}
+    sized = {} if family.sized_by_image else {"height": size[0], "width": size[1]}
     return pipe(prompt=list(compared_prompts(family)), num_inference_steps=steps, output_type=output_type,
-                generator=torch.Generator().manual_seed(seed), height=size[0], width=size[1],
-                num_frames=family.frames, **family.call(model, guidance), **images).frames
+                generator=torch.Generator().manual_seed(seed), num_frames=family.frames,
+                **sized, **family.call(model, guidance), **images).frames
 
 
 def adapter_latents(model, family, *, steps, size, guidance, seed=0):

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import WanModel
-from flowalign.models.tiny import tiny_wan_pipeline
+from flowalign.models import HunyuanVideo15I2VModel, HunyuanVideo15Model, WanModel
+from flowalign.models.tiny import tiny_hunyuan_video15_pipeline, tiny_wan_pipeline
 
 from model_families import WORDS
 
@@ -43,12 +43,49 @@ def wan_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     return (latents - mean) * inverse_std
 
 
+def hunyuan_video15_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """HunyuanVideo 1.5's VAE encoding, a faithful restatement (no pipeline of the family encodes a video; the
+    image-to-video pipeline's ``_get_image_latents`` is this for one frame, and tests/test_video_hunyuan_video15.py
+    checks the first-frame condition against it): one video per VAE call (the VAE of diffusers 0.42.1 cannot take a
+    batch), diffusers' ``retrieve_latents(..., sample_mode="argmax")``, times the config's ``scaling_factor``."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
+
+    latents = torch.cat([retrieve_latents(pipe.vae.encode(video.unsqueeze(0)), sample_mode="argmax")
+                         for video in videos])
+    return latents * pipe.vae.config.scaling_factor
+
+
+def hunyuan_video15_call(model, guidance: float) -> dict:
+    """The pipeline's guider set to ``guidance`` (HunyuanVideo 1.5 takes its CFG scale from its
+    ``ClassifierFreeGuidance`` guider, not a call argument); its negative prompt defaults to the empty prompt."""
+    model.pipe.guider = model.pipe.guider.new(guidance_scale=guidance)
+    return {}
+
+
+def tiny_hunyuan_video15_sliced(words, **kwargs):
+    """The tiny HunyuanVideo 1.5 pipeline with its VAE decoding one video at a time (``vae.enable_slicing()``), so
+    that the pipeline's own batched decode runs in diffusers 0.42.1, whose VAE cannot decode a batch of videos."""
+    pipe = tiny_hunyuan_video15_pipeline(words, **kwargs)
+    pipe.vae.enable_slicing()
+    return pipe
+
+
+def first_frame_image():
+    """A 16 px RGB first frame (random pixels, fixed seed) as a PIL image, the type the I2V pipelines take."""
+    from PIL import Image
+
+    pixels = torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(5))
+    return Image.fromarray((pixels * 255).round().to(torch.uint8).numpy())
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
     tests/model_families.py). ``frames``: the pixel frames the contract samples; ``vae_encoding(pipe, videos)``:
     the family's own diffusers encoding of videos ``[B, 3, F, H, W]`` in [-1, 1] into the transformer's latents;
-    ``pipeline_frames``: the pipeline's keyword for the frame count."""
+    ``pipeline_frames``: the pipeline's keyword for the frame count; ``sized_by_image``: the pipeline takes no
+    ``height`` / ``width`` but sizes the video by its condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists
+    the size its condition image gives)."""
 
     adapter: type
     build: Callable
@@ -63,6 +100,7 @@ class VideoFamily:
     condition_images: Callable | None = None
     prompts_per_call: int | None = None
     context: Callable = nullcontext
+    sized_by_image: bool = False
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -72,6 +110,17 @@ class VideoFamily:
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # Wan2.1 T2V: UMT5 text, CFG in two passes, a causal VAE with per-channel statistics.
     "wan": VideoFamily(WanModel, tiny_wan_pipeline, wan_vae_encoding),
+    # HunyuanVideo 1.5 T2V: Qwen2.5-VL + ByT5 text, CFG through the pipeline's guider, the first frame's latents and
+    # a mask concatenated to the latents (zeros in T2V), one video per VAE call; the pipeline has no LoRA loader
+    # (tests/test_video_hunyuan_video15.py round-trips through the transformer's load_lora_adapter).
+    "hunyuan_video15": VideoFamily(HunyuanVideo15Model, tiny_hunyuan_video15_sliced, hunyuan_video15_vae_encoding,
+                                   call=hunyuan_video15_call, lora_loader=False),
+    # HunyuanVideo 1.5 I2V: the T2V row's conventions with a first frame (SigLIP embeddings, the first latent frame
+    # and its mask); the pipeline sizes the video by the image.
+    "hunyuan_video15_i2v": VideoFamily(HunyuanVideo15I2VModel, tiny_hunyuan_video15_sliced,
+                                       hunyuan_video15_vae_encoding, call=hunyuan_video15_call, lora_loader=False,
+                                       build_kwargs={"image_to_video": True}, condition_images=first_frame_image,
+                                       sizes=((16, 16),), sized_by_image=True),
 }
 
 

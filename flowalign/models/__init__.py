@@ -8,6 +8,8 @@ from .flux import FluxModel, pack_latents, unpack_latents
 from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
+from .hunyuan_video15 import HUNYUAN_VIDEO15_LORA_TARGETS, HunyuanVideo15Model
+from .hunyuan_video15_i2v import HunyuanVideo15I2VModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .qwen_image import QwenImageModel
@@ -33,6 +35,9 @@ __all__ = [
     "FluxKontextModel",
     "FluxModel",
     "HiDreamModel",
+    "HUNYUAN_VIDEO15_LORA_TARGETS",
+    "HunyuanVideo15I2VModel",
+    "HunyuanVideo15Model",
     "load_flow_model",
     "Lumina2Model",
     "pack_latents",
