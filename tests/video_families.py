@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import HunyuanVideo15I2VModel, HunyuanVideo15Model, WanModel
-from flowalign.models.tiny import tiny_hunyuan_video15_pipeline, tiny_wan_pipeline
+from flowalign.models import HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, WanModel
+from flowalign.models.tiny import tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_wan_pipeline
 
 from model_families import WORDS
 
@@ -70,6 +70,22 @@ def tiny_hunyuan_video15_sliced(words, **kwargs):
     return pipe
 
 
+def kandinsky5_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """Kandinsky 5's VAE encoding, a faithful restatement of ``Kandinsky5I2VPipeline.prepare_latents``' encoding
+    (``vae.encode(...).latent_dist`` times the config's ``scaling_factor``; the pipeline draws from the posterior,
+    this takes its mode, as ``encode_videos`` does by default): one video per VAE call."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
+
+    latents = torch.cat([retrieve_latents(pipe.vae.encode(video.unsqueeze(0)), sample_mode="argmax")
+                         for video in videos])
+    return latents * pipe.vae.config.scaling_factor
+
+
+def kandinsky5_call(model, guidance: float) -> dict:
+    """The CFG scale and the empty negative prompt (the pipeline's own default negative is a list of defects)."""
+    return {**_cfg_kwargs(model, guidance), "negative_prompt": ""}
+
+
 def first_frame_image():
     """A 16 px RGB first frame (random pixels, fixed seed) as a PIL image, the type the I2V pipelines take."""
     from PIL import Image
@@ -85,7 +101,8 @@ class VideoFamily:
     the family's own diffusers encoding of videos ``[B, 3, F, H, W]`` in [-1, 1] into the transformer's latents;
     ``pipeline_frames``: the pipeline's keyword for the frame count; ``sized_by_image``: the pipeline takes no
     ``height`` / ``width`` but sizes the video by its condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists
-    the size its condition image gives)."""
+    the size its condition image gives); ``decode_atol``: how far one video per VAE call may be from the pipeline's
+    batched call (fp32 rounding: batched convolutions round differently)."""
 
     adapter: type
     build: Callable
@@ -101,6 +118,7 @@ class VideoFamily:
     prompts_per_call: int | None = None
     context: Callable = nullcontext
     sized_by_image: bool = False
+    decode_atol: float = 1e-6
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -121,6 +139,12 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
                                        hunyuan_video15_vae_encoding, call=hunyuan_video15_call, lora_loader=False,
                                        build_kwargs={"image_to_video": True}, condition_images=first_frame_image,
                                        sizes=((16, 16),), sized_by_image=True),
+    # Kandinsky 5 T2V: channels-last pipeline latents, Qwen2.5-VL text with CLIP's pooled embedding, CFG in two passes,
+    # the released visual_cond transformer (zeros and a zero mask appended in T2V), the HunyuanVideo VAE (whose
+    # one-video and two-video calls differ by up to 4e-6 on CPU: decode_atol).
+    "kandinsky5_t2v": VideoFamily(Kandinsky5T2VModel, tiny_kandinsky5_pipeline, kandinsky5_vae_encoding,
+                                  call=kandinsky5_call, decode_atol=1e-5,
+                                  pipeline_layout=staticmethod(lambda model, latents: model.pipeline_latents(latents))),
 }
 
 

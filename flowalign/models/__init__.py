@@ -10,6 +10,7 @@ from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
 from .hunyuan_video15 import HUNYUAN_VIDEO15_LORA_TARGETS, HunyuanVideo15Model
 from .hunyuan_video15_i2v import HunyuanVideo15I2VModel
+from .kandinsky5 import KANDINSKY5_LORA_TARGETS, Kandinsky5T2VModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .qwen_image import QwenImageModel
@@ -23,6 +24,7 @@ from .z_image import ZImageModel
 __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
+    "KANDINSKY5_LORA_TARGETS",
     "LUMINA2_ATTENTION_TARGETS",
     "MODEL_FAMILIES",
     "SANA_ATTENTION_TARGETS",
@@ -38,6 +40,7 @@ __all__ = [
     "HUNYUAN_VIDEO15_LORA_TARGETS",
     "HunyuanVideo15I2VModel",
     "HunyuanVideo15Model",
+    "Kandinsky5T2VModel",
     "load_flow_model",
     "Lumina2Model",
     "pack_latents",

@@ -12,6 +12,7 @@ from .flux import tiny_chroma_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pi
 from .flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from .hidream import tiny_hidream_pipeline
 from .hunyuan_video15 import tiny_hunyuan_video15_pipeline
+from .kandinsky5 import tiny_kandinsky5_pipeline
 from .lumina2 import tiny_lumina2_pipeline
 from .qwen_image import tiny_qwen_image_pipeline
 from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
@@ -31,6 +32,7 @@ __all__ = [
     "tiny_flux_pipeline",
     "tiny_hidream_pipeline",
     "tiny_hunyuan_video15_pipeline",
+    "tiny_kandinsky5_pipeline",
     "tiny_lumina2_pipeline",
     "tiny_qwen_image_edit_plus_pipeline",
     "tiny_qwen_image_pipeline",
