@@ -141,3 +141,30 @@ def test_i2v_latents_of_another_size_than_the_first_frame_are_refused_naming_the
     x = model.prepare_noise(2, (16, 32), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"first frames are 16x16 px.*image_size \[16, 16\]"):
         model.velocity(x, 0.5, cond)
+
+
+def test_the_pipeline_drops_exactly_the_system_turn_of_the_tiny_tokenizer():
+    """The tiny tokenizer's chat template gives the system turn the released 108 tokens, so the pipeline's crop keeps
+    exactly the user's text (and a saved tiny pipeline, which loads back the released 108, crops the same)."""
+    pipe = tiny_video_pipeline("hunyuan_video15")
+    messages = [{"role": "system", "content": pipe.system_message}, {"role": "user", "content": "red circle"}]
+    ids = pipe.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    kept = pipe.tokenizer.convert_ids_to_tokens(ids["input_ids"][pipe.prompt_template_encode_start_idx:])
+    assert pipe.prompt_template_encode_start_idx == 108 and kept[:2] == ["red", "circle"]
+
+
+@pytest.mark.parametrize("shift", [5.0, 7.0, 9.0])
+def test_sigmas_are_the_released_schedulers(shift):
+    """The released checkpoints ship ``FlowMatchEulerDiscreteScheduler`` with shift 5 (480p), 7 (720p I2V) and 9
+    (720p T2V) (diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py): ``sigmas`` is the schedule the pipeline
+    sets on it, ``linspace(1, 0, N + 1)[:-1]`` shifted, then 0."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import retrieve_timesteps
+
+    pipe = fresh_video_pipeline("hunyuan_video15")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+    model = wrap_pipeline(pipe, num_frames=5)
+    retrieve_timesteps(pipe.scheduler, 8, "cpu", sigmas=np.linspace(1.0, 0.0, 9)[:-1])
+    assert torch.equal(model.sigmas(8, 16), pipe.scheduler.sigmas.float())
+    assert model.sigmas(8, 16)[0] == 1 and model.sigmas(8, 16)[-1] == 0

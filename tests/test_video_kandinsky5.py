@@ -35,3 +35,10 @@ def test_a_transformer_without_visual_cond_samples_as_its_pipeline_bitwise():
     expected = pipe(prompt=PROMPTS, num_inference_steps=2, num_frames=5, height=16, width=16, guidance_scale=1.0,
                     output_type="latent", generator=torch.Generator().manual_seed(0)).frames
     assert torch.equal(model.pipeline_latents(ours), expected)
+
+
+def test_the_pipeline_drops_exactly_the_template_prefix_of_the_tiny_tokenizer():
+    pipe = tiny_video_pipeline("kandinsky5_t2v")
+    ids = pipe.tokenizer.tokenizer(pipe.prompt_template.format("red circle")).input_ids
+    kept = pipe.tokenizer.tokenizer.convert_ids_to_tokens(ids[pipe.prompt_template_encode_start_idx:])
+    assert pipe.prompt_template_encode_start_idx == 128 and kept[:2] == ["red", "circle"]

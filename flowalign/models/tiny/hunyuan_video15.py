@@ -2,12 +2,14 @@
 pipeline's chat template, a ByT5 glyph encoder (a T5 encoder over ByT5's byte tokenizer), a 1-block HunyuanVideo 1.5
 DiT, its causal 3D VAE downsampling 4x in space and time and, for image-to-video, a SigLIP vision tower.
 
-The released pipelines pad the Qwen prompt to 1000 tokens after a 108-token system prompt, the ByT5 glyph text to
-256 tokens, and give the transformer 729 SigLIP tokens; these are attributes the pipelines set in ``__init__``
-(``tokenizer_max_length``, ``tokenizer_2_max_length``, ``vision_num_semantic_tokens``,
-``prompt_template_encode_start_idx``), which the tiny builders set to tiny values after construction: the prefix the
-pipeline drops is exactly the tiny tokenizer's count of the system prompt's tokens (``template_prefix_tokens``).
-A tiny pipeline saved and loaded again gets the released values back (still a working pipeline, over longer text).
+The pipelines drop the first 108 tokens of the chat-templated prompt (``prompt_template_encode_start_idx``, the
+released Qwen tokenizer's count of the system turn): the tiny tokenizer's chat template gives the system turn exactly
+108 tokens (the word-level split of the system prompt, then ``<|filler|>`` tokens up to 108: ``chat_template``),
+so exactly the user's text is kept, as released. The released pipelines also pad the Qwen prompt to 1000 tokens, the
+ByT5 glyph text to 256 and give text-to-video 729 zero image tokens: attributes the pipelines set in ``__init__``
+(``tokenizer_max_length``, ``tokenizer_2_max_length``, ``vision_num_semantic_tokens``), which the tiny builders set
+to tiny values after construction. A tiny pipeline saved and loaded again gets the released lengths back (still the
+same model, over longer padding; ``model.max_sequence_length`` shortens the Qwen padding again).
 """
 
 from __future__ import annotations
@@ -16,12 +18,25 @@ from typing import Iterable
 
 import torch
 
-from .tokenizers import chat_word_tokenizer
+from .tokenizers import CHAT_TEMPLATE, chat_word_tokenizer
 
 # The tiny transformer's width; the text widths are the encoders' hidden sizes.
 TEXT_HIDDEN = 32
 GLYPH_HIDDEN = 16
 IMAGE_EMBED_DIM = 16
+
+
+FILLER = "<|filler|>"
+
+
+def chat_template(filler: int) -> str:
+    """``CHAT_TEMPLATE`` with ``filler`` ``<|filler|>`` tokens after the system turn's text."""
+    system_end = "{{ '<|im_end|>' + '\n' }}"
+    padded = ("{% if message['role'] == 'system' %}{{ '" + FILLER + "' * " + str(filler) + " }}{% endif %}"
+              + system_end)
+    if CHAT_TEMPLATE.count(system_end) != 1:
+        raise RuntimeError("the tiny chat template changed: place the filler tokens again")
+    return CHAT_TEMPLATE.replace(system_end, padded)
 
 
 def template_prefix_tokens(pipe) -> int:
@@ -71,7 +86,7 @@ def tiny_hunyuan_video15_pipeline(
 
     words = list(words)
     torch.manual_seed(seed)
-    tokenizer = chat_word_tokenizer(words, 512)
+    tokenizer = chat_word_tokenizer(words, 512, extra_special=(FILLER,))
     heads = 2
     head_dim = TEXT_HIDDEN // heads
     text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
@@ -109,7 +124,15 @@ def tiny_hunyuan_video15_pipeline(
         pipe = HunyuanVideo15ImageToVideoPipeline(**components)
     else:
         pipe = HunyuanVideo15Pipeline(**components)
-    pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe)
+    natural = template_prefix_tokens(pipe)
+    dropped = pipe.prompt_template_encode_start_idx
+    if natural > dropped:
+        raise RuntimeError(f"the tiny tokenizer gives the system turn {natural} tokens, more than the {dropped} the "
+                           "pipeline drops")
+    tokenizer.chat_template = chat_template(dropped - natural)
+    if template_prefix_tokens(pipe) != dropped:
+        raise RuntimeError(f"the tiny tokenizer gives the system turn {template_prefix_tokens(pipe)} tokens, but the "
+                           f"pipeline drops {dropped}")
     pipe.tokenizer_max_length = max_length
     pipe.tokenizer_2_max_length = glyph_length
     pipe.vision_num_semantic_tokens = image_tokens

@@ -3,8 +3,9 @@ template (tokenised by a ``Qwen2VLProcessor`` over the tiny chat tokenizer), a C
 embedding, a 1+1-block Kandinsky 5 DiT and a HunyuanVideo VAE downsampling 4x in space and time.
 
 The pipeline drops the first ``prompt_template_encode_start_idx`` tokens (128, the released Qwen tokenizer's count of
-the template's prefix); the tiny builder sets that attribute to the tiny tokenizer's own count of the prefix
-(``template_prefix_tokens``), so exactly the user's text and the template's suffix are kept, as released.
+the template's prefix); the tiny tokenizer gives the prefix exactly as many (one phrase of the template is a token of
+its own, ``TEMPLATE_PHRASE``), so exactly the user's text and the template's suffix are kept, as released, and a
+saved tiny pipeline loads back the same.
 """
 
 from __future__ import annotations
@@ -18,12 +19,23 @@ from .tokenizers import chat_word_tokenizer, word_level_tokenizer
 
 # Qwen2-VL's vision tokens: the processor looks them up even for text-only calls.
 QWEN_VL_SPECIAL = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+# A phrase of the prompt template's system turn, one token of the tiny tokenizer: the word-level tokenizer splits the
+# template's prefix into 131 tokens, 3 more than the released Qwen tokenizer's 128.
+TEMPLATE_PHRASE = "a prompt engineer."
 
 
 def template_prefix_tokens(pipe) -> int:
     """The tokens of the pipeline's prompt template before the user's text, counted by its own tokenizer."""
     prefix = pipe.prompt_template.split("{}")[0]
     return len(pipe.tokenizer.tokenizer(prefix, add_special_tokens=False).input_ids)
+
+
+def check_template_prefix(pipe) -> None:
+    """The tokens the pipeline drops must be exactly its template's prefix, up to the user's text."""
+    count = template_prefix_tokens(pipe)
+    if count != pipe.prompt_template_encode_start_idx:
+        raise RuntimeError(f"the tiny tokenizer gives the template prefix {count} tokens, but the pipeline drops "
+                           f"{pipe.prompt_template_encode_start_idx}")
 
 
 def randomise_modulations(transformer, std: float = 0.2) -> None:
@@ -61,6 +73,9 @@ def tiny_kandinsky5_pipeline(
     words = list(words)
     torch.manual_seed(seed)
     chat = chat_word_tokenizer(words, 512, extra_special=QWEN_VL_SPECIAL)
+    from tokenizers import AddedToken
+
+    chat.add_tokens([AddedToken(TEMPLATE_PHRASE, normalized=False, special=True)], special_tokens=True)
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(), tokenizer=chat,
                                  video_processor=Qwen2VLVideoProcessor())
     heads = 2
@@ -94,7 +109,7 @@ def tiny_kandinsky5_pipeline(
         tokenizer=processor, text_encoder_2=clip, tokenizer_2=clip_tokenizer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
     )
-    pipe.prompt_template_encode_start_idx = template_prefix_tokens(pipe)
+    check_template_prefix(pipe)
     for component in pipe.components.values():
         if isinstance(component, torch.nn.Module):
             component.eval()
