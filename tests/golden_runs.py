@@ -67,7 +67,8 @@ def is_video_preset(path: Path) -> bool:
 
 
 MODELS = [p for p in sorted((REPO / "configs/models").glob("*.yaml")) if not is_video_preset(p)]
-# Every method preset and every image model preset (each on the tiny pipeline of its family: tests/test_golden.py).
+# Every method preset and every image model preset (each on the tiny pipeline of its family:
+# tests/test_golden.py).
 RUNS = [p.stem for p in METHODS] + [p.stem for p in MODELS]
 
 # Metrics that are the same on any machine; metrics read for iteration 0 at a tight tolerance.

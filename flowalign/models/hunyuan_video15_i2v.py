@@ -7,7 +7,8 @@ The first frame (``HunyuanVideo15ImageToVideoPipeline.__call__``), one condition
 * sizes the video: the pipeline buckets the image's aspect around the transformer's ``target_size``
   (``calculate_default_height_width``) and crops the image to that bucket, so the frames are sampled at that size;
   ``velocity`` refuses latents of another size, naming the size to sample at (``sampling.image_size``);
-* its SigLIP last hidden state is the transformer's ``image_embeds`` (``encode_image``), in ``Cond.extras["image_embeds"]``;
+* its SigLIP last hidden state is the transformer's ``image_embeds`` (``encode_image``), in
+  ``Cond.extras["image_embeds"]``;
 * its VAE latents (``_get_image_latents``: the mode of the posterior times ``scaling_factor``), in
   ``Cond.extras["first_frame"]`` ``[B, C, 1, h, w]``, become the condition concatenated to the latents: the first
   latent frame, zeros after it, and a mask that is 1 on the first latent frame (``prepare_cond_latents_and_mask``).

@@ -78,7 +78,7 @@ class Kandinsky5T2VModel(VideoFlowModel):
 
         b, c, f, h, w = self.latent_shape(batch, image_size)
         noise = randn_tensor((b, f, h, w, c), generator=generator, device=self.device, dtype=dtype or self.dtype)
-        return noise.permute(0, 4, 1, 2, 3)
+        return noise.permute(0, 4, 1, 2, 3).contiguous()
 
     @staticmethod
     def pipeline_latents(latents: Tensor) -> Tensor:
@@ -136,7 +136,7 @@ class Kandinsky5T2VModel(VideoFlowModel):
         if self.uses_cfg(guidance_scale):
             require_negative(cond, guidance_scale)
             v = guided(v, run(cond.negative_embeds, cond.negative_pooled), guidance_scale)
-        return v.permute(0, 4, 1, 2, 3)
+        return v.permute(0, 4, 1, 2, 3).contiguous()
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:
         return {}

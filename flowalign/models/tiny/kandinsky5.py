@@ -62,9 +62,10 @@ def tiny_kandinsky5_pipeline(
 ):
     """A randomly initialised ``Kandinsky5T2VPipeline``: a 1-layer Qwen2.5-VL (with a 1-block vision tower that
     text-to-video never runs), a 1-layer CLIP text model, a Kandinsky 5 DiT with one text and one visual block
-    (patches 1x2x2, 2 heads of 16, ``visual_cond`` as the released 5s checkpoints), an ``AutoencoderKLHunyuanVideo`` with 4 latent channels downsampling 4x in space
-    and time (released: 16 channels, 8x and 4x), and ``FlowMatchEulerDiscreteScheduler(shift=5)`` (the released
-    T2V Lite scheduler's shift). The modulations are drawn at random (``randomise_modulations``)."""
+    (patches 1x2x2, 2 heads of 16, ``visual_cond`` as the released 5s checkpoints), an ``AutoencoderKLHunyuanVideo``
+    with 4 latent channels downsampling 4x in space and time (released: 16 channels, 8x and 4x), and
+    ``FlowMatchEulerDiscreteScheduler(shift=5)`` (the released T2V Lite scheduler's shift). The modulations are drawn
+    at random (``randomise_modulations``)."""
     from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline,
                            Kandinsky5Transformer3DModel)
     from transformers import (CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
