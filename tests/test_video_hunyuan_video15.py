@@ -168,3 +168,20 @@ def test_sigmas_are_the_released_schedulers(shift):
     retrieve_timesteps(pipe.scheduler, 8, "cpu", sigmas=np.linspace(1.0, 0.0, 9)[:-1])
     assert torch.equal(model.sigmas(8, 16), pipe.scheduler.sigmas.float())
     assert model.sigmas(8, 16)[0] == 1 and model.sigmas(8, 16)[-1] == 0
+
+
+def test_an_i2v_run_on_prompts_without_first_frames_is_refused_before_the_model_loads(tmp_path):
+    """The model path does not exist: the check runs on the family alone, before anything loads."""
+    from flowalign.config import load_config
+    from flowalign.errors import SetupError
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    from golden_runs import small_run_values
+
+    values = {**small_run_values(tmp_path / "no-model", tmp_path / "run"), "model.family": "hunyuan_video15_i2v",
+              "train.checkpoint_every": 0}
+    config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    with pytest.raises(SetupError, match=r"data\.train_prompts = .*has no condition image, but model family "
+                                         r"'hunyuan_video15_i2v' animates a first frame: give every entry one.*images"):
+        Trainer(config)

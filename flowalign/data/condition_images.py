@@ -62,11 +62,17 @@ def encode_kwargs(entries: Sequence[Mapping[str, Any]]) -> dict:
 
 def check_family_takes(adapter: type, entries: Sequence[Mapping[str, Any]], key: str, path: Any) -> None:
     """ValueError naming ``key`` (the setting that gave the prompt file ``path``) and the model family when the
-    entries carry condition images the family (its adapter class) does not take, or more per prompt than it takes."""
+    entries carry condition images the family (its adapter class) does not take, or more per prompt than it takes,
+    or when an entry has none and the family needs one per prompt (``requires_condition_images``: image-to-video)."""
+    family = getattr(adapter, "family", "") or adapter.__name__
+    without = next((entry for entry in entries if not entry.get(IMAGES_KEY)), None)
+    if getattr(adapter, "requires_condition_images", False) and without is not None:
+        raise ValueError(f"{key} = {path}: the prompt {without['prompt']!r} has no condition image, but model family "
+                         f"{family!r} animates a first frame: give every entry one, "
+                         f"{{\"prompt\": ..., \"images\": [\"path/to/first_frame.png\"]}}")
     with_images = [entry for entry in entries if entry.get(IMAGES_KEY)]
     if not with_images:
         return
-    family = getattr(adapter, "family", "") or adapter.__name__
     if not getattr(adapter, "takes_condition_images", False):
         from flowalign.models.base import MODEL_FAMILIES
 

@@ -36,6 +36,8 @@ class HunyuanVideo15I2VModel(HunyuanVideo15Model):
     pipeline_class_name = "HunyuanVideo15ImageToVideoPipeline"
     takes_condition_images = True
     max_condition_images = 1
+    # Every prompt needs its first frame: a prompt file without one is refused before the model loads.
+    requires_condition_images = True
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None,

@@ -97,12 +97,16 @@ def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
 
 def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
     """Before the model loads: training prompts with condition images (``images``) need a model family that takes
-    them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
+    them, and a family that needs them (image-to-video) prompts that have them
+    (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
     ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
     from flowalign.data.condition_images import check_family_takes, has_condition_images
+    from flowalign.models.base import MODEL_FAMILIES
     from flowalign.models.loading import adapter_class
 
-    if has_condition_images(prompts):
+    named = MODEL_FAMILIES.get(config.model.family) if config.model.family in MODEL_FAMILIES else None
+    required = getattr(type(model) if model is not None else named, "requires_condition_images", False)
+    if has_condition_images(prompts) or required:
         adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
         check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
 
