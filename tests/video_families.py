@@ -18,10 +18,11 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import (LTXImageToVideoModel, LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model,
-                              WanModel)
-from flowalign.models.tiny import (tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_sana_video_pipeline,
-                                   tiny_skyreels_v2_pipeline, tiny_wan_pipeline)
+from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTXImageToVideoModel,
+                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model, WanModel)
+from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx_pipeline,
+                                   tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_pipeline,
+                                   tiny_wan_pipeline)
 
 from model_families import WORDS
 
@@ -116,6 +117,57 @@ def sana_video_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     return (latents - mean) * inverse_std
 
 
+def hunyuan_video15_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """HunyuanVideo 1.5's VAE encoding, a faithful restatement (no pipeline of the family encodes a video; the
+    image-to-video pipeline's ``_get_image_latents`` is this for one frame, and tests/test_video_hunyuan_video15.py
+    checks the first-frame condition against it): one video per VAE call (the VAE of diffusers 0.42.1 cannot take a
+    batch), diffusers' ``retrieve_latents(..., sample_mode="argmax")``, times the config's ``scaling_factor``."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
+
+    latents = torch.cat([retrieve_latents(pipe.vae.encode(video.unsqueeze(0)), sample_mode="argmax")
+                         for video in videos])
+    return latents * pipe.vae.config.scaling_factor
+
+
+def hunyuan_video15_call(model, guidance: float) -> dict:
+    """The pipeline's guider set to ``guidance`` (HunyuanVideo 1.5 takes its CFG scale from its
+    ``ClassifierFreeGuidance`` guider, not a call argument); its negative prompt defaults to the empty prompt."""
+    model.pipe.guider = model.pipe.guider.new(guidance_scale=guidance)
+    return {}
+
+
+def tiny_hunyuan_video15_sliced(words, **kwargs):
+    """The tiny HunyuanVideo 1.5 pipeline with its VAE decoding one video at a time (``vae.enable_slicing()``), so
+    that the pipeline's own batched decode runs in diffusers 0.42.1, whose VAE cannot decode a batch of videos."""
+    pipe = tiny_hunyuan_video15_pipeline(words, **kwargs)
+    pipe.vae.enable_slicing()
+    return pipe
+
+
+def kandinsky5_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """Kandinsky 5's VAE encoding, a faithful restatement of ``Kandinsky5I2VPipeline.prepare_latents``' encoding
+    (``vae.encode(...).latent_dist`` times the config's ``scaling_factor``; the pipeline draws from the posterior,
+    this takes its mode, as ``encode_videos`` does by default): one video per VAE call."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5_image2video import retrieve_latents
+
+    latents = torch.cat([retrieve_latents(pipe.vae.encode(video.unsqueeze(0)), sample_mode="argmax")
+                         for video in videos])
+    return latents * pipe.vae.config.scaling_factor
+
+
+def kandinsky5_call(model, guidance: float) -> dict:
+    """The CFG scale and the empty negative prompt (the pipeline's own default negative is a list of defects)."""
+    return {**_cfg_kwargs(model, guidance), "negative_prompt": ""}
+
+
+def first_frame_image():
+    """A 16 px RGB first frame (random pixels, fixed seed) as a PIL image, the type the I2V pipelines take."""
+    from PIL import Image
+
+    pixels = torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(5))
+    return Image.fromarray((pixels * 255).round().to(torch.uint8).numpy())
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
@@ -124,7 +176,10 @@ class VideoFamily:
     ``pipeline_frames``: the pipeline's keyword for the frame count (``frames`` for SANA-Video). ``start(model,
     prompts, negatives, size, generator) -> (cond, x_init)``: how a rollout that equals the pipeline's call begins, for
     a family whose pipeline draws more than the noise from its generator (None: ``encode``, then ``prepare_noise``
-    with the generator)."""
+    with the generator); ``sized_by_image``: the pipeline takes no ``height`` / ``width`` but sizes the video by its
+    condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists the size its condition image gives); ``decode_atol``:
+    how far one video per VAE call may be from the pipeline's batched call (fp32 rounding: batched convolutions round
+    differently)."""
 
     adapter: type
     build: Callable
@@ -141,6 +196,8 @@ class VideoFamily:
     context: Callable = nullcontext
     start: Callable | None = None
     pipeline_frames: str = "num_frames"
+    sized_by_image: bool = False
+    decode_atol: float = 1e-6
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -154,20 +211,37 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # shift, a VAE with statistics buffers and a timestep-conditioned decoder (the pipeline checks sizes of 32k).
     "ltx_video": VideoFamily(LTXVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
                              pipeline_layout=lambda model, latents: model.pack(latents), sizes=((32, 32), (32, 64))),
-    # Mochi: its own linear-quadratic sigmas through an inverting scheduler (time and sign flipped), batched CFG, a
-    # VAE 8x in space and 6x in time (7 frames are 2 latent frames).
     # LTX-Video I2V: the condition image's latents (a posterior draw from the call's generator) fixed in frame 0,
     # per-token timesteps (0 there); one prompt per call (the pipeline encodes each image it is given once).
     "ltx_video_i2v": VideoFamily(LTXImageToVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
                                  build_kwargs={"image_to_video": True}, pipeline_layout=lambda model, latents: model.pack(latents),
                                  sizes=((32, 32), (32, 64)), condition_images=ltx_condition_image, prompts_per_call=1,
                                  start=ltx_i2v_start),
+    # Mochi: its own linear-quadratic sigmas through an inverting scheduler (time and sign flipped), batched CFG, a
+    # VAE 8x in space and 6x in time (7 frames are 2 latent frames).
     "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),
     # SkyReels-V2 T2V: Wan2.1's pipeline loop, text and VAE under SkyReels' classes; its own LoRA loader.
     "skyreels_v2": VideoFamily(SkyReelsV2Model, tiny_skyreels_v2_pipeline, wan_vae_encoding),
     # SANA-Video: SANA's Gemma2 text with its mask and batched CFG over Wan's VAE; 32 px multiples, ``frames=``.
     "sana_video": VideoFamily(SanaVideoModel, tiny_sana_video_pipeline, sana_video_vae_encoding,
                               call=_sana_video_kwargs, sizes=((32, 32), (32, 64)), pipeline_frames="frames"),
+    # HunyuanVideo 1.5 T2V: Qwen2.5-VL + ByT5 text, CFG through the pipeline's guider, the first frame's latents and
+    # a mask concatenated to the latents (zeros in T2V), one video per VAE call; the pipeline has no LoRA loader
+    # (tests/test_video_hunyuan_video15.py round-trips through the transformer's load_lora_adapter).
+    "hunyuan_video15": VideoFamily(HunyuanVideo15Model, tiny_hunyuan_video15_sliced, hunyuan_video15_vae_encoding,
+                                   call=hunyuan_video15_call, lora_loader=False),
+    # HunyuanVideo 1.5 I2V: the T2V row's conventions with a first frame (SigLIP embeddings, the first latent frame
+    # and its mask); the pipeline sizes the video by the image.
+    "hunyuan_video15_i2v": VideoFamily(HunyuanVideo15I2VModel, tiny_hunyuan_video15_sliced,
+                                       hunyuan_video15_vae_encoding, call=hunyuan_video15_call, lora_loader=False,
+                                       build_kwargs={"image_to_video": True}, condition_images=first_frame_image,
+                                       sizes=((16, 16),), sized_by_image=True),
+    # Kandinsky 5 T2V: channels-last pipeline latents, Qwen2.5-VL text with CLIP's pooled embedding, CFG in two passes,
+    # the released visual_cond transformer (zeros and a zero mask appended in T2V), the HunyuanVideo VAE (whose
+    # one-video and two-video calls differ by up to 4e-6 on CPU: decode_atol).
+    "kandinsky5_t2v": VideoFamily(Kandinsky5T2VModel, tiny_kandinsky5_pipeline, kandinsky5_vae_encoding,
+                                  call=kandinsky5_call, decode_atol=1e-5,
+                                  pipeline_layout=staticmethod(lambda model, latents: model.pipeline_latents(latents))),
 }
 
 

@@ -8,6 +8,9 @@ from .flux import FluxModel, pack_latents, unpack_latents
 from .flux2 import Flux2DevModel, Flux2KleinModel
 from .flux_kontext import FluxKontextModel
 from .hidream import HiDreamModel
+from .hunyuan_video15 import HUNYUAN_VIDEO15_LORA_TARGETS, HunyuanVideo15Model
+from .hunyuan_video15_i2v import HunyuanVideo15I2VModel
+from .kandinsky5 import KANDINSKY5_LORA_TARGETS, Kandinsky5T2VModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
 from .ltx_video import LTX_LORA_TARGETS, LTXImageToVideoModel, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
@@ -25,6 +28,7 @@ from .z_image import ZImageModel
 __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
+    "KANDINSKY5_LORA_TARGETS",
     "LTX_LORA_TARGETS",
     "LTXImageToVideoModel",
     "LTXVideoModel",
@@ -43,6 +47,10 @@ __all__ = [
     "FluxKontextModel",
     "FluxModel",
     "HiDreamModel",
+    "HUNYUAN_VIDEO15_LORA_TARGETS",
+    "HunyuanVideo15I2VModel",
+    "HunyuanVideo15Model",
+    "Kandinsky5T2VModel",
     "load_flow_model",
     "Lumina2Model",
     "pack_latents",

@@ -99,7 +99,8 @@ def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
 
 def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
     """Before the model loads: training prompts with condition images (``images``) need a model family that takes
-    them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
+    them, and a family that needs them (image-to-video) prompts that have them
+    (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
     ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
     from flowalign.data.condition_images import check_family_takes, has_condition_images
     from flowalign.models.loading import adapter_class, names_adapter

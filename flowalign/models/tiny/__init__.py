@@ -11,6 +11,8 @@ from .cogview4 import tiny_cogview4_pipeline
 from .flux import tiny_chroma_pipeline, tiny_flux_kontext_pipeline, tiny_flux_pipeline
 from .flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from .hidream import tiny_hidream_pipeline
+from .hunyuan_video15 import tiny_hunyuan_video15_pipeline
+from .kandinsky5 import tiny_kandinsky5_pipeline
 from .ltx_video import tiny_ltx_pipeline
 from .lumina2 import tiny_lumina2_pipeline
 from .mochi import tiny_mochi_pipeline
@@ -33,6 +35,8 @@ __all__ = [
     "tiny_flux_kontext_pipeline",
     "tiny_flux_pipeline",
     "tiny_hidream_pipeline",
+    "tiny_hunyuan_video15_pipeline",
+    "tiny_kandinsky5_pipeline",
     "tiny_ltx_pipeline",
     "tiny_lumina2_pipeline",
     "tiny_mochi_pipeline",
