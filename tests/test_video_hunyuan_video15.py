@@ -182,6 +182,7 @@ def test_an_i2v_run_on_prompts_without_first_frames_is_refused_before_the_model_
     values = {**small_run_values(tmp_path / "no-model", tmp_path / "run"), "model.family": "hunyuan_video15_i2v",
               "train.checkpoint_every": 0}
     config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
-    with pytest.raises(SetupError, match=r"data\.train_prompts = .*has no condition image, but model family "
-                                         r"'hunyuan_video15_i2v' animates a first frame: give every entry one.*images"):
+    with pytest.raises(SetupError, match=r"data\.train_prompts = .*model family 'hunyuan_video15_i2v' generates each "
+                                         r"video from a condition image, but the prompt .* has none: give every entry "
+                                         r"one.*images"):
         Trainer(config)
