@@ -16,6 +16,9 @@ from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 from .video import VideoFlowModel
 from .wan import WAN_LORA_TARGETS, WanModel
+from .wan22 import Wan22I2VModel, Wan22Model
+from .wan22_ti2v import WanTI2VImageModel, WanTI2VModel
+from .wan_i2v import WanI2VModel
 from .z_image import ZImageModel
 
 __all__ = [
@@ -45,7 +48,12 @@ __all__ = [
     "unpack_latents",
     "VideoFlowModel",
     "WAN_LORA_TARGETS",
+    "Wan22I2VModel",
+    "Wan22Model",
+    "WanI2VModel",
     "WanModel",
+    "WanTI2VImageModel",
+    "WanTI2VModel",
     "wrap_pipeline",
     "ZImageModel",
 ]
