@@ -141,7 +141,7 @@ class ExpertPair(torch.nn.Module):
         a tuple whose first entry is the output)."""
         if expert is not None:
             out = self.expert(expert)(timestep=timestep, **inputs)
-            return self._touched(out, "low" if expert == "high" else "high")
+            return self._touched(out, expert)
         rows = self.is_high(timestep if timestep.ndim == 1 else timestep[:, 0])
         if rows.all() or not rows.any():
             return self.forward(expert="high" if rows.all() else "low", timestep=timestep, **inputs)
@@ -156,12 +156,16 @@ class ExpertPair(torch.nn.Module):
         out = out.index_put(((~rows).nonzero().squeeze(1),), parts["low"])
         return (out,)
 
-    def _touched(self, out, other: str):
-        """``out`` plus zero times the other expert's trainable parameters, when ``touch_other`` is set and
-        gradients are recorded (so a data-parallel wrapper sees a gradient, zero, for every trainable parameter)."""
-        if not (self.touch_other and torch.is_grad_enabled()):
+    def _touched(self, out, expert: str):
+        """``out`` plus zero times the other expert's trainable parameters when gradients are recorded and either
+        ``touch_other`` is set (a data-parallel wrapper wants a gradient, zero, for every trainable parameter) or
+        ``expert`` trains nothing (a LoRA on the other expert only: the loss of a step on this side still has a
+        gradient, zero, instead of none)."""
+        if not torch.is_grad_enabled():
             return out
-        trainable = [p for p in self.expert(other).parameters() if p.requires_grad]
+        if not self.touch_other and any(p.requires_grad for p in self.expert(expert).parameters()):
+            return out
+        trainable = [p for p in self.expert("low" if expert == "high" else "high").parameters() if p.requires_grad]
         if not trainable:
             return out
         zero = sum(p.sum() for p in trainable) * 0.0

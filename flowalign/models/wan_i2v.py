@@ -38,6 +38,7 @@ class FirstFrameCondition:
 
     takes_condition_images = True
     max_condition_images = 1
+    requires_condition_images = True  # every prompt needs one (checked before the model loads in training)
 
     def condition_rows(self, images: Sequence[Any] | None, count: int) -> list[Any]:
         """One PIL image per prompt; a ValueError naming what to give when a prompt has none."""
