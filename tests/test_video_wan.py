@@ -205,7 +205,7 @@ def test_training_recomputes_each_transition_with_its_expert_and_trains_the_name
 def test_two_processes_match_one_under_fsdp2_on_both_experts(finetune, saved, tmp_path):
     """torchrun, 2 CPU processes on gloo, against one process over a world of one (tests/test_fsdp2.py's launch):
     each expert's trained weights agree to the reduce-scatter's rounding."""
-    extra = {**CROSSING_RUN, "sampling.num_steps": 4, "model.finetune": finetune}
+    extra = {**CROSSING_RUN, "optim.minibatches": 1, "model.finetune": finetune}
     train_here(saved("wan22"), tmp_path / "one", **extra)
     launch(saved("wan22"), tmp_path / "two", **extra)
     runs = {n: tmp_path / n / "checkpoint-000002" for n in ("one", "two")}
@@ -283,3 +283,34 @@ def test_released_unipc_schedules_pick_the_same_expert_from_sigma_as_from_the_sc
         assert torch.equal(sigmas, reference.sigmas.float())
         ours = model.timestep(sigmas[:-1], steps) >= boundary
         assert torch.equal(ours, reference.timesteps >= boundary) and ours.any() and not ours.all()
+
+
+PRESETS = {  # name: (family, steps, noise level, CFG, guidance_scale_2, frames, size, LoRA r/a, lr, group, lora_experts)
+    "wan21_t2v": ("wan", 20, 0.7, 4.5, None, 33, 240, (32, 64), 1e-4, 4, None),
+    "wan21_i2v": ("wan_i2v", 10, 0.9, 5.0, None, 5, 240, (8, 16.0), 1e-5, 16, None),
+    "wan22_a14b": ("wan22", 10, 0.9, 4.0, 3.0, 5, 480, (64, 128), 1e-4, 16, ["high", "low"]),
+    "wan22_ti2v_5b": ("wan22_ti2v", 10, 0.9, 5.0, None, 5, 480, (64, 128), 1e-4, 16, None),
+}
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_wan_presets_have_their_published_settings(name):
+    from pathlib import Path
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / f"configs/models/{name}.yaml", [])
+    s, m = preset.sampling, preset.model
+    assert (m.family, s.num_steps, s.noise_level, s.guidance_scale, m.guidance_scale_2, s.num_frames, s.image_size,
+            (m.lora_rank, m.lora_alpha), preset.optim.lr, preset.data.group_size, m.lora_experts) == PRESETS[name]
+
+
+def test_the_wan22_a14b_preset_trains_both_experts_on_the_tiny_wan22(saved, tmp_path):
+    from pathlib import Path
+
+    values = {**small_run_values(saved("wan22"), tmp_path / "run"), "sampling.image_size": 16,
+              "sampling.num_frames": 5, "data.group_size": 2, "sampling.batch_size": 2,
+              "data.prompts_per_iteration": 2, "collapse.enabled": "false", "model.dtype": "fp32",
+              "model.mixed_precision": "no"}
+    config = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/wan22_a14b.yaml",
+                         [f"{k}={v}" for k, v in values.items()])
+    history = Trainer(config).train()
+    assert history[0]["first_ratio_max"] == 1.0 and len(history) == 2

@@ -125,11 +125,13 @@ def check_family_needs(adapter: type, config, prompts: list[dict]) -> None:
             raise SetupError(f"data.train_prompts = {config.data.train_prompts}: model family {family!r} is "
                              f"image-to-video and {len(missing)} prompts have no condition image (e.g. "
                              f"{missing[0]!r}): give each prompt one in an 'images' entry of a .jsonl prompt file")
-    experts = getattr(adapter, "experts", ())
-    if config.model.lora_experts is not None and not experts:
-        raise SetupError(f"model.lora_experts = {config.model.lora_experts} names experts, but model family "
-                         f"{family!r} ({config.model.path}) has one transformer: drop model.lora_experts (the LoRA "
-                         "trains that transformer), or use a Wan2.2 A14B model")
+    if getattr(adapter, "experts", ()):
+        return
+    for key, value in (("lora_experts", config.model.lora_experts), ("guidance_scale_2", config.model.guidance_scale_2)):
+        if value is not None:
+            raise SetupError(f"model.{key} = {value} is a setting of models with two experts, but model family "
+                             f"{family!r} ({config.model.path}) has one transformer: drop model.{key}, or use a "
+                             "Wan2.2 A14B model")
 
 
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
@@ -182,7 +184,8 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
     if model is None:
         frames = config.sampling.num_frames
         options = {**({} if frames is None else {"num_frames": frames}),
-                   **({} if cfg.lora_experts is None else {"lora_experts": cfg.lora_experts})}
+                   **({} if cfg.lora_experts is None else {"lora_experts": cfg.lora_experts}),
+                   **({} if cfg.guidance_scale_2 is None else {"guidance_scale_2": cfg.guidance_scale_2})}
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
                                 max_sequence_length=cfg.max_sequence_length, adapter_options=options or None)
     if cfg.attention == "xformers":

@@ -84,6 +84,9 @@ class ModelConfig:
     lora_experts: list[str] | None = option(
         None, "models with several experts (Wan2.2 A14B): the experts the LoRA trains, from [high, low] (high: "
         "transformer, the high-noise expert; low: transformer_2); null = every expert")
+    guidance_scale_2: float | None = option(
+        None, "models with two experts (Wan2.2 A14B): the low-noise expert's CFG scale (the pipeline's "
+        "guidance_scale_2); null = sampling.guidance_scale")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
     kernels: Literal["auto", "triton", "torch"] = option(
@@ -115,6 +118,8 @@ class ModelConfig:
             _check(self.finetune == "lora", "model.lora_experts",
                    "chooses the experts a LoRA trains; with model.finetune = 'full' every weight of every expert "
                    "trains: drop model.lora_experts")
+        if self.guidance_scale_2 is not None:
+            _finite("model.guidance_scale_2", self.guidance_scale_2, 0.0, strict=True)
         _at_least("model.max_sequence_length", self.max_sequence_length, 1)
         _check(self.finetune == "full" or not self.reference_offload, "model.reference_offload",
                "= true offloads a full fine-tune's reference copy; with model.finetune = 'lora' the reference is the "
