@@ -314,3 +314,15 @@ def test_the_wan22_a14b_preset_trains_both_experts_on_the_tiny_wan22(saved, tmp_
                          [f"{k}={v}" for k, v in values.items()])
     history = Trainer(config).train()
     assert history[0]["first_ratio_max"] == 1.0 and len(history) == 2
+
+
+@pytest.mark.parametrize("name", ["wan_i2v", "wan22_i2v", "wan22_ti2v", "wan22_ti2v_i2v"])
+def test_every_wan_variant_trains_with_the_first_ratio_exactly_one(name, saved, tmp_path):
+    """2 iterations of the default method; the image-to-video families on prompts with a 32 px condition image each
+    (tests/test_editing.py's), sampled at that size."""
+    from test_editing import editing_prompts
+
+    i2v = VIDEO_FAMILIES[name].condition_images is not None
+    extra = {"sampling.image_size": 32, "data.train_prompts": editing_prompts(tmp_path)} if i2v else {}
+    history = Trainer(run_config(saved(name), tmp_path / "run", **extra)).train()
+    assert len(history) == 2 and all(h["first_ratio_max"] == 1.0 for h in history)
