@@ -226,7 +226,10 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
     if lora.kind == "lora":
         _check_lora_folder(model, lora, what)
         loader = getattr(model, "load_lora_folder", None)  # a model of several experts loads each one's file
-        model.pipe.load_lora_weights(str(lora.path)) if loader is None else loader(lora.path)
+        if loader is None:
+            model.pipe.load_lora_weights(str(lora.path))
+        else:
+            loader(lora.path)
         return
     cfg = lora.model_config
     family = cfg.get("family")

@@ -144,10 +144,16 @@ def test_a_lora_on_either_or_both_experts_round_trips_through_diffusers(experts,
     assert sorted(p.name for p in folder.glob("*.safetensors")) == sorted(LORA_WEIGHT_NAMES[e] for e in experts)
     fresh = fresh_video_pipeline("wan22")
     load_expert_lora_folder(fresh, folder)  # diffusers' load_lora_weights (load_into_transformer_2 for low)
+    loaded = [wrap("wan22", fresh)]
+    if "high" in experts:  # flowalign's own loader of LoRA folders (sample --lora): each file into its expert
+        from flowalign.lora_loading import apply_lora, resolve_lora
+
+        loaded.append(wrap("wan22", fresh_video_pipeline("wan22")))
+        apply_lora(loaded[-1], resolve_lora(folder))
     with torch.no_grad():
-        for sigma in (HIGH_SIGMA, LOW_SIGMA):
-            torch.testing.assert_close(wrap("wan22", fresh).velocity(x, sigma, cond), adapted[sigma], rtol=1e-5,
-                                       atol=1e-6)
+        for other in loaded:
+            for sigma in (HIGH_SIGMA, LOW_SIGMA):
+                torch.testing.assert_close(other.velocity(x, sigma, cond), adapted[sigma], rtol=1e-5, atol=1e-6)
 
 
 def run_config(model_path, out, **extra):
@@ -225,6 +231,18 @@ def test_two_processes_match_one_under_fsdp2_on_both_experts(finetune, saved, tm
         assert relative_difference(two, one, base) < 1e-3
 
 
+@pytest.mark.slow
+def test_two_processes_match_one_under_ddp_with_a_lora_on_both_experts(saved, tmp_path):
+    """DDP needs a gradient for every trainable parameter in every backward: a step through one expert gives the
+    other's a zero one (ExpertPair.touch_other), so 2 processes train as one."""
+    extra = {**CROSSING_RUN, "optim.minibatches": 1, "distributed.engine": "ddp"}
+    train_here(saved("wan22"), tmp_path / "one", **extra)
+    launch(saved("wan22"), tmp_path / "two", **extra)
+    for file in LORA_WEIGHT_NAMES.values():
+        one, two = (load_file(str(tmp_path / n / "checkpoint-000002" / "lora" / file)) for n in ("one", "two"))
+        assert relative_difference(two, one) < 1e-3
+
+
 def test_an_expert_that_does_not_exist_is_refused_before_the_model_loads(saved, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"model.lora_experts names \['hihg'\].*'high'.*'low'"):
         run_config(saved("wan22"), tmp_path / "a", **{"model.lora_experts": "[hihg]"})
@@ -262,6 +280,13 @@ def test_ti2v_image_to_video_keeps_the_condition_as_a_first_frame_no_policy_move
         perturb(model)
         adapted = model.velocity(x, 0.7, cond)
         final = rollout(model.velocity_fn(cond), x, model.sigmas(4, (16, 32)), torch.zeros(4)).final
+    with torch.no_grad():  # rows at different sigmas: per-row token timesteps, as each row alone
+        rows = model.velocity(x, torch.tensor([0.7, 0.3]), cond)
+        alone = torch.cat([model.velocity(x[i:i + 1], s, cond.index([i])) for i, s in enumerate((0.7, 0.3))])
+    torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-6)  # one batch of 2 against 2 of 1: rounding
+    timesteps = model.token_timesteps(torch.tensor([0.7, 0.3]), x)
+    assert torch.equal(timesteps, torch.cat([model.token_timesteps(s, x[:1]) for s in (0.7, 0.3)]))
+    assert timesteps.shape == (2, 2 * 1 * 2) and (timesteps[:, :2] == 0).all()  # the condition frame's tokens: t=0
     assert torch.equal(base[:, :, :1], (x[:, :, :1] - condition) / 0.7)
     assert torch.equal(adapted[:, :, :1], base[:, :, :1]) and not torch.allclose(adapted[:, :, 1:], base[:, :, 1:])
     torch.testing.assert_close(final[:, :, :1], condition, rtol=0, atol=1e-5)
