@@ -167,7 +167,8 @@ def test_training_recomputes_each_transition_with_its_expert_and_trains_the_name
     """2 iterations, steps on both sides of the boundary trained: the first ratio is exactly 1 (every recomputed
     log-prob equals the rollout's, each from the expert that produced it); the trained experts, and only they,
     moved. The LoRA of both experts exports merged into both and as a folder."""
-    extra = {"model.finetune": finetune, **({} if experts is None else {"model.lora_experts": experts})}
+    extra = {"model.finetune": finetune, **({} if experts is None else {"model.lora_experts": experts}),
+             "model.gradient_checkpointing": str(finetune == "full").lower()}  # through both experts
     history = Trainer(run_config(saved("wan22"), tmp_path / "run", **extra)).train()
     assert len(history) == 2 and all(h["first_ratio_max"] == 1.0 for h in history)
     checkpoint = tmp_path / "run" / "checkpoint-000002"
