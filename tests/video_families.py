@@ -19,10 +19,12 @@ from typing import Callable
 import torch
 
 from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTXImageToVideoModel,
-                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model, WanModel)
+                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model, Wan22I2VModel, Wan22Model,
+                              WanI2VModel, WanModel, WanTI2VImageModel, WanTI2VModel)
 from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx_pipeline,
                                    tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_pipeline,
-                                   tiny_wan_pipeline)
+                                   tiny_wan22_i2v_pipeline, tiny_wan22_pipeline, tiny_wan22_ti2v_pipeline,
+                                   tiny_wan_i2v_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
 
@@ -160,12 +162,46 @@ def kandinsky5_call(model, guidance: float) -> dict:
     return {**_cfg_kwargs(model, guidance), "negative_prompt": ""}
 
 
-def first_frame_image():
-    """A 16 px RGB first frame (random pixels, fixed seed) as a PIL image, the type the I2V pipelines take."""
+def first_frame_image(size: tuple[int, int] = (16, 16)):
+    """The I2V rows' condition image: a fixed random RGB PIL image of ``size`` (height, width), the frame size the
+    rows sample (an I2V video is sampled at its condition image's size)."""
+    import numpy as np
     from PIL import Image
 
-    pixels = torch.rand(16, 16, 3, generator=torch.Generator().manual_seed(5))
-    return Image.fromarray((pixels * 255).round().to(torch.uint8).numpy())
+    pixels = np.random.RandomState(3).randint(0, 256, size=(*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def wan_first_frame_image():
+    """The Wan I2V rows' condition image: 16x32 (a non-square frame)."""
+    return first_frame_image((16, 32))
+
+
+def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
+    """TI2V-5B I2V's ``output_type="latent"`` layout: the pipeline overwrites the first latent frame with the
+    condition's after the loop; flowalign's ODE reaches it within rounding (flowalign.models.wan22_ti2v), so the
+    comparison puts the condition there and checks every other frame bit for bit."""
+    count = latents.shape[0]
+    condition = model.encode([""] * count, images=[wan_first_frame_image()] * count).extras["condition"]
+    return torch.cat([condition.to(latents.dtype), latents[:, :, 1:]], dim=2)
+
+
+def load_lora_folder(pipe, folder) -> None:
+    """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
+    pipe.load_lora_weights(folder)
+
+
+def load_expert_lora_folder(pipe, folder) -> None:
+    """A Wan2.2 A14B LoRA folder (flowalign.models.wan22) with diffusers' own loader: the high expert's file into
+    ``transformer``, the low expert's into ``transformer_2`` (``load_into_transformer_2=True``)."""
+    from pathlib import Path
+
+    from flowalign.models.wan22 import LORA_WEIGHT_NAMES
+
+    if (Path(folder) / LORA_WEIGHT_NAMES["high"]).is_file():
+        pipe.load_lora_weights(folder)
+    if (Path(folder) / LORA_WEIGHT_NAMES["low"]).is_file():
+        pipe.load_lora_weights(folder, weight_name=LORA_WEIGHT_NAMES["low"], load_into_transformer_2=True)
 
 
 @dataclass(frozen=True)
@@ -179,7 +215,8 @@ class VideoFamily:
     with the generator); ``sized_by_image``: the pipeline takes no ``height`` / ``width`` but sizes the video by its
     condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists the size its condition image gives); ``decode_atol``:
     how far one video per VAE call may be from the pipeline's batched call (fp32 rounding: batched convolutions round
-    differently)."""
+    differently). ``load_lora(pipe, folder)``: how diffusers loads a LoRA folder the adapter saved
+    into the plain pipeline (Wan2.2 A14B: one file per expert)."""
 
     adapter: type
     build: Callable
@@ -198,6 +235,7 @@ class VideoFamily:
     pipeline_frames: str = "num_frames"
     sized_by_image: bool = False
     decode_atol: float = 1e-6
+    load_lora: Callable = load_lora_folder
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -207,6 +245,20 @@ class VideoFamily:
 VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # Wan2.1 T2V: UMT5 text, CFG in two passes, a causal VAE with per-channel statistics.
     "wan": VideoFamily(WanModel, tiny_wan_pipeline, wan_vae_encoding),
+    # Wan2.1 I2V: a CLIP image encoder's embeddings, the condition video's latents and mask concatenated (2z+4 in).
+    "wan_i2v": VideoFamily(WanI2VModel, tiny_wan_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                           condition_images=wan_first_frame_image),
+    # Wan2.2 A14B T2V: two experts switching at t = 875; the 3-step schedule runs high at 1000, low at 750 and 3.
+    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder),
+    # Wan2.2 A14B I2V: two experts (boundary 900), the condition through the latents only (no image encoder).
+    "wan22_i2v": VideoFamily(Wan22I2VModel, tiny_wan22_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                             condition_images=wan_first_frame_image, load_lora=load_expert_lora_folder),
+    # Wan2.2 TI2V-5B: per-token timesteps, the Wan2.2 VAE (residual, 2x2 patchify).
+    "wan22_ti2v": VideoFamily(WanTI2VModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding),
+    # Wan2.2 TI2V-5B I2V: the condition image is the first latent frame, never denoised.
+    "wan22_ti2v_i2v": VideoFamily(WanTI2VImageModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                                  condition_images=wan_first_frame_image, pipeline_layout=condition_as_first_frame,
+                                  build_kwargs={"image_to_video": True}),
     # LTX-Video T2V: T5 text with its mask, batched CFG, tokens packed inside the pipeline, a resolution-dependent
     # shift, a VAE with statistics buffers and a timestep-conditioned decoder (the pipeline checks sizes of 32k).
     "ltx_video": VideoFamily(LTXVideoModel, tiny_ltx_pipeline, ltx_vae_encoding,
