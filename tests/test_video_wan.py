@@ -37,7 +37,8 @@ HIGH_SIGMA, LOW_SIGMA = 0.95, 0.5  # t = 950 and 500 against the tiny Wan2.2's b
 # 4 steps at shift 3 run t = 1000 (high), 857 and 600 (low) and 3: every step but the last trains
 CROSSING_RUN = {"sampling.image_size": 16, "sampling.num_frames": 5, "sampling.num_steps": 4,
                 "sampling.window_size": 3, "sampling.window_start": "fixed",
-                "sampling.window_last": "null", "collapse.enabled": "false"}
+                "sampling.window_last": "null", "collapse.enabled": "false",
+                "reward.rewards": "[{name: brightness, frames: {aggregate: mean}}]"}
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +265,8 @@ def test_an_image_to_video_family_without_condition_images_is_refused(saved, tmp
     import flowalign.training.builder as builder
 
     monkeypatch.setattr(builder, "load_flow_model", lambda *a, **k: pytest.fail("the model loaded"))
-    with pytest.raises(SetupError, match=r"data.train_prompts = .*'wan22_i2v' is image-to-video.*'images' entry"):
+    with pytest.raises(SetupError, match=r"data.train_prompts = .*model family 'wan22_i2v' generates each video from "
+                                         r"a condition image, but the prompt .* has none: give every entry one"):
         Trainer(run_config(saved("wan22_i2v"), tmp_path / "run"))
 
 
@@ -335,7 +337,7 @@ def test_the_wan22_a14b_preset_trains_both_experts_on_the_tiny_wan22(saved, tmp_
     values = {**small_run_values(saved("wan22"), tmp_path / "run"), "sampling.image_size": 16,
               "sampling.num_frames": 5, "data.group_size": 2, "sampling.batch_size": 2,
               "data.prompts_per_iteration": 2, "collapse.enabled": "false", "model.dtype": "fp32",
-              "model.mixed_precision": "no"}
+              "model.mixed_precision": "no", "reward.rewards": CROSSING_RUN["reward.rewards"]}
     config = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/wan22_a14b.yaml",
                          [f"{k}={v}" for k, v in values.items()])
     history = Trainer(config).train()

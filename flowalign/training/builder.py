@@ -98,38 +98,35 @@ def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
 
 
 def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
-    """Before the model loads: training prompts with condition images (``images``) need a model family that takes
-    them, and a family that needs them (image-to-video) prompts that have them
-    (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
-    ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
+    """Before the model loads, against its family (``model``'s, else read from ``model.family`` or the model's
+    ``model_index.json``; an unreadable or unsupported model is left to the loader, which names it): training prompts
+    with condition images need a family that takes them, and an image-to-video family needs one in every prompt
+    (``flowalign.data.condition_images.check_family_takes``); ``model.lora_experts`` and ``model.guidance_scale_2``
+    need a family with two experts."""
     from flowalign.data.condition_images import check_family_takes, has_condition_images
     from flowalign.models.loading import adapter_class, names_adapter
 
-    if has_condition_images(prompts) or model is not None or names_adapter(config.model.path, config.model.family):
-        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
-        check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
     if model is not None:
-        check_family_needs(type(model), config, prompts)
-    elif (Path(config.model.path) / "model_index.json").is_file() or config.model.family is not None:
+        adapter = type(model)
+    elif has_condition_images(prompts) or names_adapter(config.model.path, config.model.family):
         try:
             adapter = adapter_class(config.model.path, config.model.family)
-        except (ValueError, FileNotFoundError):  # an unsupported or unreadable model: loading it says so
+        except (ValueError, FileNotFoundError):
+            if has_condition_images(prompts):
+                raise
             return
-        check_family_needs(adapter, config, prompts)
+    else:
+        return
+    check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
+    check_family_experts(adapter, config)
 
 
-def check_family_needs(adapter: type, config, prompts: list[dict]) -> None:
-    """Before the model loads: an image-to-video family (``requires_condition_images``) has a condition image in
-    every training prompt, and ``model.lora_experts`` names experts the model has (``adapter.experts``)."""
-    family = getattr(adapter, "family", "") or adapter.__name__
-    if getattr(adapter, "requires_condition_images", False):
-        missing = [entry["prompt"] for entry in prompts if not entry.get("images")]
-        if missing:
-            raise SetupError(f"data.train_prompts = {config.data.train_prompts}: model family {family!r} is "
-                             f"image-to-video and {len(missing)} prompts have no condition image (e.g. "
-                             f"{missing[0]!r}): give each prompt one in an 'images' entry of a .jsonl prompt file")
+def check_family_experts(adapter: type, config) -> None:
+    """``model.lora_experts`` and ``model.guidance_scale_2`` only on a family with two experts (``adapter.experts``):
+    a SetupError naming the key otherwise."""
     if getattr(adapter, "experts", ()):
         return
+    family = getattr(adapter, "family", "") or adapter.__name__
     for key, value in (("lora_experts", config.model.lora_experts), ("guidance_scale_2", config.model.guidance_scale_2)):
         if value is not None:
             raise SetupError(f"model.{key} = {value} is a setting of models with two experts, but model family "
