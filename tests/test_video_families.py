@@ -155,7 +155,7 @@ def test_lora_on_every_projection_round_trips_through_the_pipeline_loader(name, 
         return
     saved = model.save_lora(tmp_path / "lora")
     fresh = fresh_video_pipeline(name)
-    fresh.load_lora_weights(saved)
+    family.load_lora(fresh, saved)
     with torch.no_grad():
         loaded = wrap(name, fresh).velocity(x, 0.6, cond)
     torch.testing.assert_close(loaded, adapted, rtol=1e-5, atol=1e-6)

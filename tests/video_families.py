@@ -18,8 +18,10 @@ from typing import Callable
 
 import torch
 
-from flowalign.models import SanaVideoModel, SkyReelsV2Model, WanModel
-from flowalign.models.tiny import tiny_sana_video_pipeline, tiny_skyreels_v2_pipeline, tiny_wan_pipeline
+from flowalign.models import (SanaVideoModel, SkyReelsV2Model, Wan22I2VModel, Wan22Model, WanI2VModel, WanModel,
+                              WanTI2VImageModel, WanTI2VModel)
+from flowalign.models.tiny import (tiny_sana_video_pipeline, tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline,
+                                   tiny_wan22_pipeline, tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
 
@@ -76,12 +78,50 @@ def sana_video_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
     return (latents - mean) * inverse_std
 
 
+def first_frame_image(size: tuple[int, int] = (16, 32)):
+    """The I2V rows' condition image: a fixed random RGB PIL image of ``size`` (height, width), the frame size the
+    rows sample (an I2V video is sampled at its condition image's size)."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.RandomState(3).randint(0, 256, size=(*size, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
+    """TI2V-5B I2V's ``output_type="latent"`` layout: the pipeline overwrites the first latent frame with the
+    condition's after the loop; flowalign's ODE reaches it within rounding (flowalign.models.wan22_ti2v), so the
+    comparison puts the condition there and checks every other frame bit for bit."""
+    count = latents.shape[0]
+    condition = model.encode([""] * count, images=[first_frame_image()] * count).extras["condition"]
+    return torch.cat([condition.to(latents.dtype), latents[:, :, 1:]], dim=2)
+
+
+def load_lora_folder(pipe, folder) -> None:
+    """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
+    pipe.load_lora_weights(folder)
+
+
+def load_expert_lora_folder(pipe, folder) -> None:
+    """A Wan2.2 A14B LoRA folder (flowalign.models.wan22) with diffusers' own loader: the high expert's file into
+    ``transformer``, the low expert's into ``transformer_2`` (``load_into_transformer_2=True``)."""
+    from pathlib import Path
+
+    from flowalign.models.wan22 import LORA_WEIGHT_NAMES
+
+    if (Path(folder) / LORA_WEIGHT_NAMES["high"]).is_file():
+        pipe.load_lora_weights(folder)
+    if (Path(folder) / LORA_WEIGHT_NAMES["low"]).is_file():
+        pipe.load_lora_weights(folder, weight_name=LORA_WEIGHT_NAMES["low"], load_into_transformer_2=True)
+
+
 @dataclass(frozen=True)
 class VideoFamily:
     """A video family under the adapter contract (the fields mean what they mean for image families in
     tests/model_families.py). ``frames``: the pixel frames the contract samples; ``vae_encoding(pipe, videos)``:
     the family's own diffusers encoding of videos ``[B, 3, F, H, W]`` in [-1, 1] into the transformer's latents;
-    ``pipeline_frames``: the pipeline's keyword for the frame count (``frames`` for SANA-Video)."""
+    ``pipeline_frames``: the pipeline's keyword for the frame count (``frames`` for SANA-Video);
+    ``load_lora(pipe, folder)``: how diffusers loads a LoRA folder the adapter saved into the plain pipeline (Wan2.2 A14B: one file per expert)."""
 
     adapter: type
     build: Callable
@@ -97,6 +137,7 @@ class VideoFamily:
     prompts_per_call: int | None = None
     context: Callable = nullcontext
     pipeline_frames: str = "num_frames"
+    load_lora: Callable = load_lora_folder
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -111,6 +152,20 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # SANA-Video: SANA's Gemma2 text with its mask and batched CFG over Wan's VAE; 32 px multiples, ``frames=``.
     "sana_video": VideoFamily(SanaVideoModel, tiny_sana_video_pipeline, sana_video_vae_encoding,
                               call=_sana_video_kwargs, sizes=((32, 32), (32, 64)), pipeline_frames="frames"),
+    # Wan2.1 I2V: a CLIP image encoder's embeddings, the condition video's latents and mask concatenated (2z+4 in).
+    "wan_i2v": VideoFamily(WanI2VModel, tiny_wan_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                           condition_images=first_frame_image),
+    # Wan2.2 A14B T2V: two experts switching at t = 875; the 3-step schedule runs high at 1000, low at 750 and 3.
+    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder),
+    # Wan2.2 A14B I2V: two experts (boundary 900), the condition through the latents only (no image encoder).
+    "wan22_i2v": VideoFamily(Wan22I2VModel, tiny_wan22_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                             condition_images=first_frame_image, load_lora=load_expert_lora_folder),
+    # Wan2.2 TI2V-5B: per-token timesteps, the Wan2.2 VAE (residual, 2x2 patchify).
+    "wan22_ti2v": VideoFamily(WanTI2VModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding),
+    # Wan2.2 TI2V-5B I2V: the condition image is the first latent frame, never denoised.
+    "wan22_ti2v_i2v": VideoFamily(WanTI2VImageModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
+                                  condition_images=first_frame_image, pipeline_layout=condition_as_first_frame,
+                                  build_kwargs={"image_to_video": True}),
 }
 
 

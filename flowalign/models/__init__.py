@@ -18,6 +18,9 @@ from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 from .skyreels_v2 import SkyReelsV2Model
 from .video import VideoFlowModel
 from .wan import WAN_LORA_TARGETS, WanModel
+from .wan22 import Wan22I2VModel, Wan22Model
+from .wan22_ti2v import WanTI2VImageModel, WanTI2VModel
+from .wan_i2v import WanI2VModel
 from .z_image import ZImageModel
 
 __all__ = [
@@ -50,7 +53,12 @@ __all__ = [
     "unpack_latents",
     "VideoFlowModel",
     "WAN_LORA_TARGETS",
+    "Wan22I2VModel",
+    "Wan22Model",
+    "WanI2VModel",
     "WanModel",
+    "WanTI2VImageModel",
+    "WanTI2VModel",
     "wrap_pipeline",
     "ZImageModel",
 ]

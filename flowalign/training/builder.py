@@ -105,6 +105,31 @@ def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None
     if has_condition_images(prompts):
         adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
         check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
+    if model is not None:
+        check_family_needs(type(model), config, prompts)
+    elif (Path(config.model.path) / "model_index.json").is_file() or config.model.family is not None:
+        try:
+            adapter = adapter_class(config.model.path, config.model.family)
+        except (ValueError, FileNotFoundError):  # an unsupported or unreadable model: loading it says so
+            return
+        check_family_needs(adapter, config, prompts)
+
+
+def check_family_needs(adapter: type, config, prompts: list[dict]) -> None:
+    """Before the model loads: an image-to-video family (``requires_condition_images``) has a condition image in
+    every training prompt, and ``model.lora_experts`` names experts the model has (``adapter.experts``)."""
+    family = getattr(adapter, "family", "") or adapter.__name__
+    if getattr(adapter, "requires_condition_images", False):
+        missing = [entry["prompt"] for entry in prompts if not entry.get("images")]
+        if missing:
+            raise SetupError(f"data.train_prompts = {config.data.train_prompts}: model family {family!r} is "
+                             f"image-to-video and {len(missing)} prompts have no condition image (e.g. "
+                             f"{missing[0]!r}): give each prompt one in an 'images' entry of a .jsonl prompt file")
+    experts = getattr(adapter, "experts", ())
+    if config.model.lora_experts is not None and not experts:
+        raise SetupError(f"model.lora_experts = {config.model.lora_experts} names experts, but model family "
+                         f"{family!r} ({config.model.path}) has one transformer: drop model.lora_experts (the LoRA "
+                         "trains that transformer), or use a Wan2.2 A14B model")
 
 
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
@@ -156,9 +181,10 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
     cfg = config.model
     if model is None:
         frames = config.sampling.num_frames
+        options = {**({} if frames is None else {"num_frames": frames}),
+                   **({} if cfg.lora_experts is None else {"lora_experts": cfg.lora_experts})}
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
-                                max_sequence_length=cfg.max_sequence_length,
-                                adapter_options=None if frames is None else {"num_frames": frames})
+                                max_sequence_length=cfg.max_sequence_length, adapter_options=options or None)
     if cfg.attention == "xformers":
         enable_xformers(model)
     if cfg.gradient_checkpointing:

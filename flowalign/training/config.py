@@ -81,6 +81,9 @@ class ModelConfig:
     lora_rank: int = option(8, "LoRA rank")
     lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
+    lora_experts: list[str] | None = option(
+        None, "models with several experts (Wan2.2 A14B): the experts the LoRA trains, from [high, low] (high: "
+        "transformer, the high-noise expert; low: transformer_2); null = every expert")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
     kernels: Literal["auto", "triton", "torch"] = option(
@@ -102,6 +105,16 @@ class ModelConfig:
         if self.lora_targets is not None:
             _check(len(self.lora_targets) > 0, "model.lora_targets", "must list at least one module (or be null)")
             _check(all(self.lora_targets), "model.lora_targets", f"has an empty module name: {self.lora_targets}")
+        if self.lora_experts is not None:
+            from flowalign.models.wan_experts import check_expert_names
+
+            try:
+                check_expert_names(self.lora_experts)
+            except ValueError as error:
+                raise ConfigError(str(error), key="model.lora_experts") from None
+            _check(self.finetune == "lora", "model.lora_experts",
+                   "chooses the experts a LoRA trains; with model.finetune = 'full' every weight of every expert "
+                   "trains: drop model.lora_experts")
         _at_least("model.max_sequence_length", self.max_sequence_length, 1)
         _check(self.finetune == "full" or not self.reference_offload, "model.reference_offload",
                "= true offloads a full fine-tune's reference copy; with model.finetune = 'lora' the reference is the "

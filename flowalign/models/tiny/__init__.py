@@ -18,7 +18,8 @@ from .sana import tiny_sana_pipeline
 from .sana_video import tiny_sana_video_pipeline
 from .sd3 import tiny_sd3_pipeline
 from .skyreels_v2 import tiny_skyreels_v2_pipeline
-from .wan import tiny_wan_pipeline
+from .wan import (tiny_wan22_i2v_pipeline, tiny_wan22_pipeline, tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline,
+                  tiny_wan_pipeline)
 from .tokenizers import chat_word_tokenizer, word_level_tokenizer
 from .z_image import tiny_z_image_pipeline
 
@@ -38,6 +39,10 @@ __all__ = [
     "tiny_sana_video_pipeline",
     "tiny_sd3_pipeline",
     "tiny_skyreels_v2_pipeline",
+    "tiny_wan22_i2v_pipeline",
+    "tiny_wan22_pipeline",
+    "tiny_wan22_ti2v_pipeline",
+    "tiny_wan_i2v_pipeline",
     "tiny_wan_pipeline",
     "tiny_z_image_pipeline",
     "word_level_tokenizer",
