@@ -1,12 +1,14 @@
-"""SkyReels-V2 T2V beyond the video adapter contract: its own family when loaded, the released UniPC's flow sigmas,
-and the pipeline's frame-side rule."""
+"""SkyReels-V2 beyond the video adapter contract: T2V's own family when loaded, the released UniPC's flow sigmas, the
+pipeline's frame-side rule and the preset; I2V's first-frame condition bitwise the pipeline's own, and I2V without
+condition images refused (encoding, and training before the model loads)."""
 
 import pytest
 import torch
 
-from flowalign.models import SkyReelsV2Model, WanModel, load_flow_model, wrap_pipeline
+from flowalign.errors import SetupError
+from flowalign.models import SkyReelsV2I2VModel, SkyReelsV2Model, WanModel, load_flow_model, wrap_pipeline
 
-from video_families import fresh_video_pipeline, tiny_video_pipeline
+from video_families import wan_first_frame_image, fresh_video_pipeline, tiny_video_pipeline
 
 PROMPTS = ["a red circle moving to the left", "two blue squares moving up"]
 
@@ -62,3 +64,40 @@ def test_the_preset_has_dancegrpos_skyreels_settings():
         ("skyreels_v2", "full", 16, "dance", 0.3, True, 5.0, 53, 8, 1e-5, 0.0, 1e-4)
     assert preset.sampling.stochastic_steps() == 15 and preset.step_selection.count == 9  # timestep_fraction 0.6
     wrap_pipeline(tiny_video_pipeline("skyreels_v2"), num_frames=preset.sampling.num_frames)  # a 4k+1 count
+
+
+def test_i2v_condition_is_the_pipelines_own_prepare_latents_and_clip_embeddings():
+    pipe = tiny_video_pipeline("skyreels_v2_i2v")
+    model = wrap_pipeline(pipe, num_frames=5)
+    assert type(model) is SkyReelsV2I2VModel and model.takes_condition_images and model.max_condition_images == 1
+    image = wan_first_frame_image()
+    cond = model.encode(PROMPTS, negative_prompts=["", ""], images=[image, image])
+    pixels = pipe.video_processor.preprocess(image, height=16, width=32).to(dtype=torch.float32)
+    with torch.no_grad():
+        _, condition = pipe.prepare_latents(pixels, 1, 4, 16, 32, 5, torch.float32, torch.device("cpu"), None,
+                                            torch.zeros(1, 4, 2, 4, 8))
+        embeds = pipe.encode_image(image, torch.device("cpu"))
+    assert condition.shape == (1, 4 + 4, 2, 4, 8)  # the 4-channel first-frame mask, then the condition video's z
+    assert torch.equal(cond.extras["condition"], torch.cat([condition, condition]))
+    assert torch.equal(cond.extras["image_embeds"], torch.cat([embeds, embeds]).to(model.dtype))
+    x = model.prepare_noise(2, (16, 32), generator=torch.Generator().manual_seed(0))
+    assert x.shape == (2, 4, 2, 4, 8)  # the noise has the VAE's z channels, the transformer takes 2 z + 4
+
+
+def test_i2v_without_condition_images_is_refused_naming_what_to_give(tmp_path, monkeypatch):
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+    import flowalign.training.builder as builder
+
+    from golden_runs import small_run_values
+
+    model = wrap_pipeline(tiny_video_pipeline("skyreels_v2_i2v"), num_frames=5)
+    with pytest.raises(ValueError, match=r"'skyreels_v2_i2v' is image-to-video: 2 of 2 prompts have no condition "
+                                         r"image.*images=\[image"):
+        model.encode(PROMPTS)
+    tiny_video_pipeline("skyreels_v2_i2v").save_pretrained(tmp_path / "i2v")
+    values = {**small_run_values(tmp_path / "i2v", tmp_path / "run"), "sampling.num_frames": 5}
+    monkeypatch.setattr(builder, "load_flow_model", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SetupError, match=r"data.train_prompts = .*'skyreels_v2_i2v' is image-to-video.*'images' entry"):
+        Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))

@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 
 from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTXImageToVideoModel,
-                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2Model, Wan22I2VModel, Wan22Model,
-                              WanI2VModel, WanModel, WanTI2VImageModel, WanTI2VModel)
+                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2I2VModel, SkyReelsV2Model,
+                              Wan22I2VModel, Wan22Model, WanI2VModel, WanModel, WanTI2VImageModel, WanTI2VModel)
 from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx_pipeline,
-                                   tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_pipeline,
-                                   tiny_wan22_i2v_pipeline, tiny_wan22_pipeline, tiny_wan22_ti2v_pipeline,
-                                   tiny_wan_i2v_pipeline, tiny_wan_pipeline)
+                                   tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_i2v_pipeline,
+                                   tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline, tiny_wan22_pipeline,
+                                   tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
 
@@ -274,6 +274,9 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),
     # SkyReels-V2 T2V: Wan2.1's pipeline loop, text and VAE under SkyReels' classes; its own LoRA loader.
     "skyreels_v2": VideoFamily(SkyReelsV2Model, tiny_skyreels_v2_pipeline, wan_vae_encoding),
+    # SkyReels-V2 I2V: Wan2.1 I2V's first-frame condition (CLIP image embeddings, mask and condition video latents).
+    "skyreels_v2_i2v": VideoFamily(SkyReelsV2I2VModel, tiny_skyreels_v2_i2v_pipeline, wan_vae_encoding,
+                                   sizes=((16, 32),), condition_images=wan_first_frame_image),
     # SANA-Video: SANA's Gemma2 text with its mask and batched CFG over Wan's VAE; 32 px multiples, ``frames=``.
     "sana_video": VideoFamily(SanaVideoModel, tiny_sana_video_pipeline, sana_video_vae_encoding,
                               call=_sana_video_kwargs, sizes=((32, 32), (32, 64)), pipeline_frames="frames"),

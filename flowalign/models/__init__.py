@@ -21,6 +21,7 @@ from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sana_video import SANA_VIDEO_LORA_TARGETS, SanaVideoModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
 from .skyreels_v2 import SkyReelsV2Model
+from .skyreels_v2_i2v import SkyReelsV2I2VModel
 from .video import VideoFlowModel
 from .wan import WAN_LORA_TARGETS, WanModel
 from .wan22 import Wan22I2VModel, Wan22Model
@@ -64,6 +65,7 @@ __all__ = [
     "SanaModel",
     "SanaVideoModel",
     "SD3Model",
+    "SkyReelsV2I2VModel",
     "SkyReelsV2Model",
     "unpack_latents",
     "VideoFlowModel",

@@ -21,7 +21,7 @@ from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
 from .sana import tiny_sana_pipeline
 from .sana_video import tiny_sana_video_pipeline
 from .sd3 import tiny_sd3_pipeline
-from .skyreels_v2 import tiny_skyreels_v2_pipeline
+from .skyreels_v2 import tiny_skyreels_v2_i2v_pipeline, tiny_skyreels_v2_pipeline
 from .wan import (tiny_wan22_i2v_pipeline, tiny_wan22_pipeline, tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline,
                   tiny_wan_pipeline)
 from .tokenizers import chat_word_tokenizer, word_level_tokenizer
@@ -46,6 +46,7 @@ __all__ = [
     "tiny_sana_pipeline",
     "tiny_sana_video_pipeline",
     "tiny_sd3_pipeline",
+    "tiny_skyreels_v2_i2v_pipeline",
     "tiny_skyreels_v2_pipeline",
     "tiny_wan22_i2v_pipeline",
     "tiny_wan22_pipeline",

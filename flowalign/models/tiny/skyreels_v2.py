@@ -42,3 +42,33 @@ def tiny_skyreels_v2_pipeline(
             component.eval()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def tiny_skyreels_v2_i2v_pipeline(words: Iterable[str], *, max_length: int = 12, shift: float = 5.0, seed: int = 0):
+    """A randomly initialised ``SkyReelsV2ImageToVideoPipeline``: the text encoder, tokenizer, VAE and CLIP image
+    processor of ``tiny_wan_i2v_pipeline(words, seed=seed)``, its tiny CLIP vision encoder's configuration as a
+    ``CLIPVisionModelWithProjection`` (the released class) and its transformer's configuration (``2 z + 4`` input
+    channels, image embeddings) as a ``SkyReelsV2Transformer3DModel``, both drawn after ``seed + 1``, and
+    ``FlowMatchEulerDiscreteScheduler(shift=5)`` (SkyReels-V2 I2V's flow shift)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SkyReelsV2ImageToVideoPipeline, SkyReelsV2Transformer3DModel
+    from transformers import CLIPVisionModelWithProjection
+
+    from .wan import tiny_wan_i2v_pipeline
+
+    wan = tiny_wan_i2v_pipeline(words, max_length=max_length, seed=seed)
+    torch.manual_seed(seed + 1)
+    config = {key: value for key, value in wan.transformer.config.items() if not key.startswith("_")}
+    pipe = SkyReelsV2ImageToVideoPipeline(
+        tokenizer=wan.tokenizer,
+        text_encoder=wan.text_encoder,
+        image_encoder=CLIPVisionModelWithProjection(wan.image_encoder.config),
+        image_processor=wan.image_processor,
+        transformer=SkyReelsV2Transformer3DModel(**config),
+        vae=wan.vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+    )
+    for component in pipe.components.values():
+        if isinstance(component, torch.nn.Module):
+            component.eval()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
