@@ -99,5 +99,6 @@ def test_i2v_without_condition_images_is_refused_naming_what_to_give(tmp_path, m
     tiny_video_pipeline("skyreels_v2_i2v").save_pretrained(tmp_path / "i2v")
     values = {**small_run_values(tmp_path / "i2v", tmp_path / "run"), "sampling.num_frames": 5}
     monkeypatch.setattr(builder, "load_flow_model", lambda *a, **k: pytest.fail("the model loaded"))
-    with pytest.raises(SetupError, match=r"data.train_prompts = .*'skyreels_v2_i2v' is image-to-video.*'images' entry"):
+    with pytest.raises(SetupError, match=r"data.train_prompts = .*model family 'skyreels_v2_i2v' generates each "
+                                         r"video from a condition image, but the prompt .* has none"):
         Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
