@@ -1,0 +1,155 @@
+"""Every method on video latents ``[B, C, f, h, w]``: each method preset trains 2 iterations on the tiny Wan2.1 T2V
+pipeline (5 frames -> 2 latent frames, 16 px) with the ``video_brightness`` reward, its first ratio exactly 1 where it
+has one; a run resumes bitwise; the generic math (every SDE kind's log-prob, the GRPO loss terms) is the same on a
+video latent as on the image latent its frames fold into; the VAE decode batch and tiling and gradient checkpointing
+reach the video model.
+
+The objectives on image-caption pairs (``sft``, ``soar``) have no video data source yet: a video model refuses them
+before it loads (tests/test_video_config.py), and here they are checked to do so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowalign.config import ConfigError, load_config
+from flowalign.rewards import REWARDS, VideoBrightnessReward, register_reward
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import Trainer
+
+from golden_runs import METHODS, SMALL_RUN_SHAPE, small_run_values
+from video_families import tiny_video_pipeline
+
+FRAMES, SIZE = 5, 16
+# The presets whose objective trains on image-caption pairs: refused on a video model (no video data source yet).
+IMAGE_DATA_PRESETS = {"sft": "objectives.flow_matching.data", "soar": "objectives.soar.data"}
+
+
+def test_video_brightness_is_the_mean_of_the_frames_mean_brightness():
+    videos = torch.zeros(2, 3, 3, 2, 2)
+    videos[0, 0] = 1.0  # one white frame of three: 1/3
+    videos[1, :, 0] = 0.5  # the red channel at 0.5 in every frame: 0.5 / 3 per frame
+    videos[1, 2, 1] = 1.0  # and frame 2 green: (0.5 + 1) / 3 there
+    reward = VideoBrightnessReward()
+    expected = torch.tensor([1 / 3, (0.5 / 3 + 0.5 / 3 + 1.5 / 3) / 3])
+    torch.testing.assert_close(reward(videos, ["a", "b"], [{}, {}]), expected)
+    torch.testing.assert_close(VideoBrightnessReward(channel=1)(videos, ["a", "b"], [{}, {}]),
+                               torch.tensor([1 / 3, 1 / 3]))
+    pixels = videos.clone().requires_grad_(True)
+    reward.forward(pixels).sum().backward()
+    assert torch.equal(pixels.grad, torch.full_like(videos, 1 / (3 * 3 * 2 * 2)))
+    assert reward.modality == "video" and REWARDS.get("video_brightness") is VideoBrightnessReward
+    with pytest.raises(ValueError, match=r"video_brightness scores videos \[B, F, 3, H, W\], got shape \(2, 3, 2, 2\)"):
+        reward(videos[:, 0], ["a", "b"], [{}, {}])
+
+
+@pytest.fixture(scope="module")
+def wan_path(tmp_path_factory):
+    """The tiny Wan2.1 T2V pipeline, saved once for the module."""
+    path = tmp_path_factory.mktemp("video") / "wan"
+    tiny_video_pipeline("wan").save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def channel_rewards():
+    """Two more video rewards (one colour channel's brightness each) for GARDO's auxiliaries; unregistered after."""
+    register_reward("video_red", lambda **kw: _named(VideoBrightnessReward(channel=0, **kw), "video_red"))
+    register_reward("video_blue", lambda **kw: _named(VideoBrightnessReward(channel=2, **kw), "video_blue"))
+    yield
+    REWARDS.unregister("video_red")
+    REWARDS.unregister("video_blue")
+
+
+def _named(reward, name):
+    reward.name = name
+    return reward
+
+
+def video_values(model_path, out, **extra) -> dict:
+    """A preset's small run (golden_runs.small_run_values with its SMALL_RUN_SHAPE) on video: 5 frames of 16 px,
+    scored by video_brightness."""
+    return {**small_run_values(model_path, out), "sampling.image_size": SIZE, "sampling.num_frames": FRAMES,
+            "reward.rewards": "[{name: video_brightness}]", **extra}
+
+
+def preset_extra(name: str, model_path, tmp_path) -> dict:
+    """What a preset needs on the tiny Wan beyond its small run: the video twin of each image-only part."""
+    extra = dict(SMALL_RUN_SHAPE.get(name, {}))
+    if name == "euphonium":
+        extra["credit.process_reward"] = "video_brightness"
+    if name == "gardo":  # GARDO's proxy against two auxiliary video rewards, kept out of the advantage
+        extra["reward.rewards"] = ("[{name: video_brightness}, {name: video_red, weight: 0.0}, "
+                                   "{name: video_blue, weight: 0.0}]")
+        extra["loss.gated_kl.auxiliaries"] = "[video_red, video_blue]"
+    if name == "drl_adjoint":  # adjoint matching's reward gradient through the decoded videos
+        extra["objectives.adjoint_matching.reward"] = "video_brightness"
+        extra["objectives.adjoint_matching.reward_kwargs"] = "{}"
+        # its outlier threshold, one iteration behind, masks every unit of iteration 1 on this tiny reward's losses
+        extra["objectives.adjoint_matching.clip"] = "false"
+    if name == "register_grpo":  # registers sized for the tiny Wan transformer, read on its video tokens
+        from diffusers import WanTransformer3DModel
+        from flowalign.reward_models.latent_registers import LatentRegisters
+
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            transformer = WanTransformer3DModel.from_pretrained(model_path / "transformer")
+            checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(
+                tmp_path / "r.pt")
+        extra["credit.registers"] = str(checkpoint)
+    if name.startswith("shell_lcc"):  # a manifold over the Wan VAE's 4 latent channels, every latent frame a point
+        from test_shell_lcc import tiny_manifold
+
+        manifold = tiny_manifold(model_path, tmp_path / "manifold.safetensors")
+        if name == "shell_lcc":
+            extra["reward.rewards"] = f"[{{name: shell_lcc, kwargs: {{path: {manifold}, variant: band}}}}]"
+        else:
+            extra["objectives.shell_lcc.path"] = str(manifold)
+            extra["objectives.shell_lcc.batch_size"] = 2
+    return extra
+
+
+def video_config(name, model_path, out, **extra):
+    preset = next(p for p in METHODS if p.stem == name)
+    values = video_values(model_path, out, **extra)
+    return load_config(TrainConfig, preset, [f"{k}={v}" for k, v in values.items()])
+
+
+@pytest.mark.parametrize("name", [p.stem for p in METHODS])
+def test_every_method_preset_trains_two_iterations_on_the_tiny_wan(name, wan_path, tmp_path, channel_rewards):
+    if name in IMAGE_DATA_PRESETS:  # no video data source: refused before the model loads, naming the key
+        config = video_config(name, wan_path, tmp_path / "run", **SMALL_RUN_SHAPE.get(name, {}))
+        with pytest.raises(ConfigError, match=IMAGE_DATA_PRESETS[name].replace(".", r"\.") + ".*video"):
+            Trainer(config)
+        return
+    config = video_config(name, wan_path, tmp_path / "run", **preset_extra(name, wan_path, tmp_path))
+    trainer = Trainer(config)
+    assert trainer.model.modality == "video" and trainer.model.num_frames == FRAMES
+    history = trainer.train()
+    assert len(history) == 2
+    losses = [v for h in history for k, v in h.items() if k == "loss" or (k.startswith("objectives/")
+                                                                          and k.endswith("/loss"))]
+    assert losses and all(math.isfinite(v) for v in losses), history
+    assert all(h["grad_norm"] > 0 for h in history), [h["grad_norm"] for h in history]
+    if config.loss:  # a method with a ratio: its first micro-batch is on the rollout's own policy
+        assert history[0]["first_ratio_max"] == 1.0
+    if "reward" in history[0]:
+        assert 0 < history[0]["reward"] < 1 or name.startswith("shell_lcc")
+
+
+def test_a_video_run_resumes_bitwise(wan_path, tmp_path):
+    extra = {"train.checkpoint_every": 1, "optim.ema_decay": 0.5}
+    full = Trainer(video_config("flow_grpo", wan_path, tmp_path / "full", **extra)).train()
+    Trainer(video_config("flow_grpo", wan_path, tmp_path / "split", **extra, **{"train.iterations": 1})).train()
+    resumed = Trainer(video_config("flow_grpo", wan_path, tmp_path / "split", **extra, **{"train.resume": "latest"}))
+    assert resumed.iteration == 1
+    history = resumed.train()
+    assert [h["reward"] for h in history[1:]] == [h["reward"] for h in full[1:]]
+    for part in ("trainable", "ema"):
+        a = load_file(str(tmp_path / "full" / "checkpoint-000002" / f"{part}.safetensors"))
+        b = load_file(str(tmp_path / "split" / "checkpoint-000002" / f"{part}.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
