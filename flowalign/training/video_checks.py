@@ -87,6 +87,7 @@ def check_video_run(config, prompts: list[dict], adapter: type, layout) -> None:
     """Refuse, before the model loads, the video settings a run on ``adapter`` (the model's adapter class, from its
     ``model_index.json``) cannot take (module docstring). ``layout``: the run's ``BatchLayout``."""
     model, sampling = config.model, config.sampling
+    _check_condition_images(config, prompts, adapter)
     if getattr(adapter, "modality", "image") != "video":
         for key, value, default in (("sampling.num_frames", sampling.num_frames, None),
                                     ("model.vae_batch", model.vae_batch, None),
@@ -95,7 +96,6 @@ def check_video_run(config, prompts: list[dict], adapter: type, layout) -> None:
                 raise ConfigError(f"{key} = {value!r} is for video models, but {model.path} is an image model "
                                   f"({adapter.__name__}): drop {key}", key=key)
         return
-    _check_condition_images(config, prompts, adapter)
     _check_data_objectives(config, adapter)
     vae = vae_layout(model.path)
     if vae is None:
