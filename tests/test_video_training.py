@@ -153,3 +153,31 @@ def test_a_video_run_resumes_bitwise(wan_path, tmp_path):
         a = load_file(str(tmp_path / "full" / "checkpoint-000002" / f"{part}.safetensors"))
         b = load_file(str(tmp_path / "split" / "checkpoint-000002" / f"{part}.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("guidance,budget", [("none", 3), ("bon", 6), ("fk", 6), ("dts", 8), ("rgs", 8),
+                                             ("euphonium", 12), ("satisdive", 40)])
+def test_every_guided_sampler_runs_on_video_latents(guidance, budget, wan_path):
+    """``run_guided`` with each registered sampler on the tiny Wan at 3 steps, scoring (and guiding by) the decoded
+    videos' brightness: finite rewards of the sampled videos within the budget, latents with a frame axis."""
+    from flowalign.inference import SAMPLERS
+    from flowalign.inference.sample import SampleConfig, run_guided
+    from flowalign.models import load_flow_model
+
+    assert {"none", "bon", "fk", "dts", "rgs", "euphonium", "satisdive"} >= set(SAMPLERS.names())
+    model = load_flow_model(wan_path, adapter_options={"num_frames": FRAMES})
+    model.transformer.requires_grad_(False)
+    # run_guided samples at the model's default size: the Wan adapter reads it from the transformer's sample_size
+    model.transformer.register_to_config(sample_size=SIZE // model.vae_scale_factor)
+    assert model.default_image_size == (SIZE, SIZE)
+    guided = {"rgs_reward": "video_brightness"} if guidance in ("rgs", "euphonium", "satisdive") else {}
+    config = SampleConfig(guidance=guidance, budget=budget, steps=3, candidates=2 if guidance == "satisdive" else 1,
+                          **guided)
+    config.validate()
+    metadata = [{"prompt": "a red circle moving to the left"}, {"prompt": "two blue squares moving up"}]
+    reward = VideoBrightnessReward()
+    result = run_guided(model, metadata, config, reward_fn=reward, guide_reward=reward)
+    candidates = (2,) if guidance == "satisdive" else ()  # a set of K candidates per prompt
+    assert result.final.shape == (2, *candidates, *model.latent_shape(1, SIZE)[1:])
+    assert torch.isfinite(result.reward).all()
+    assert ((result.reward > 0) & (result.reward < 1)).all() and (result.nfe <= budget).all()
