@@ -181,3 +181,46 @@ def test_every_guided_sampler_runs_on_video_latents(guidance, budget, wan_path):
     assert result.final.shape == (2, *candidates, *model.latent_shape(1, SIZE)[1:])
     assert torch.isfinite(result.reward).all()
     assert ((result.reward > 0) & (result.reward < 1)).all() and (result.nfe <= budget).all()
+
+
+VIDEO, FOLDED = (4, 3, 2, 4, 5), (4, 6, 4, 5)  # [B, C, f, h, w] and the same elements as an image [B, C f, h, w]
+
+
+def linear_velocity(x, sigma):
+    """An elementwise velocity: the same function of each element whatever the layout."""
+    return 0.3 * x - 0.5 * torch.as_tensor(sigma, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("kind", sorted(__import__("flowalign.samplers", fromlist=["SDE_KINDS"]).SDE_KINDS))
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_every_sde_kind_and_the_grpo_loss_are_the_same_on_video_as_on_its_folded_image_layout(kind, reduce):
+    """The SDE kinds, the rollout's log-probs and the GRPO transition loss (policy, KL, gradient; the torch reference
+    of the Triton path) reduce over every axis but the batch: on a video latent they are bitwise what they are on
+    the same elements laid out as an image latent."""
+    from flowalign.losses.grpo import transition_grpo_loss
+    from flowalign.samplers import noise_schedule, rollout
+
+    x = torch.randn(VIDEO, generator=torch.Generator().manual_seed(0))
+    sigmas, levels = torch.linspace(1.0, 0.0, 5), noise_schedule(0.7).levels(4)
+    runs = [rollout(linear_velocity, x.reshape(shape), sigmas, levels, kind=kind, reduce=reduce,
+                    generator=torch.Generator().manual_seed(1)) for shape in (VIDEO, FOLDED)]
+    video, image = runs
+    assert video.final.shape == VIDEO and video.transitions.stochastic.any()
+    assert torch.equal(video.final.reshape(FOLDED), image.final)
+    assert torch.equal(video.transitions.log_prob, image.transitions.log_prob)
+    t = video.transitions
+    step = int(t.stochastic.nonzero()[0, 0])
+    rows = (t.step == step).nonzero().flatten()
+    losses = []
+    for shape in (VIDEO, FOLDED):
+        x_t = t.states[t.src[rows]].reshape(len(rows), *shape[1:])
+        x_next = t.states[t.dst[rows]].reshape(x_t.shape)
+        v = (linear_velocity(x_t, t.sigma[rows][0]) + 0.01).requires_grad_(True)
+        loss, _ = transition_grpo_loss(v, x_t, x_next, t.sigma[rows], t.sigma_next[rows], t.log_prob[rows],
+                                       torch.tensor([1.0, -1.0, 0.5, -0.5])[: len(rows)], clip_range=0.2, kind=kind,
+                                       noise_level=t.noise_level[rows], noise_scale=t.noise_scale[rows], reduce=reduce,
+                                       v_ref=linear_velocity(x_t, t.sigma[rows][0]).detach(), beta=0.1,
+                                       backend="torch")
+        loss.backward()
+        losses.append((loss.detach(), v.grad.reshape(len(rows), -1)))
+    assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
