@@ -224,3 +224,57 @@ def test_every_sde_kind_and_the_grpo_loss_are_the_same_on_video_as_on_its_folded
         loss.backward()
         losses.append((loss.detach(), v.grad.reshape(len(rows), -1)))
     assert torch.equal(losses[0][0], losses[1][0]) and torch.equal(losses[0][1], losses[1][1])
+
+
+def test_gradient_checkpointing_covers_the_wan_transformer_with_the_same_loss_and_gradients(wan_path, tmp_path):
+    """model.gradient_checkpointing reaches the video transformer: its blocks' layers run again in the backward (a
+    forward hook on a block's attention projection fires twice), and the velocity and the LoRA gradients are bitwise
+    those without it."""
+    results = []
+    for checkpointing in (False, True):
+        config = video_config("flow_grpo", wan_path, tmp_path / str(checkpointing),
+                              **{"model.gradient_checkpointing": str(checkpointing).lower()})
+        trainer = Trainer(config)
+        transformer = trainer.model.transformer
+        assert transformer.gradient_checkpointing is checkpointing
+        calls = []
+        hook = transformer.blocks[0].attn1.to_q.register_forward_hook(lambda *args: calls.append(1))
+        cond = trainer.model.encode(["a red circle moving to the left", "two blue squares moving up"])
+        x = trainer.model.prepare_noise(2, SIZE, generator=torch.Generator().manual_seed(0))
+        torch.manual_seed(0)
+        with torch.no_grad():  # a LoRA away from zero, so its A matrices get gradients too
+            for name, p in transformer.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape) * 0.1)
+        v = trainer.model.velocity(x, 0.6, cond)
+        v.pow(2).mean().backward()
+        hook.remove()
+        grads = {n: p.grad.clone() for n, p in transformer.named_parameters() if p.grad is not None}
+        results.append((len(calls), v.detach(), grads))
+    (plain_calls, plain_v, plain_grads), (ckpt_calls, ckpt_v, ckpt_grads) = results
+    assert (plain_calls, ckpt_calls) == (1, 2)
+    assert torch.equal(plain_v, ckpt_v) and plain_grads.keys() == ckpt_grads.keys() and plain_grads
+    assert all(torch.equal(plain_grads[n], ckpt_grads[n]) for n in plain_grads)
+
+
+def test_the_vae_decodes_a_rollout_vae_batch_videos_per_call_with_its_own_tiling(wan_path, tmp_path):
+    """model.vae_batch and model.vae_tiling reach the adapter: the rollout's 4 videos are decoded 2 per VAE call (so
+    the VAE holds at most 2 x 5 frames), with the VAE's tiling on, to the videos of one call per video."""
+    config = video_config("flow_grpo", wan_path, tmp_path / "run",
+                          **{"model.vae_batch": 2, "model.vae_tiling": "true", "train.iterations": 1})
+    trainer = Trainer(config)
+    model = trainer.model
+    assert model.vae_batch == 2 and model.vae_tiling and model.pipe.vae.use_tiling
+    rows = []
+    hook = model.pipe.vae.decoder.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    history = trainer.train()
+    hook.remove()
+    assert rows and max(rows) == 2 and sum(rows) % 4 == 0  # 2 prompts x 2 videos, 2 per call
+    assert history[0]["first_ratio_max"] == 1.0
+    latents = model.prepare_noise(4, SIZE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        batched = model.decode(latents)
+        model.vae_batch = 1
+        single = model.decode(latents)
+    assert batched.shape == (4, FRAMES, 3, SIZE, SIZE)
+    torch.testing.assert_close(batched, single, rtol=0, atol=1e-6)
