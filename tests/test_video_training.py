@@ -261,7 +261,8 @@ def test_the_vae_decodes_a_rollout_vae_batch_videos_per_call_with_its_own_tiling
     """model.vae_batch and model.vae_tiling reach the adapter: the rollout's 4 videos are decoded 2 per VAE call (so
     the VAE holds at most 2 x 5 frames), with the VAE's tiling on, to the videos of one call per video."""
     config = video_config("flow_grpo", wan_path, tmp_path / "run",
-                          **{"model.vae_batch": 2, "model.vae_tiling": "true", "train.iterations": 1})
+                          **{"model.vae_batch": 2, "model.vae_tiling": "true", "train.iterations": 1,
+                             "train.sample_every": 1})
     trainer = Trainer(config)
     model = trainer.model
     assert model.vae_batch == 2 and model.vae_tiling and model.pipe.vae.use_tiling
@@ -271,6 +272,13 @@ def test_the_vae_decodes_a_rollout_vae_batch_videos_per_call_with_its_own_tiling
     hook.remove()
     assert rows and max(rows) == 2 and sum(rows) % 4 == 0  # 2 prompts x 2 videos, 2 per call
     assert history[0]["first_ratio_max"] == 1.0
+    from PIL import Image
+
+    from flowalign.evaluation.images import cell_size
+
+    with Image.open(tmp_path / "run" / "samples" / "iteration-000000.png") as grid:  # one frame strip per row
+        width, height = cell_size(SIZE, FRAMES * SIZE)
+        assert grid.size == (width, 4 * height)
     latents = model.prepare_noise(4, SIZE, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         batched = model.decode(latents)

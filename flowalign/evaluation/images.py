@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["CAPTION_LINES", "PAD", "cell_size", "save_grid", "to_uint8", "wrap_caption"]
+__all__ = ["CAPTION_LINES", "PAD", "cell_size", "frame_strips", "save_grid", "to_uint8", "wrap_caption"]
 
 PAD = 2
 CAPTION_LINES = 3
@@ -101,6 +101,14 @@ def cell_size(image_height: int, image_width: int, scale: int = 4) -> tuple[int,
     """``(width, height)`` in pixels of one grid cell: padded upscaled image plus the caption area."""
     caption_height = CAPTION_LINES * _line_height(_font())
     return image_width * scale + 2 * PAD, PAD + image_height * scale + PAD + caption_height + PAD
+
+
+def frame_strips(videos: Any) -> Any:
+    """Videos ``[B, F, 3, H, W]`` (a torch tensor) as images ``[B, 3, H, F W]``: each video's frames side by side,
+    left to right."""
+    if videos.ndim != 5:
+        raise ValueError(f"frame_strips takes videos [B, F, 3, H, W], got shape {tuple(videos.shape)}")
+    return videos.permute(0, 2, 3, 1, 4).flatten(3)
 
 
 def save_grid(

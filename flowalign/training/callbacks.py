@@ -69,14 +69,18 @@ class RunLog:
         self.bar.update(1)
 
     def save_samples(self, iteration: int, batches, scores) -> None:
-        """A grid of this process's first 16 samples captioned ``prompt | reward``."""
-        from flowalign.evaluation.images import save_grid
+        """A grid of this process's first 16 samples captioned ``prompt | reward`` (a video as its frame strip, one
+        per row)."""
+        from flowalign.evaluation.images import frame_strips, save_grid
 
         metadata = [m for b in batches for m in b.sample_metadata][:16]
         captions = [f"{m['prompt']} | {float(r):.2f}" for m, r in zip(metadata, scores.display[:16])]
         name = f"samples/iteration-{iteration:06d}.png"
         self.files.record(name)
-        save_grid(scores.images[:16], captions, self.trainer.out_dir / name, columns=8)
+        images = scores.images[:16]
+        video = images.ndim == 5
+        save_grid(frame_strips(images) if video else images, captions, self.trainer.out_dir / name,
+                  columns=1 if video else 8)
 
     def record_tracker_files(self) -> None:
         """Record the files the tracker wrote into ``<run>/flowalign`` since the last look (main process)."""
