@@ -108,7 +108,7 @@ def check_video_run(config, prompts: list[dict], adapter: type, layout) -> None:
                           f"{vae.temporal} frames into one after the first, so the frame count must be "
                           f"{vae.temporal}k+1: set sampling.num_frames to {below} or {below + vae.temporal}",
                           key="sampling.num_frames")
-    _check_budget(config, adapter, vae, frames, layout)
+    _check_budget(config, vae, frames, layout)
 
 
 def _check_condition_images(config, prompts, adapter) -> None:
@@ -135,7 +135,7 @@ def _check_data_objectives(config, adapter) -> None:
                 key=f"objectives.{name}.data")
 
 
-def _check_budget(config, adapter, vae: VaeLayout, frames: int, layout) -> None:
+def _check_budget(config, vae: VaeLayout, frames: int, layout) -> None:
     budget = config.sampling.max_latent_elements
     if budget is None:
         return
@@ -145,17 +145,16 @@ def _check_budget(config, adapter, vae: VaeLayout, frames: int, layout) -> None:
                           "names no default: set sampling.image_size", key="sampling.image_size")
     side = size if size is not None else vae.sample_size * vae.spatial
     per_video = vae.latent_elements(frames, side, side)
+    video = f"sampling.num_frames = {frames} frames at sampling.image_size = {side}"
+    fix = "sampling.num_frames or sampling.image_size, or raise sampling.max_latent_elements"
+    if per_video > budget:
+        raise ConfigError(f"sampling.max_latent_elements = {budget}: one video of {video} holds {per_video} latent "
+                          f"elements, over the budget: lower {fix}", key="sampling.max_latent_elements")
+    shape = (f"{vae.channels} channels x {(frames - 1) // vae.temporal + 1} latent frames x {side // vae.spatial} x "
+             f"{side // vae.spatial}")
     for rows, key in micro_batch_rows(config, layout):
         if rows * per_video > budget:
-            fit = budget // per_video
             raise ConfigError(
-                f"sampling.max_latent_elements = {budget}: a micro-batch of {rows} videos ({key}) of "
-                f"sampling.num_frames = {frames} frames at sampling.image_size = {side} holds {rows} x {per_video} = "
-                f"{rows * per_video} latent elements ({vae.channels} channels x {(frames - 1) // vae.temporal + 1} "
-                f"latent frames x {side // vae.spatial} x {side // vae.spatial}): lower {key} to at most "
-                f"{max(fit, 1)}, or sampling.num_frames or sampling.image_size, or raise sampling.max_latent_elements"
-                if fit >= 1 else
-                f"sampling.max_latent_elements = {budget}: one video of sampling.num_frames = {frames} frames at "
-                f"sampling.image_size = {side} holds {per_video} latent elements, over the budget: lower "
-                f"sampling.num_frames or sampling.image_size, or raise sampling.max_latent_elements",
-                key="sampling.max_latent_elements")
+                f"sampling.max_latent_elements = {budget}: a micro-batch of {rows} videos ({key}) of {video} holds "
+                f"{rows} x {per_video} = {rows * per_video} latent elements ({shape}): lower {key} to at most "
+                f"{budget // per_video}, or {fix}", key="sampling.max_latent_elements")
