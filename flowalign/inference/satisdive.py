@@ -47,8 +47,8 @@ def feature_blocks(transformer: torch.nn.Module) -> torch.nn.ModuleList:
         blocks = getattr(transformer, "blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"SatisDive reads its diversity feature from a block of the transformer's "
-                         f"transformer_blocks (or blocks), and {type(transformer).__name__} has none: this model cannot give "
-                         "SatisDive's feature (--feature-block)")
+                         f"transformer_blocks (or blocks), and {type(transformer).__name__} has none: this model "
+                         "cannot give SatisDive's feature (--feature-block)")
     return blocks
 
 
