@@ -101,12 +101,17 @@ def preset_extra(name: str, model_path, tmp_path) -> dict:
             checkpoint = LatentRegisters.for_transformer(transformer, num_registers=4, width=32).save(
                 tmp_path / "r.pt")
         extra["credit.registers"] = str(checkpoint)
+        extra["loss.rg_opd.weight"] = 0.5  # and RG-OPD's regression onto RGS targets from the same registers
+        extra["loss.rg_opd.registers"] = str(checkpoint)
     if name.startswith("shell_lcc"):  # a manifold over the Wan VAE's 4 latent channels, every latent frame a point
         from test_shell_lcc import tiny_manifold
 
         manifold = tiny_manifold(model_path, tmp_path / "manifold.safetensors")
         if name == "shell_lcc":
             extra["reward.rewards"] = f"[{{name: shell_lcc, kwargs: {{path: {manifold}, variant: band}}}}]"
+            extra["loss.rg_opd.weight"] = 0.5  # the latent reward as RG-OPD's gradient source, on video latents
+            extra["loss.rg_opd.reward"] = "shell_lcc"
+            extra["loss.rg_opd.reward_kwargs"] = f"{{path: {manifold}}}"
         else:
             extra["objectives.shell_lcc.path"] = str(manifold)
             extra["objectives.shell_lcc.batch_size"] = 2
@@ -139,6 +144,8 @@ def test_every_method_preset_trains_two_iterations_on_the_tiny_wan(name, wan_pat
         assert history[0]["first_ratio_max"] == 1.0
     if "reward" in history[0]:
         assert 0 < history[0]["reward"] < 1 or name.startswith("shell_lcc")
+    if name in ("register_grpo", "shell_lcc"):
+        assert history[0]["rg_opd"] > 0
 
 
 def test_a_video_run_resumes_bitwise(wan_path, tmp_path):
@@ -286,3 +293,19 @@ def test_the_vae_decodes_a_rollout_vae_batch_videos_per_call_with_its_own_tiling
         single = model.decode(latents)
     assert batched.shape == (4, FRAMES, 3, SIZE, SIZE)
     torch.testing.assert_close(batched, single, rtol=0, atol=1e-6)
+
+
+def test_every_credit_estimator_and_loss_term_is_covered_on_video(wan_path, tmp_path):
+    """Every registered credit estimator and loss term runs in a preset above, but return-to-go (no preset) and
+    RG-OPD on a video reward, which run here."""
+    from flowalign.credit import CREDIT
+    from flowalign.losses import LOSSES
+
+    presets = [video_config(p.stem, wan_path, tmp_path / p.stem, **SMALL_RUN_SHAPE.get(p.stem, {})) for p in METHODS]
+    covered = {c.credit.name for c in presets}
+    assert set(CREDIT.names()) - covered == {"return_to_go"}
+    assert set(LOSSES.names()) == {"grpo", "gated_kl", "rg_opd"}  # gardo; register_grpo and shell_lcc
+    history = Trainer(video_config("flow_grpo", wan_path, tmp_path / "run", **{
+        "credit.name": "return_to_go", "loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "video_brightness"})).train()
+    assert history[0]["first_ratio_max"] == 1.0 and history[0]["rg_opd"] > 0
+    assert all(math.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in history)
