@@ -33,7 +33,8 @@ from flowalign.errors import RewardInputError
 from flowalign.registry import Registry
 
 __all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "TemporalConsistency", "is_toy_model", "build_embedding",
-           "check_embedding", "consecutive_similarity", "register_embedding", "resolve_embedding", "set_diversity"]
+           "check_embedding", "consecutive_similarity", "embed_samples", "register_embedding", "resolve_embedding",
+           "set_diversity"]
 
 
 def _lazy(attribute: str) -> Callable[..., Any]:
@@ -94,6 +95,16 @@ def check_embedding(name: str, kwargs: Mapping[str, Any], *, key: str) -> None:
 def build_embedding(name: str, **kwargs: Any):
     """The registered image embedding ``name`` built with ``kwargs``."""
     return EMBEDDINGS.build(name, **kwargs)
+
+
+def embed_samples(embedding, samples: Tensor) -> Tensor:
+    """``[B, D]``: ``embedding.embed`` of each image ``[B, 3, H, W]``; of a video ``[B, F, 3, H, W]``, the mean of its
+    frames' embeddings, renormalised to a unit vector (so videos differ as their frames do on average)."""
+    if samples.ndim != 5:
+        return embedding.embed(samples)
+    frames = embedding.embed(samples.flatten(0, 1))
+    mean = frames.reshape(samples.shape[0], samples.shape[1], -1).float().mean(dim=1)
+    return torch.nn.functional.normalize(mean, dim=1)
 
 
 def set_diversity(embeddings: Tensor) -> Tensor:

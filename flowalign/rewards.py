@@ -77,6 +77,7 @@ __all__ = [
     "COMBINE_MODES",
     "REWARDS",
     "Reward",
+    "VideoBrightnessReward",
     "RewardScores",
     "build_differentiable_reward",
     "build_reward",
@@ -174,6 +175,33 @@ class BrightnessReward:
         return self.forward(images, prompts, metadata)
 
 
+class VideoBrightnessReward:
+    """Mean brightness of a video ``[B, F, 3, H, W]`` in [0, 1]: the mean over its frames of each frame's mean pixel
+    intensity (optionally of one channel), one score per video. The video twin of ``brightness``: a cheap,
+    differentiable, prompt-free smoke-test reward for training on video models."""
+
+    name = "video_brightness"
+    modality = "video"
+    score_range = (0.0, 1.0)
+
+    def __init__(self, channel: int | None = None):
+        if channel not in (None, 0, 1, 2):
+            raise ValueError(f"video_brightness channel must be 0, 1, 2 or None (all), got {channel!r}")
+        self.channel = channel
+
+    def forward(self, videos: Tensor, prompts: Sequence[str] | None = None,
+                metadata: Sequence[dict] | None = None) -> Tensor:
+        """The score, differentiable in ``videos`` (``d score / d pixel = 1 / (F C H W)`` for the pixels it reads)."""
+        if videos.ndim != 5:
+            raise ValueError(f"video_brightness scores videos [B, F, 3, H, W], got shape {tuple(videos.shape)}")
+        pixels = videos.float() if self.channel is None else videos[:, :, self.channel].float()
+        per_frame = pixels.flatten(2).mean(dim=2)
+        return per_frame.mean(dim=1)
+
+    def __call__(self, videos: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return self.forward(videos, prompts, metadata)
+
+
 def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
           score_range: tuple[float, float] | None = None, modality: str | None = None,
           **fixed: Any) -> Callable[..., Reward]:
@@ -209,6 +237,7 @@ REWARDS: Registry[Reward] = Registry("reward", protocol=Reward)
 REWARDS.register("toy_geneval", _toy_geneval)
 REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
 REWARDS.register("brightness", BrightnessReward)
+REWARDS.register("video_brightness", VideoBrightnessReward)
 # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
 REWARDS.register("pickscore", _lazy("pickscore", "PickScore"))
 REWARDS.register("hps", _lazy("hps", "HPSv2"))

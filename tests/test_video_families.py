@@ -214,3 +214,45 @@ def test_every_registered_video_family_is_under_the_contract():
 
     video = {MODEL_FAMILIES.get(name) for name in MODEL_FAMILIES if MODEL_FAMILIES.get(name).modality == "video"}
     assert video and video <= {family.adapter for family in VIDEO_FAMILIES.values()}
+@pytest.mark.parametrize("name", VIDEO_FAMILIES)
+def test_the_default_method_trains_on_the_family_and_exports(name, saved_video_pipelines, tmp_path):
+    """Two iterations of the default method from the saved directory (first ratio exactly 1); the checkpoint exports
+    as a LoRA folder (plain ``load_lora_weights``) and merged (plain ``from_pretrained``), both sampling the LoRA
+    model's velocity."""
+    import diffusers
+
+    from flowalign.config import load_config
+    from flowalign.export import export_lora
+    from flowalign.lora_loading import apply_lora, resolve_lora
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    family = VIDEO_FAMILIES[name]
+    directory = saved_video_pipelines(name)
+    assert isinstance(load_flow_model(directory), family.adapter)
+    values = {**small_run_values(directory, tmp_path / "run"), "sampling.image_size": family.sizes[0][0],
+              "sampling.num_frames": family.frames, "train.checkpoint_every": 2,
+              "reward.rewards": "[{name: video_brightness}]"}
+    config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    history = Trainer(config).train()
+    assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+    checkpoint = sorted((tmp_path / "run").glob("checkpoint-*"))[-1]
+    trained = load_flow_model(directory, adapter_options={"num_frames": family.frames})
+    apply_lora(trained, resolve_lora(checkpoint, "last"))
+    cond = trained.encode(PROMPTS, **family.images_kwargs(len(PROMPTS)))
+    x = trained.prepare_noise(2, family.sizes[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained.velocity(x, 0.6, cond)
+    folder = export_lora(checkpoint, tmp_path / "lora", weights="last")
+    merged = export_lora(checkpoint, tmp_path / "merged", weights="last", merge=True)
+    pipeline_class = getattr(diffusers, family.adapter.pipeline_class_name)
+    plain = pipeline_class.from_pretrained(directory)
+    plain.load_lora_weights(folder)
+    for pipe in (plain, pipeline_class.from_pretrained(merged)):
+        with torch.no_grad():
+            velocity = wrap(name, pipe).velocity(x, 0.6, cond)
+        torch.testing.assert_close(velocity, expected, rtol=1e-5, atol=1e-6)
+
+

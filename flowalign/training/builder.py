@@ -24,7 +24,7 @@ from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
 
 __all__ = ["build_rewards", "build_trainer", "check_prompts_fit_model", "check_prompts_fit_rewards",
-           "check_rewards_fit_modality", "enable_xformers", "load_policy"]
+           "check_rewards_fit_modality", "check_video_settings", "enable_xformers", "load_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     if rewards is None:
         check_prompts_fit_rewards(config, train_prompts)
     check_prompts_fit_model(config, train_prompts, model)
+    check_video_settings(config, train_prompts, t.layout, model)
     if rewards is None:
         check_rewards_fit_modality(config, model)
     t.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
@@ -134,6 +135,18 @@ def check_family_experts(adapter: type, config) -> None:
                              "Wan2.2 A14B model")
 
 
+def check_video_settings(config, prompts: list[dict], layout, model: FlowModel | None = None) -> None:
+    """Before the model loads: the video settings fit the model (``flowalign.training.video_checks``), whose adapter
+    class comes from ``model_index.json`` (or ``model``); a hub id is checked when it loads."""
+    from flowalign.models.loading import adapter_class
+    from flowalign.training.video_checks import check_video_run
+
+    if model is None and config.model.family is None and not Path(config.model.path).expanduser().is_dir():
+        return
+    adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    check_video_run(config, prompts, adapter, layout)
+
+
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
     """``(name, weight, fn)`` for each reward: ``config.reward.rewards`` built from the registry, or ``rewards``: reward
     callables ``fn(images, prompts, metadata) -> scores`` (weight 1, named after the function or class), a mapping of
@@ -209,10 +222,10 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
     reference copy of the base (``FlowModel.make_full_finetune``)."""
     cfg = config.model
     if model is None:
-        frames = config.sampling.num_frames
-        options = {**({} if frames is None else {"num_frames": frames}),
-                   **({} if cfg.lora_experts is None else {"lora_experts": cfg.lora_experts}),
-                   **({} if cfg.guidance_scale_2 is None else {"guidance_scale_2": cfg.guidance_scale_2})}
+        options = {"num_frames": config.sampling.num_frames, "vae_batch": cfg.vae_batch,
+                   "vae_tiling": cfg.vae_tiling or None,  # video models only (check_video_settings)
+                   "lora_experts": cfg.lora_experts, "guidance_scale_2": cfg.guidance_scale_2}  # two experts only
+        options = {k: v for k, v in options.items() if v is not None}
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
                                 max_sequence_length=cfg.max_sequence_length, adapter_options=options or None)
     if cfg.attention == "xformers":

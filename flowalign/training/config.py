@@ -88,6 +88,11 @@ class ModelConfig:
         None, "models with two experts (Wan2.2 A14B): the low-noise expert's CFG scale (the pipeline's "
         "guidance_scale_2); null = sampling.guidance_scale")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
+    vae_batch: int | None = option(None, "video models: videos per VAE call when decoding (and encoding) a batch, so "
+                                         "the VAE holds at most vae_batch x sampling.num_frames frames at once; null "
+                                         "= the adapter's default (1); image models refuse it")
+    vae_tiling: bool = option(False, "video models: decode and encode with the VAE's own spatial tiling "
+                                     "(vae.enable_tiling()); image models refuse it")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
     kernels: Literal["auto", "triton", "torch"] = option(
         "auto", "SDE step and GRPO loss: fused Triton kernels (CUDA), the torch reference, or auto = Triton on CUDA "
@@ -121,6 +126,7 @@ class ModelConfig:
         if self.guidance_scale_2 is not None:
             _finite("model.guidance_scale_2", self.guidance_scale_2, 0.0, strict=True)
         _at_least("model.max_sequence_length", self.max_sequence_length, 1)
+        _at_least("model.vae_batch", self.vae_batch, 1)
         _check(self.finetune == "full" or not self.reference_offload, "model.reference_offload",
                "= true offloads a full fine-tune's reference copy; with model.finetune = 'lora' the reference is the "
                "LoRA-disabled model itself: set model.finetune: full, or drop reference_offload")
@@ -191,6 +197,9 @@ class SamplingConfig:
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     num_frames: int | None = option(None, "video models: frames per sampled video (the VAE's kt+1 counts, e.g. 5, "
                                           "9, 81 for Wan); null = the family's default; image models refuse it")
+    max_latent_elements: int | None = option(
+        None, "memory budget: the most latent elements one micro-batch may hold (its rows x C x f x h x w, from the "
+        "model's config files), checked before the model loads; null = no budget")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
     base_tail_steps: int = option(
@@ -255,6 +264,7 @@ class SamplingConfig:
                f"{self.guidance_scale:g} (no CFG): set sampling.guidance_scale > 1, or drop it")
         _at_least("sampling.image_size", self.image_size, 1)
         _at_least("sampling.num_frames", self.num_frames, 1)
+        _at_least("sampling.max_latent_elements", self.max_latent_elements, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
         self._validate_base_tail()
 
