@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from flowalign.config import ConfigError, load_config
+from flowalign.errors import SetupError
 from flowalign.models import WanModel
-from flowalign.models.base import MODEL_FAMILIES, register_model_family
+from flowalign.models.base import MODEL_FAMILIES
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
@@ -46,11 +47,11 @@ def models(tmp_path_factory):
             "sd3": configs_only(tiny_sd3_pipeline(WORDS, seed=0), root / "sd3")}
 
 
-def refused(model: Path, tmp_path: Path, **extra) -> ConfigError:
+def refused(model: Path, tmp_path: Path, error_type: type = ConfigError, **extra) -> Exception:
     values = {**small_run_values(model, tmp_path / "run"), "reward.rewards": "[{name: video_brightness}]",
               "sampling.image_size": 16, **extra}
     config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(error_type) as error:
         Trainer(config)
     return error.value
 
@@ -80,33 +81,13 @@ def test_a_frame_count_the_vae_cannot_take_is_refused_with_the_nearest_valid_cou
     assert f"set sampling.num_frames to {fix}" in str(error)
 
 
-@pytest.fixture
-def i2v_family():
-    """An image-to-video family (a Wan subclass that requires condition images), registered for one test."""
-
-    @register_model_family("test_wan_i2v")
-    class TestWanI2V(WanModel):
-        family = "test_wan_i2v"
-        takes_condition_images = True
-        max_condition_images = 1
-        requires_condition_images = True
-
-        @classmethod
-        def claims(cls, index):
-            return 0  # only when named by model.family
-
-    yield TestWanI2V
-    MODEL_FAMILIES.unregister("test_wan_i2v")
-
-
-def test_an_image_to_video_family_without_condition_images_is_refused(models, tmp_path, i2v_family):
+def test_an_image_to_video_family_without_condition_images_is_refused(models, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "a red circle moving up"}) + "\n")
-    error = refused(models["wan"], tmp_path, **{"model.family": "test_wan_i2v", "sampling.num_frames": 5,
+    error = refused(models["wan"], tmp_path, SetupError, **{"model.family": "wan_i2v", "sampling.num_frames": 5,
                                                  "data.train_prompts": str(prompts)})
-    assert error.key == "data.train_prompts"
-    assert "test_wan_i2v family generates a video from a condition image" in str(error)
-    assert "1 of 1 prompts have none (first: line 1)" in str(error) and '"images": [path]' in str(error)
+    assert "model family 'wan_i2v' generates each video from a condition image" in str(error)
+    assert "'a red circle moving up' has none" in str(error) and '"images": [path]' in str(error)
 
 
 def test_a_text_to_video_family_requires_no_condition_images():

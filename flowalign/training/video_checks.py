@@ -4,8 +4,6 @@
   nothing there.
 * On a video model, the frame count must be one the family's VAE takes: the causal video VAEs compress ``t`` frames
   into one after the first, so ``num_frames = k t + 1`` (``t`` is ``scale_factor_temporal`` in ``vae/config.json``).
-* A family that needs condition images (``requires_condition_images``, the image-to-video families) refuses training
-  prompts without them.
 * The objectives that train on image-caption pairs (``objectives.flow_matching``, ``objectives.soar``: a
   ``data`` key) have no video data source yet, so a video model refuses them.
 * **The memory budget.** ``sampling.max_latent_elements`` bounds the latent elements of one micro-batch: the rows of
@@ -87,7 +85,6 @@ def check_video_run(config, prompts: list[dict], adapter: type, layout) -> None:
     """Refuse, before the model loads, the video settings a run on ``adapter`` (the model's adapter class, from its
     ``model_index.json``) cannot take (module docstring). ``layout``: the run's ``BatchLayout``."""
     model, sampling = config.model, config.sampling
-    _check_condition_images(config, prompts, adapter)
     if getattr(adapter, "modality", "image") != "video":
         for key, value, default in (("sampling.num_frames", sampling.num_frames, None),
                                     ("model.vae_batch", model.vae_batch, None),
@@ -109,20 +106,6 @@ def check_video_run(config, prompts: list[dict], adapter: type, layout) -> None:
                           f"{vae.temporal}k+1: set sampling.num_frames to {below} or {below + vae.temporal}",
                           key="sampling.num_frames")
     _check_budget(config, vae, frames, layout)
-
-
-def _check_condition_images(config, prompts, adapter) -> None:
-    from flowalign.data.condition_images import IMAGES_KEY
-
-    if not getattr(adapter, "requires_condition_images", False):
-        return
-    missing = [i for i, entry in enumerate(prompts) if not entry.get(IMAGES_KEY)]
-    if missing:
-        raise ConfigError(
-            f"data.train_prompts = {config.data.train_prompts}: the {adapter.family} family generates a video from a "
-            f"condition image, but {len(missing)} of {len(prompts)} prompts have none (first: line {missing[0] + 1}): "
-            f"give every line an \"{IMAGES_KEY}\": [path] entry (a .jsonl file), or use a text-to-video model",
-            key="data.train_prompts")
 
 
 def _check_data_objectives(config, adapter) -> None:
