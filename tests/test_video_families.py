@@ -216,9 +216,10 @@ def test_every_registered_video_family_is_under_the_contract():
     assert video and video <= {family.adapter for family in VIDEO_FAMILIES.values()}
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_the_default_method_trains_on_the_family_and_exports(name, saved_video_pipelines, tmp_path):
-    """Two iterations of the default method from the saved directory (first ratio exactly 1); the checkpoint exports
-    as a LoRA folder (plain ``load_lora_weights``) and merged (plain ``from_pretrained``), both sampling the LoRA
-    model's velocity."""
+    """Two iterations of the default method from the saved directory (first ratio exactly 1; an image-to-video family
+    on prompts with a first frame); the checkpoint exports as a LoRA folder (read by the pipeline's own loader, or the
+    transformer's where the pipeline has none) and merged (plain ``from_pretrained``), both sampling the LoRA model's
+    velocity."""
     import diffusers
 
     from flowalign.config import load_config
@@ -233,6 +234,11 @@ def test_the_default_method_trains_on_the_family_and_exports(name, saved_video_p
     values = {**small_run_values(directory, tmp_path / "run"), "sampling.image_size": family.sizes[0][0],
               "sampling.num_frames": family.frames, "train.checkpoint_every": 2,
               "reward.rewards": "[{name: video_brightness}]"}
+    if family.condition_images is not None:  # image-to-video: prompts with a 32 px first frame, sampled at its size
+        from test_editing import editing_prompts          # (or at the size the pipeline gives it: sized_by_image)
+
+        values.update({"data.train_prompts": editing_prompts(tmp_path),
+                       "sampling.image_size": family.sizes[0][0] if family.sized_by_image else 32})
     config = load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
     history = Trainer(config).train()
     assert len(history) == 2 and history[0]["first_ratio_max"] == 1.0
@@ -249,7 +255,10 @@ def test_the_default_method_trains_on_the_family_and_exports(name, saved_video_p
     merged = export_lora(checkpoint, tmp_path / "merged", weights="last", merge=True)
     pipeline_class = getattr(diffusers, family.adapter.pipeline_class_name)
     plain = pipeline_class.from_pretrained(directory)
-    plain.load_lora_weights(folder)
+    if family.lora_loader:
+        family.load_lora(plain, folder)
+    else:  # no LoRA loader on the pipeline: the folder is the transformer's own adapter format (FlowModel.save_lora)
+        plain.transformer.load_lora_adapter(str(folder), prefix=None, use_safetensors=True)
     for pipe in (plain, pipeline_class.from_pretrained(merged)):
         with torch.no_grad():
             velocity = wrap(name, pipe).velocity(x, 0.6, cond)

@@ -58,8 +58,8 @@ def wan_path(tmp_path_factory):
 @pytest.fixture
 def channel_rewards():
     """Two more video rewards (one colour channel's brightness each) for GARDO's auxiliaries; unregistered after."""
-    register_reward("video_red", lambda **kw: _named(VideoBrightnessReward(channel=0, **kw), "video_red"))
-    register_reward("video_blue", lambda **kw: _named(VideoBrightnessReward(channel=2, **kw), "video_blue"))
+    register_reward("video_red", _video_factory(0, "video_red"))
+    register_reward("video_blue", _video_factory(2, "video_blue"))
     yield
     REWARDS.unregister("video_red")
     REWARDS.unregister("video_blue")
@@ -68,6 +68,16 @@ def channel_rewards():
 def _named(reward, name):
     reward.name = name
     return reward
+
+
+def _video_factory(channel: int, name: str):
+    """A factory of ``VideoBrightnessReward`` on one colour channel, declaring that it scores videos (a factory that
+    is not a class says so itself: flowalign.rewards.reward_modality)."""
+    def factory(**kwargs):
+        return _named(VideoBrightnessReward(channel=channel, **kwargs), name)
+
+    factory.modality = "video"
+    return factory
 
 
 def video_values(model_path, out, **extra) -> dict:
@@ -283,9 +293,9 @@ def test_the_vae_decodes_a_rollout_vae_batch_videos_per_call_with_its_own_tiling
 
     from flowalign.evaluation.images import cell_size
 
-    with Image.open(tmp_path / "run" / "samples" / "iteration-000000.png") as grid:  # one frame strip per row
+    with Image.open(tmp_path / "run" / "samples" / "iteration-000000.png") as grid:  # frame strips, 2 a row
         width, height = cell_size(SIZE, FRAMES * SIZE)
-        assert grid.size == (width, 4 * height)
+        assert grid.size == (2 * width, 2 * height)
     latents = model.prepare_noise(4, SIZE, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         batched = model.decode(latents)
