@@ -373,10 +373,11 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
     for name, cls in classes.items():
         assert reward_class(name) is cls
     # exactly the scorers with a differentiable forward (the zoo's five, DRL's discriminator, the Shell-LCC manifold,
-    # the editing reward, the soft toy reward, brightness, and the video rewards temporal consistency and VideoAlign)
+    # the editing reward, the soft toy reward, brightness, and the video rewards temporal consistency, video brightness
+    # and VideoAlign)
     assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "discriminator", "hps", "imagereward",
                                         "pickscore", "shell_lcc", "source_similarity", "temporal_consistency",
-                                        "toy_geneval_soft", "videoalign"]
+                                        "toy_geneval_soft", "video_brightness", "videoalign"]
     # scorers without a gradient: the detector stack, JPEG sizes, the exact toy verifier, optical flow (OpenCV), and
     # the out-of-process ones (a reward server's scores and a VLM judge's answers come back as numbers)
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",

@@ -226,10 +226,12 @@ def test_a_mistake_in_user_code_is_exit_status_2_naming_the_key_the_file_and_the
 
 # ------------------------------------------------------------------------------------------------ the loader's errors
 def _load(tmp_path, body, *overrides):
-    """Load a YAML file in ``tmp_path/project`` (which holds parts/) naming a model path that does not exist: every
-    error below comes from the loader, before anything could load a model."""
+    """Load a YAML file in ``tmp_path/project`` (which holds parts/) naming a model path that does not exist and a
+    run folder under ``tmp_path`` (never the working directory's ``outputs/``): every error below comes from the
+    loader, before anything could load a model."""
     project = write_parts(tmp_path / "project")
-    config = write_yaml(project / "run.yaml", f"model: {{path: {tmp_path / 'no-model'}}}\n" + textwrap.dedent(body))
+    config = write_yaml(project / "run.yaml", f"model: {{path: {tmp_path / 'no-model'}}}\n"
+                        f"train: {{out_dir: {tmp_path / 'run'}}}\n" + textwrap.dedent(body))
     return load_config(TrainConfig, config, list(overrides))
 
 
