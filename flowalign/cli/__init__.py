@@ -30,7 +30,8 @@ Commands (modules of this package):
   registered guided sampler (``sample``).
 * ``flowalign serve-reward [CONFIG] [key=value ...]``: serve registered rewards over HTTP for the ``remote``
   reward (``serve``).
-* ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
+* ``flowalign eval toy|toy-video|geneval|hpd``: GenEval on the toy world, the toy video verifier, GenEval, HPD v2
+  (``eval``).
 * ``flowalign toy pretrain|segmenter``, ``flowalign export CHECKPOINT --out DIR`` (``tools``). ``sample`` and every
   ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
