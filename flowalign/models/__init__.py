@@ -1,4 +1,4 @@
-"""Model adapters: one FlowModel interface over diffusers' flow-matching text-to-image pipelines (the families in
+"""Model adapters: one FlowModel interface over diffusers' flow-matching text-to-image and text-to-video pipelines (the families in
 docs/guides/adding-a-model.md), registered by family name in ``MODEL_FAMILIES`` (``register_model_family``)."""
 
 from .base import MODEL_FAMILIES, Cond, FlowModel, register_model_family
@@ -14,6 +14,8 @@ from .qwen_image import QwenImageModel
 from .qwen_image_edit import QwenImageEditPlusModel
 from .sana import SANA_ATTENTION_TARGETS, SanaModel
 from .sd3 import JOINT_ATTENTION_TARGETS, SD3Model
+from .video import VideoFlowModel
+from .wan import WAN_LORA_TARGETS, WanModel
 from .z_image import ZImageModel
 
 __all__ = [
@@ -41,6 +43,9 @@ __all__ = [
     "SanaModel",
     "SD3Model",
     "unpack_latents",
+    "VideoFlowModel",
+    "WAN_LORA_TARGETS",
+    "WanModel",
     "wrap_pipeline",
     "ZImageModel",
 ]

@@ -193,10 +193,27 @@ class FlowModel:
 
     family: str = ""
     pipeline_class_name: str = ""
+    # "image" (latents [B, C, h, w], decode -> [B, 3, H, W]) or "video" (flowalign.models.video.VideoFlowModel).
+    modality: str = "image"
     lora_targets: tuple[str, ...] = ()
     # Editing families condition on source images (``encode(..., images=)``); ``max_condition_images`` per prompt.
     takes_condition_images: bool = False
     max_condition_images: int | None = None
+
+    @classmethod
+    def claims(cls, index: dict) -> int:
+        """How specifically this adapter claims a pipeline of its ``pipeline_class_name`` whose config
+        (``model_index.json``, or a pipeline object's ``config``) is ``index``: 0 not at all, 1 as the class's
+        general adapter, 2 as a variant's own (Wan2.2's two experts share ``WanPipeline`` with Wan2.1). The loader
+        takes the adapter that claims it most.
+
+        Args:
+            index: the pipeline's config: component entries and registered settings.
+
+        Returns:
+            0, 1 or 2.
+        """
+        return 1
 
     def __init__(self, pipe, *, max_sequence_length: int | None = None):
         self.pipe = pipe

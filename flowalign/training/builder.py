@@ -155,8 +155,10 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
     reference copy of the base (``FlowModel.make_full_finetune``)."""
     cfg = config.model
     if model is None:
+        frames = config.sampling.num_frames
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
-                                max_sequence_length=cfg.max_sequence_length)
+                                max_sequence_length=cfg.max_sequence_length,
+                                adapter_options=None if frames is None else {"num_frames": frames})
     if cfg.attention == "xformers":
         enable_xformers(model)
     if cfg.gradient_checkpointing:

@@ -171,6 +171,8 @@ class SamplingConfig:
         "unconditional prediction detached (conditional: its train_sd3.py of July 2025)")
     shared_noise: bool = option(False, "give the images of a group the same initial noise")
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
+    num_frames: int | None = option(None, "video models: frames per sampled video (the VAE's kt+1 counts, e.g. 5, "
+                                          "9, 81 for Wan); null = the family's default; image models refuse it")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
     base_tail_steps: int = option(
@@ -234,6 +236,7 @@ class SamplingConfig:
                f"= {self.cfg_gradient!r} chooses the gradient of CFG in training, but sampling.guidance_scale = "
                f"{self.guidance_scale:g} (no CFG): set sampling.guidance_scale > 1, or drop it")
         _at_least("sampling.image_size", self.image_size, 1)
+        _at_least("sampling.num_frames", self.num_frames, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
         self._validate_base_tail()
 

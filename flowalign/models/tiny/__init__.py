@@ -16,6 +16,7 @@ from .qwen_image import tiny_qwen_image_pipeline
 from .qwen_image_edit import tiny_qwen_image_edit_plus_pipeline
 from .sana import tiny_sana_pipeline
 from .sd3 import tiny_sd3_pipeline
+from .wan import tiny_wan_pipeline
 from .tokenizers import chat_word_tokenizer, word_level_tokenizer
 from .z_image import tiny_z_image_pipeline
 
@@ -33,6 +34,7 @@ __all__ = [
     "tiny_qwen_image_pipeline",
     "tiny_sana_pipeline",
     "tiny_sd3_pipeline",
+    "tiny_wan_pipeline",
     "tiny_z_image_pipeline",
     "word_level_tokenizer",
 ]
