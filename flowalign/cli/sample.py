@@ -29,5 +29,6 @@ def add_sample(commands) -> None:
         commands, "sample", ConfigCommand("flowalign.inference.sample:SampleConfig", _run_sample),
         help="reward-guided sampling under an NFE budget (best-of-N, FK steering, DTS*, RGS, or a registered sampler)",
         description="Sample every prompt with a guided sampler that spends at most --budget NFEs per prompt; writes "
-        "images/, grid.png, results.json (each chosen sample's reward and NFEs) and summary.md to --out.",
+        "images/, grid.png, results.json (each chosen sample's reward and NFEs) and summary.md to --out; a video model "
+        "writes videos/ (an mp4 and a frame strip PNG per sample) and grid.mp4 instead of images/.",
     )

@@ -27,6 +27,13 @@ sampler returning a set of ``k`` images per prompt: ``images/NNNN_JJ.png`` and o
 with the prompt's NFEs on each of its rows. A ``--out`` folder holding an earlier run's outputs is refused before
 the model loads (``flowalign.outputs``: never two runs' images side by side); ``--overwrite`` deletes those files,
 and only those, just before the new ones are written.
+
+A video model (``modality == "video"``: decoded samples ``[F, 3, H, W]``) writes ``videos/NNNN.mp4`` and its frame
+strip ``videos/NNNN.png`` instead of ``images/NNNN.png`` (``NNNN_JJ`` for a set), ``grid.mp4`` (the first
+``GRID_VIDEOS`` videos tiled per frame) and ``grid.png`` (their frame strips captioned with the prompt), at ``--fps``
+(default: the model's ``fps``, else 16) with ``--strip-frames`` evenly spaced frames per strip
+(``flowalign.evaluation.videos``). ``results.json`` has the same rows, each with its ``video`` and ``frame_strip``
+file, and the summary adds ``modality``, ``frames``, ``fps`` and ``video_codec``.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from torch import Tensor
 from flowalign.components import ComponentConfig
 from flowalign.config import ConfigError, component
 from flowalign.devices import resolve_device
-from flowalign.outputs import OutputFolder
+from flowalign.outputs import OutputFolder, write_atomically
 from flowalign.inference.base import RGS_GRADIENTS, latent_reward  # re-exported (bench/guided.py)
 from flowalign.samplers.guided import GuidedResult
 from flowalign.seeding import generator as seeded_generator
@@ -54,7 +61,9 @@ __all__ = ["RGS_GRADIENTS", "SampleConfig", "build_guide_reward", "encode_prompt
            "prompt_velocity", "run_guided", "run_sample"]
 
 # What run_sample writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
-SAMPLE_OUTPUTS = ("results.json", "summary.md", "grid.png", "images/[0-9]*.png")
+SAMPLE_OUTPUTS = ("results.json", "summary.md", "grid.png", "images/[0-9]*.png", "grid.mp4", "videos/[0-9]*.mp4",
+                  "videos/[0-9]*.png")
+GRID_VIDEOS = 16  # a video model's grid.mp4 / grid.png show this many videos
 
 # The settings SampleConfig had before the samplers were components -> their name in the sampler's settings; the
 # Python constructor still takes them (``SampleConfig(guidance="fk", lam=5)``), for the sampler that has them.
@@ -108,6 +117,8 @@ class SampleConfig:
     device: str | None = option(None, "torch device (default: cuda when available, else cpu)")
     cfg: float = option(1.0, "classifier-free guidance scale (negative prompt ''), for every sampler; > 1 costs 2 "
                         "NFEs per sample and step; 1 = off", metavar="SCALE")
+    fps: float | None = option(None, "a video model's mp4 frame rate; null = the model's fps, else 16")
+    strip_frames: int = option(8, "frames in each video's frame strip PNG, evenly spaced from first to last; 0 = all")
 
     def __init__(self, guidance: str | None = None, **kwargs: Any):
         """The fields as keywords; ``guidance`` (the sampler's name) and the settings of ``LEGACY_SETTINGS`` build
@@ -193,6 +204,15 @@ class SampleConfig:
 
         check_embedding(self.diversity, self.diversity_kwargs, key="diversity")
         at_least("max_prompts", self.max_prompts, 1)
+        from flowalign.evaluation.videos import check_fps, check_strip_frames
+
+        for key, value, checker in (("fps", self.fps, check_fps), ("strip_frames", self.strip_frames,
+                                                                    check_strip_frames)):
+            if value is not None:
+                try:
+                    checker(value, key)
+                except ValueError as error:
+                    raise ConfigError(str(error), key=key) from None
         if self.lora_weights is not None and self.lora is None:
             raise ConfigError(f"--weights {self.lora_weights} chooses a checkpoint's weights: give the checkpoint "
                               "with --lora CHECKPOINT", key="lora_weights")
@@ -348,7 +368,8 @@ def run_sample(config: SampleConfig) -> dict:
         diversity = (embedding_name, measure_diversity(images, embedding or embedding_model()))
     if replacing:  # --overwrite: the earlier run's outputs go just before the first write
         outputs.replace_earlier()
-    return write_outputs(config, metadata, images, rewards, nfes, diversity=diversity)
+    return write_outputs(config, metadata, images, rewards, nfes, diversity=diversity,
+                         modality=getattr(model, "modality", "image"), model_fps=getattr(model, "fps", None))
 
 
 def measure_diversity(images: Tensor, embedding) -> Tensor:
@@ -385,30 +406,42 @@ def sample_prompts(model, metadata, config, *, reward_fn, registers=None, guide_
 
 
 def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor, rewards: Tensor,
-                  nfes: Tensor, *, diversity: tuple[str, Tensor] | None = None) -> dict:
-    """``images/``, ``grid.png``, ``results.json`` and ``summary.md`` (module docstring); returns the summary.
-    ``diversity``: the embedding's name and each prompt's set diversity, for a set per prompt."""
+                  nfes: Tensor, *, diversity: tuple[str, Tensor] | None = None, modality: str = "image",
+                  model_fps: float | None = None) -> dict:
+    """``images/`` (a video model's ``videos/`` and ``grid.mp4``), ``grid.png``, ``results.json`` and ``summary.md``
+    (module docstring); returns the summary. ``diversity``: the embedding's name and each prompt's set diversity,
+    for a set per prompt. ``modality``: the model's (``"video"``: ``images`` holds videos ``[..., F, 3, H, W]``);
+    ``model_fps``: the video model's frame rate, used when ``config.fps`` is null."""
     from flowalign.evaluation.images import save_grid, to_uint8
 
     out = Path(config.out_dir)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    from PIL import Image
-
     sets = rewards.dim() == 2
+    video = _is_video(modality, images, sets)
     k = int(rewards.shape[1]) if sets else 1
     flat_images = images.flatten(0, 1) if sets else images
     flat_rewards = rewards.flatten() if sets else rewards
     owners = [p for p in range(len(metadata)) for _ in range(k)]  # prompt of each image
-    names = [f"{p:04d}_{j:02d}.png" if sets else f"{p:04d}.png" for p in range(len(metadata)) for j in range(k)]
-    for name, pixels in zip(names, to_uint8(flat_images)):
-        Image.fromarray(pixels).save(out / "images" / name)
-    save_grid(flat_images[:64], [metadata[p]["prompt"] for p in owners[:64]], out / "grid.png")
+    names = [f"{p:04d}_{j:02d}" if sets else f"{p:04d}" for p in range(len(metadata)) for j in range(k)]
+    video_fields: dict[str, Any] = {}
+    if video:
+        video_fields = _write_videos(config, out, flat_images, names, [metadata[p]["prompt"] for p in owners],
+                                     model_fps)
+    else:
+        from PIL import Image
+
+        (out / "images").mkdir(parents=True, exist_ok=True)
+        for name, pixels in zip(names, to_uint8(flat_images)):
+            Image.fromarray(pixels).save(out / "images" / f"{name}.png")
+        save_grid(flat_images[:64], [metadata[p]["prompt"] for p in owners[:64]], out / "grid.png")
     rows = []
     for index, (p, r) in enumerate(zip(owners, flat_rewards.tolist())):
         m = metadata[p]
         row = {"prompt_id": p, "prompt": m["prompt"], "tag": m.get("tag"), "reward": _num(r), "nfe": int(nfes[p])}
         if sets:
-            row = {**row, "image_index": index % k, "filename": f"images/{names[index]}"}
+            filename = f"videos/{names[index]}.mp4" if video else f"images/{names[index]}.png"
+            row = {**row, "image_index": index % k, "filename": filename}
+        if video:
+            row = {**row, "video": f"videos/{names[index]}.mp4", "frame_strip": f"videos/{names[index]}.png"}
         rows.append(row)
     summary: dict[str, Any] = {
         "config": asdict(config),
@@ -417,11 +450,12 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         "mean_nfe": float(nfes.double().mean()),
         "max_nfe": int(nfes.max()),
     }
+    summary.update(video_fields)
     if sets:
         summary["images_per_prompt"] = k
         summary.update(set_summary(rewards, None if diversity is None else diversity[1]))
         summary["diversity_embedding"] = None if diversity is None else diversity[0]
-    if all("include" in m for m in metadata):
+    if all("include" in m for m in metadata) and not video:  # the toy verifier reads images
         from flowalign.evaluation.geneval import summarize
         from flowalign.toy.reward import ToyGenEvalReward
 
@@ -431,7 +465,8 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
             row["correct"] = bool(value)
         summary["geneval"] = summarize(rows)
     summary["results"] = rows
-    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    with write_atomically(out / "results.json") as tmp:
+        tmp.write_text(json.dumps(summary, indent=1))
     lines = [f"# flowalign sample: guidance {config.guidance}, budget {config.budget} NFEs/prompt, cfg {config.cfg:g}",
              "",
              f"prompts {len(metadata)}, mean reward {summary['mean_reward']}, mean NFEs {summary['mean_nfe']:.1f}"]
@@ -442,10 +477,42 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         lines += ["", "| prompt | worst reward | mean reward | diversity |", "|---:|---:|---:|---:|"]
         lines += [f"| {row['prompt_id']} | {_fmt(row['worst_reward'])} | {_fmt(row['mean_reward'])} | "
                   f"{_fmt(row['diversity'])} |" for row in summary["sets"]]
+    if video:
+        lines.append(f"videos of {summary['frames']} frames at {summary['fps']:g} fps ({summary['video_codec']}): "
+                     "videos/, grid.mp4, frame strips in grid.png")
     if "geneval" in summary:
         lines.append(f"toy GenEval overall {summary['geneval']['overall']:.3f}")
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    with write_atomically(out / "summary.md") as tmp:
+        tmp.write_text("\n".join(lines) + "\n")
     return summary
+
+
+def _is_video(modality: str, images: Tensor, sets: bool) -> bool:
+    """Whether the decoded samples are videos: the model's ``modality``, checked against the tensor's shape."""
+    expected = (5 if modality == "video" else 4) + (1 if sets else 0)
+    if images.dim() != expected or images.shape[-3] != 3:
+        layout = "[P, K, " if sets else "[P, "
+        layout += "F, 3, H, W]" if modality == "video" else "3, H, W]"
+        raise ValueError(f"a {modality} model's decoded samples must be {layout}, got shape {list(images.shape)}")
+    return modality == "video"
+
+
+def _write_videos(config: SampleConfig, out: Path, videos: Tensor, names: Sequence[str], captions: Sequence[str],
+                  model_fps: float | None) -> dict[str, Any]:
+    """``videos/NAME.mp4`` and ``videos/NAME.png`` per video ``[N, F, 3, H, W]``, ``grid.mp4`` and ``grid.png``;
+    returns the summary's video fields."""
+    from flowalign.evaluation.videos import (DEFAULT_FPS, captioned_strips, check_fps, grid_frames, mp4_codec,
+                                             save_frame_strip, write_mp4, write_mp4_frames)
+
+    fps = config.fps if config.fps is not None else (model_fps or DEFAULT_FPS)
+    rate, codec = check_fps(fps, "fps"), mp4_codec()
+    for name, clip in zip(names, videos):
+        write_mp4(clip, out / "videos" / f"{name}.mp4", rate, codec=codec)
+        save_frame_strip(clip, out / "videos" / f"{name}.png", config.strip_frames)
+    write_mp4_frames(grid_frames(videos[:GRID_VIDEOS]), out / "grid.mp4", rate, codec=codec)
+    captioned_strips(videos[:GRID_VIDEOS], list(captions[:GRID_VIDEOS]), out / "grid.png",
+                     max_frames=config.strip_frames, columns=2)
+    return {"modality": "video", "frames": int(videos.shape[1]), "fps": float(rate), "video_codec": codec}
 
 
 def set_summary(rewards: Tensor, diversity: Tensor | None) -> dict:

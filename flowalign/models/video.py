@@ -41,6 +41,9 @@ class VideoFlowModel(FlowModel):
     modality = "video"
     # Frames sampled when none are asked for: small enough for a CPU (the pipelines' own defaults are 49-121).
     default_num_frames: int = 9
+    # Frames per second the family's videos are made for (what the pipelines' examples export at): mp4 files and
+    # tracker videos play at it unless told otherwise.
+    fps: int = 16
 
     def __init__(self, pipe, *, max_sequence_length: int | None = None, num_frames: int | None = None,
                  vae_batch: int = 1, vae_tiling: bool = False):

@@ -69,14 +69,40 @@ class RunLog:
         self.bar.update(1)
 
     def save_samples(self, iteration: int, batches, scores) -> None:
-        """A grid of this process's first 16 samples captioned ``prompt | reward``."""
+        """A grid of this process's first 16 samples captioned ``prompt | reward``; a video model's is a grid video
+        and a grid of frame strips (``save_sample_videos``)."""
         from flowalign.evaluation.images import save_grid
 
         metadata = [m for b in batches for m in b.sample_metadata][:16]
         captions = [f"{m['prompt']} | {float(r):.2f}" for m, r in zip(metadata, scores.display[:16])]
         name = f"samples/iteration-{iteration:06d}.png"
+        if getattr(self.trainer.model, "modality", "image") == "video":
+            self.save_sample_videos(iteration, scores.images[:16], captions)
+            return
         self.files.record(name)
         save_grid(scores.images[:16], captions, self.trainer.out_dir / name, columns=8)
+
+    def save_sample_videos(self, iteration: int, videos, captions: list[str]) -> None:
+        """``samples/iteration-NNNNNN.mp4`` (the videos ``[N, F, 3, H, W]`` tiled per frame, at ``train.video_fps``,
+        else the model's ``fps``, else 16) and ``.png`` (their frame strips of ``train.strip_frames`` frames,
+        captioned); the grid video goes to the tracker as ``samples`` (``flowalign.training.tracker_videos``)."""
+        from flowalign.evaluation.videos import DEFAULT_FPS, captioned_strips, grid_frames, write_mp4_frames
+
+        if videos.dim() != 5:
+            raise ValueError(f"a video model's samples must be [N, F, 3, H, W], got shape {list(videos.shape)}")
+        train = self.config.train
+        fps = train.video_fps if train.video_fps is not None else (getattr(self.trainer.model, "fps", None)
+                                                                   or DEFAULT_FPS)
+        name = f"samples/iteration-{iteration:06d}"
+        self.files.record(f"{name}.mp4", f"{name}.png")
+        mp4 = write_mp4_frames(grid_frames(videos, columns=4), self.trainer.out_dir / f"{name}.mp4", fps)
+        captioned_strips(videos, captions, self.trainer.out_dir / f"{name}.png", max_frames=train.strip_frames,
+                         columns=2)
+        if self.tracking:
+            from flowalign.training.tracker_videos import log_video
+
+            log_video(self.trainer.accelerator, "samples", videos, fps=fps, step=iteration, mp4=mp4, columns=4)
+            self.record_tracker_files()
 
     def record_tracker_files(self) -> None:
         """Record the files the tracker wrote into ``<run>/flowalign`` since the last look (main process)."""

@@ -413,13 +413,16 @@ class RunConfig:
     resumable: ClassVar[tuple[str, ...]] = (
         "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
         "eval_images_per_prompt", "eval_steps", "eval_seed", "keep_checkpoints", "checkpoint_every", "out_dir",
-        "overwrite", "restart_ema")
+        "overwrite", "restart_ema", "video_fps", "strip_frames")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
     out_dir: str = option("outputs/train", "where logs, sample grids, checkpoints and the resolved config go")
     log_every: int = option(1, "log metrics every this many iterations")
     sample_every: int = option(10, "save a sample grid every this many iterations; 0 = never")
+    video_fps: float | None = option(None, "a video model's sample grid mp4 frame rate; null = the model's fps, else 16")
+    strip_frames: int = option(8, "frames in each frame strip of a video model's sample grid PNG, evenly spaced from "
+                               "first to last; 0 = all")
     checkpoint_every: int = option(50, "save a checkpoint every this many iterations; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
     eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
@@ -462,8 +465,16 @@ class RunConfig:
             ("eval_images_per_prompt", 1),
             ("eval_steps", 1),
             ("eval_seed", 0),
+            ("strip_frames", 0),
         ):
             _at_least(f"train.{name}", getattr(self, name), low)
+        if self.video_fps is not None:
+            from flowalign.evaluation.videos import check_fps
+
+            try:
+                check_fps(self.video_fps, "train.video_fps")
+            except ValueError as error:
+                raise ConfigError(str(error), key="train.video_fps") from None
         packages = TRACKER_PACKAGES.get(self.tracker, ())
         _check(not packages or any(_installed(p) for p in packages), "train.tracker",
                f"= {self.tracker!r} needs the {packages[0] if packages else ''} package, which is not installed: "
