@@ -15,7 +15,6 @@ from flowalign import cli
 from flowalign.evaluation.geneval import load_metadata
 from flowalign.evaluation.images import cell_size
 from flowalign.evaluation.toy_eval import sample_seed
-from flowalign.evaluation.toy_video_eval import frame_strips
 from flowalign.models.loading import load_flow_model
 from flowalign.toy.prompts import PROMPT_ASSET_DIR
 from flowalign.toy.video_pretrain import VideoPretrainConfig, pretrain_video
@@ -95,14 +94,6 @@ def test_eval_toy_video_refuses_an_image_model_and_paired_without_a_lora(tmp_pat
     assert "is an image model" in capsys.readouterr().err
     assert _exit_status(["eval", "toy-video", "--paired", "--out", str(tmp_path / "b")]) == 2
     assert "--paired compares a trained LoRA" in capsys.readouterr().err
-
-
-def test_frame_strips_put_the_frames_side_by_side():
-    videos = torch.arange(2 * 3 * 3 * 2 * 2, dtype=torch.float32).view(2, 3, 3, 2, 2)
-    strips = frame_strips(videos)
-    assert strips.shape == (2, 3, 2, 6)
-    for t in range(3):
-        assert torch.equal(strips[:, :, :, 2 * t:2 * t + 2], videos[:, t])
 
 
 def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_out_prompts(toy_wan, tmp_path):

@@ -44,7 +44,6 @@ __all__ = [
     "check_rates",
     "default_video_prompts_path",
     "evaluate_videos",
-    "frame_strips",
     "judge_videos",
     "run_video_eval",
 ]
@@ -160,15 +159,6 @@ def checks_table(rates: Mapping[str, Mapping[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def frame_strips(videos: Tensor) -> Tensor:
-    """Each video ``[F, 3, H, W]`` of ``videos [N, F, 3, H, W]`` as one image ``[3, H, F * W]``: its frames side by
-    side, left to right."""
-    if videos.ndim != 5:
-        raise ValueError(f"frame_strips takes videos [N, F, 3, H, W], got shape {tuple(videos.shape)}")
-    n, f, c, h, w = videos.shape
-    return videos.permute(0, 2, 3, 1, 4).reshape(n, c, h, f * w)
-
-
 def _summary_markdown(config: VideoEvalConfig, summary: Mapping[str, Any], model: str, lora=None) -> str:
     allocation = (f"{config.images_per_tag} clips per tag" if config.images_per_tag
                   else f"{config.images_per_prompt} clips per prompt")
@@ -185,7 +175,7 @@ def run_video_eval(config: VideoEvalConfig) -> dict:
     before the model loads. Returns the summary (with ``paired`` under that key when computed)."""
     from flowalign.errors import setup_phase
     from flowalign.evaluation.geneval import load_metadata
-    from flowalign.evaluation.images import save_grid
+    from flowalign.evaluation.videos import captioned_strips
     from flowalign.lora_loading import base_model_path, load_model
     from flowalign.toy.video_reward import validate_video_metadata
 
@@ -243,6 +233,6 @@ def run_video_eval(config: VideoEvalConfig) -> dict:
     (out / "summary.md").write_text(markdown, encoding="utf-8")
     shown = min(STRIPS_MAX, len(results))
     captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:shown]]
-    save_grid(frame_strips(videos[:shown]), captions, out / "strips.png", columns=2)
+    captioned_strips(videos[:shown], captions, out / "strips.png", columns=2)
     logger.info("%s", markdown.split("\n", 4)[-1].rstrip())
     return summary

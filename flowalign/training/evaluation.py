@@ -91,9 +91,9 @@ def write_before_after(out: Path, before, after, before_summary, after_summary, 
     (out / "before_after.json").write_text(json.dumps(report, indent=1))
     for name, results, images in (("before", before, before_images), ("after", after, after_images)):
         if images.ndim == 5:  # videos [N, F, 3, H, W]: each as its frames side by side
-            from flowalign.evaluation.toy_video_eval import frame_strips
+            from flowalign.evaluation.videos import strips_of
 
-            images = frame_strips(images)
+            images = strips_of(images[:64])
         captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:64]]
         save_grid(images[:64], captions, out / f"grid_{name}.png")
     logger.info("%s", "\n".join(lines))
