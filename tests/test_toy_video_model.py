@@ -68,7 +68,7 @@ def test_pretrain_video_refuses_a_frame_count_the_wan_vae_cannot_take(capsys):
 def test_eval_toy_video_writes_verdicts_checks_and_frame_strips(toy_wan, tmp_path):
     out = tmp_path / "eval"
     argv = ["eval", "toy-video", "--model", str(toy_wan), "--max-prompts", "3", "--images-per-prompt", "2",
-            "--steps", "2", "--num-frames", "5", "--out", str(out), "--device", "cpu"]
+            "--steps", "2", "--out", str(out), "--device", "cpu"]
     assert cli.main(argv) == 0
     record = json.loads((out / "results.json").read_text())
     metadata = load_metadata(PROMPT_ASSET_DIR / "video_test.jsonl")[:3]

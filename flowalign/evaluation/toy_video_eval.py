@@ -78,7 +78,7 @@ class VideoEvalConfig(SamplingRun):
     prompts: str | None = option(None, "toy video prompts jsonl (default: assets/prompts/video_test.jsonl)")
     images_per_tag: int | None = option(None, "tag-balanced: this many clips per tag, split evenly over its prompts "
                                         "(replaces images_per_prompt)")
-    num_frames: int | None = option(None, "frames per clip (default: the model's)")
+    num_frames: int | None = option(5, "frames per clip: the toy clips' 5 (null: the model family's default)")
     paired: bool = option(False, "with --lora: also sample the base model (LoRA off) on the same seeds and write the "
                           "paired before/after gain, SE and z per tag (before_after.md)")
     steps: int = redefault(SamplingRun, "steps", 10)
