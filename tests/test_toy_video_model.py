@@ -117,3 +117,15 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
                      "--images-per-prompt", "1", "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
     paired = json.loads((out / "before_after.json").read_text())["paired"]
     assert paired["overall"]["n"] == 2 and json.loads((out / "results.json").read_text())["paired"] == paired
+
+
+def test_the_committed_toy_wan_is_the_pretrain_video_defaults_output_and_under_30_mb():
+    from dataclasses import asdict
+
+    asset = REPO / "assets/toy-wan"
+    log = json.loads((asset / "pretrain_log.json").read_text())
+    defaults = asdict(VideoPretrainConfig())
+    assert {k: v for k, v in log["config"].items() if k != "out"} == {k: v for k, v in defaults.items() if k != "out"}
+    assert sum(p.stat().st_size for p in asset.rglob("*") if p.is_file()) < 30 * 2**20
+    model = load_flow_model(asset)
+    assert model.family == "wan" and model.default_image_size == (32, 32)
