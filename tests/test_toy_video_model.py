@@ -116,7 +116,10 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
     assert cli.main(["eval", "toy-video", "--lora", str(checkpoint), "--paired", "--max-prompts", "2",
                      "--images-per-prompt", "1", "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
     paired = json.loads((out / "before_after.json").read_text())["paired"]
-    assert paired["overall"]["n"] == 2 and json.loads((out / "results.json").read_text())["paired"] == paired
+    record = json.loads((out / "results.json").read_text())
+    assert paired["overall"]["n"] == 2 and record["paired"] == paired
+    assert record["paired_partial"]["overall"]["mean_b"] == pytest.approx(
+        sum(r["partial"] for r in record["results"]) / 2)
 
 
 def test_the_committed_toy_wan_is_the_pretrain_video_defaults_output_and_under_30_mb():

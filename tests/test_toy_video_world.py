@@ -194,3 +194,17 @@ def test_bad_input_is_refused_naming_the_field():
         reward(video, [], [entry, entry])
     with pytest.raises(RewardInputError, match="direction"):
         judge_clip({**entry, "direction": "sideways"}, [], (32, 32))
+
+
+def test_paired_difference_reads_the_partial_credit_by_name():
+    from flowalign.evaluation.toy_eval import paired_difference
+
+    def rows(values):
+        return [{"prompt_id": i, "image_index": 0, "tag": "colors", "prompt": "p", "correct": v == 1.0, "partial": v}
+                for i, v in enumerate(values)]
+
+    before, after = rows([0.25, 0.5, 0.0]), rows([0.75, 0.5, 1.0])
+    partial = paired_difference(before, after, score="partial")["overall"]
+    # d = (0.5, 0, 1): mean 0.5, std (ddof 1) 0.5, SE 0.5 / sqrt(3)
+    assert partial["diff"] == pytest.approx(0.5) and partial["se"] == pytest.approx(0.5 / 3 ** 0.5)
+    assert paired_difference(before, after)["overall"]["diff"] == pytest.approx(1 / 3)  # correct: 0, 0, 0 -> 0, 0, 1

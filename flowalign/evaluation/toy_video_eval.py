@@ -15,7 +15,8 @@ of the image detector's GenEval verdict:
 With ``--lora`` and ``--paired``, the reference (the LoRA switched off: the base model) is sampled on the same seeds
 as well, and the paired before/after statistics of the image world's default run (``toy_eval.paired_difference``:
 gain, standard error and z per tag and overall) are written as ``before_after.md`` / ``.json`` by
-``flowalign.training.evaluation.write_before_after``, the writer of the trainer's own end-of-run evaluation.
+``flowalign.training.evaluation.write_before_after``, the writer of the trainer's own end-of-run evaluation;
+``results.json`` adds the same statistics of the verifier's partial credit (``paired_partial``).
 """
 
 from __future__ import annotations
@@ -227,7 +228,8 @@ def run_video_eval(config: VideoEvalConfig) -> dict:
               "summary": summary, "results": results}
     if paired is not None:
         record["paired"] = paired
-        summary = {**summary, "paired": paired}
+        record["paired_partial"] = paired_difference(before, results, score="partial")
+        summary = {**summary, "paired": paired, "paired_partial": record["paired_partial"]}
     (out / "results.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     markdown = _summary_markdown(config, record["summary"], model_path, lora)
     (out / "summary.md").write_text(markdown, encoding="utf-8")
