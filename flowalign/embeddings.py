@@ -6,6 +6,13 @@ toy world's segmenter maps and colours, pooled on a grid), ``pixels`` (the poole
 (open_clip) and ``dreamsim`` (DreamSim from a local directory). Add one with
 ``register_embedding("name", factory)``; ``factory(**kwargs)`` returns an object with ``embed``.
 
+**Temporal consistency of a clip** (``TemporalConsistency``, the ``temporal_consistency`` video reward). For a video's
+frames ``x_1 .. x_F`` and a registered embedding ``e``, the mean cosine similarity of consecutive frames,
+
+    consistency = 1 / (F - 1) * sum_{j=1}^{F-1} cos(e(x_j), e(x_{j+1})),
+
+in [-1, 1]: 1 for a still clip, lower the more each frame changes from the one before. It needs at least two frames.
+
 **Diversity of a set.** For the ``K`` images of one prompt, the mean pairwise cosine distance of their embeddings,
 
     diversity = 2 / (K (K - 1)) * sum_{i < j} max(1 - cos(e_i, e_j), 0),
@@ -22,10 +29,12 @@ import torch
 from torch import Tensor
 
 from flowalign.config import ConfigError
+from flowalign.errors import RewardInputError
 from flowalign.registry import Registry
 
-__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "is_toy_model", "build_embedding", "check_embedding", "register_embedding",
-           "resolve_embedding", "set_diversity"]
+__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "TemporalConsistency", "is_toy_model", "build_embedding",
+           "check_embedding", "consecutive_similarity", "embed_samples", "register_embedding", "resolve_embedding",
+           "set_diversity"]
 
 
 def _lazy(attribute: str) -> Callable[..., Any]:
@@ -88,6 +97,16 @@ def build_embedding(name: str, **kwargs: Any):
     return EMBEDDINGS.build(name, **kwargs)
 
 
+def embed_samples(embedding, samples: Tensor) -> Tensor:
+    """``[B, D]``: ``embedding.embed`` of each image ``[B, 3, H, W]``; of a video ``[B, F, 3, H, W]``, the mean of its
+    frames' embeddings, renormalised to a unit vector (so videos differ as their frames do on average)."""
+    if samples.ndim != 5:
+        return embedding.embed(samples)
+    frames = embedding.embed(samples.flatten(0, 1))
+    mean = frames.reshape(samples.shape[0], samples.shape[1], -1).float().mean(dim=1)
+    return torch.nn.functional.normalize(mean, dim=1)
+
+
 def set_diversity(embeddings: Tensor) -> Tensor:
     """Mean pairwise cosine distance within each set: ``embeddings [B, K, D]`` -> ``[B]`` float64 (module
     docstring); 0 for ``K = 1``."""
@@ -101,3 +120,61 @@ def set_diversity(embeddings: Tensor) -> Tensor:
     distances = cosine_distances(embeddings).double()
     upper = torch.triu(torch.ones(k, k, dtype=torch.bool), diagonal=1)
     return distances[:, upper].mean(dim=1)
+
+
+def consecutive_similarity(embeddings: Tensor) -> Tensor:
+    """The mean cosine similarity of consecutive rows: ``embeddings [B, F, D]`` (F >= 2) -> ``[B]`` (module
+    docstring); differentiable."""
+    from flowalign.reward_models.embeddings import unit
+
+    if embeddings.dim() != 3 or embeddings.shape[1] < 2:
+        raise ValueError(f"consecutive_similarity takes embeddings [B, F >= 2, D], got shape {tuple(embeddings.shape)}")
+    e = unit(embeddings.float())
+    return (e[:, :-1] * e[:, 1:]).sum(dim=-1).mean(dim=1)
+
+
+class TemporalConsistency:
+    """The ``temporal_consistency`` video reward: the mean cosine similarity of consecutive frames under the
+    registered image embedding ``embedding`` (built with ``embedding_kwargs``; ``auto`` is ``pixels``, the toy world's
+    ``toy_scene`` needing a model path to be told apart). Scores ``[B]`` of videos ``[B, F, 3, H, W]`` (F >= 2, else
+    ``RewardInputError``); ``forward`` keeps the graph through the embedding's own ``forward``."""
+
+    name = "temporal_consistency"
+    modality = "video"
+    score_range = (-1.0, 1.0)
+
+    def __init__(self, embedding: str = "pixels", embedding_kwargs: dict[str, Any] | None = None):
+        check_embedding(embedding, embedding_kwargs or {}, key="temporal_consistency.embedding")
+        self.embedding_name = resolve_embedding(embedding, None)
+        self.embedding = build_embedding(self.embedding_name, **(embedding_kwargs or {}))
+
+    @classmethod
+    def check_run(cls, kwargs: Mapping[str, Any], *, key: str, model: str | None, image_size: Any = None) -> None:
+        """Before it is built and any model loads: a registered embedding and well-formed arguments (naming
+        ``key.embedding``)."""
+        check_embedding(kwargs.get("embedding", "pixels"), kwargs.get("embedding_kwargs") or {}, key=f"{key}.embedding")
+
+    @property
+    def device(self):
+        return getattr(self.embedding, "device", None)
+
+    def _frames(self, videos: Tensor) -> Tensor:
+        if not isinstance(videos, Tensor) or videos.dim() != 5 or videos.shape[2] != 3:
+            shape = tuple(videos.shape) if isinstance(videos, Tensor) else type(videos).__name__
+            raise RewardInputError(f"reward {self.name!r} scores videos [B, F, 3, H, W], got {shape}")
+        if videos.shape[1] < 2:
+            raise RewardInputError(f"reward {self.name!r} compares consecutive frames: a video needs at least two, "
+                                   f"got {videos.shape[1]}")
+        return videos.float().flatten(0, 1)
+
+    def forward(self, videos: Tensor, prompts: Any = None, metadata: Any = None) -> Tensor:
+        """Scores ``[B]``, differentiable in ``videos`` (on the embedding's device)."""
+        embedded = self.embedding.forward(self._frames(videos))
+        return consecutive_similarity(embedded.reshape(videos.shape[0], videos.shape[1], -1))
+
+    def __call__(self, videos: Tensor, prompts: Any, metadata: Any = None) -> Tensor:
+        """Scores ``[B]`` float32 on the CPU, without gradients (the embedding's ``embed``)."""
+        embed = getattr(self.embedding, "embed", None)
+        with torch.no_grad():
+            embedded = embed(self._frames(videos)) if callable(embed) else self.embedding.forward(self._frames(videos))
+        return consecutive_similarity(embedded.float().cpu().reshape(videos.shape[0], videos.shape[1], -1))

@@ -225,7 +225,11 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
         raise ValueError(f"model {what} already has a LoRA adapter: load {lora.describe()} into a fresh model")
     if lora.kind == "lora":
         _check_lora_folder(model, lora, what)
-        model.pipe.load_lora_weights(str(lora.path))
+        loader = getattr(model, "load_lora_folder", None)  # a model of several experts loads each one's file
+        if loader is None:
+            model.pipe.load_lora_weights(str(lora.path))
+        else:
+            loader(lora.path)
         return
     cfg = lora.model_config
     family = cfg.get("family")
@@ -233,8 +237,9 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
         raise ValueError(f"{lora.describe()} was trained on a {family!r} model, but {what} is {model.family!r}")
     targets = cfg.get("lora_targets")
     try:
+        experts = cfg.get("lora_experts")  # the experts a Wan2.2 A14B LoRA was trained on
         model.add_lora(rank=int(cfg.get("lora_rank", 8)), alpha=float(cfg.get("lora_alpha", 16.0)),
-                       target_modules=targets)
+                       target_modules=targets, **({} if experts is None else {"experts": experts}))
     except ValueError as error:
         raise ValueError(f"{lora.describe()} does not fit {what}: {error}") from None
     params = {name: p for name, p in model.transformer.named_parameters() if "lora_" in name}
@@ -256,7 +261,8 @@ def _check_lora_folder(model, lora: LoraSource, what: str) -> None:
     """Every transformer LoRA layer of the folder names a linear module of ``model`` with matching sizes."""
     from safetensors import safe_open
 
-    modules = dict(model.transformer.named_modules())
+    modules = dict(getattr(model.transformer, "high", model.transformer).named_modules())  # Wan2.2: the experts
+    # share one architecture, so the high expert's modules are the ones a folder's layers must name
     from safetensors import SafetensorError
 
     from flowalign.serialization import damaged

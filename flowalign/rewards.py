@@ -32,6 +32,13 @@ A *latent* reward (``reads_latents = True`` on the callable, e.g. ``shell_lcc``)
 model declares a ``check_run(kwargs, *, key, model, image_size)`` classmethod, asked before it is built and before that
 model loads (``check_reward_run``).
 
+Modality. A reward declares what it scores with ``modality``: ``"image"`` (the default), ``"video"`` (videos
+``[B, F, 3, H, W]`` in [0, 1], frames first: ``temporal_consistency``, ``motion``, ``videoalign``) or ``"any"``
+(``shell_lcc``, ``remote``, ``vlm_judge``); ``reward_modality`` reads it from the registry without building anything.
+An image reward scores a video through its frame aggregation (``reward.rewards[i].frames``,
+``flowalign.reward_models.frames``), and ``check_reward_modality`` refuses, before any model loads, a reward that does
+not fit the model's modality.
+
 Input and files. A reward that fails on its *input* (a sample's metadata lacks a field it needs) raises
 ``flowalign.errors.RewardInputError``, not a plain exception: a reward server answers it with a 4xx that the client
 does not retry, where any other exception is the reward's own fault (500). A reward may also declare the optional
@@ -70,6 +77,7 @@ __all__ = [
     "COMBINE_MODES",
     "REWARDS",
     "Reward",
+    "VideoBrightnessReward",
     "RewardScores",
     "build_differentiable_reward",
     "build_reward",
@@ -83,6 +91,10 @@ __all__ = [
     "is_groupwise",
     "bind_reward_model",
     "check_reward_run",
+    "check_reward_modality",
+    "check_reward_fits",
+    "MODALITIES",
+    "reward_modality",
     "reads_latents",
     "files_read",
     "score_all",
@@ -175,13 +187,42 @@ class BrightnessReward:
         return self.forward(images, prompts, metadata)
 
 
+class VideoBrightnessReward:
+    """Mean brightness of a video ``[B, F, 3, H, W]`` in [0, 1]: the mean over its frames of each frame's mean pixel
+    intensity (optionally of one channel), one score per video. The video twin of ``brightness``: a cheap,
+    differentiable, prompt-free smoke-test reward for training on video models."""
+
+    name = "video_brightness"
+    modality = "video"
+    score_range = (0.0, 1.0)
+
+    def __init__(self, channel: int | None = None):
+        if channel not in (None, 0, 1, 2):
+            raise ValueError(f"video_brightness channel must be 0, 1, 2 or None (all), got {channel!r}")
+        self.channel = channel
+
+    def forward(self, videos: Tensor, prompts: Sequence[str] | None = None,
+                metadata: Sequence[dict] | None = None) -> Tensor:
+        """The score, differentiable in ``videos`` (``d score / d pixel = 1 / (F C H W)`` for the pixels it reads)."""
+        if videos.ndim != 5:
+            raise ValueError(f"video_brightness scores videos [B, F, 3, H, W], got shape {tuple(videos.shape)}")
+        pixels = videos.float() if self.channel is None else videos[:, :, self.channel].float()
+        per_frame = pixels.flatten(2).mean(dim=2)
+        return per_frame.mean(dim=1)
+
+    def __call__(self, videos: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return self.forward(videos, prompts, metadata)
+
+
 def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
-          score_range: tuple[float, float] | None = None, **fixed: Any) -> Callable[..., Reward]:
+          score_range: tuple[float, float] | None = None, modality: str | None = None,
+          **fixed: Any) -> Callable[..., Reward]:
     """A factory importing ``flowalign.reward_models.<module>.<attribute>`` only when the reward is built.
 
     Real reward models pull in transformers/open_clip and load weights, so nothing is imported at registry time.
     ``negative_scores`` says why the reward can score below 0 (``negative_scores_reason``), ``score_range`` the
-    interval its scores lie in (``score_range``), both known without importing.
+    interval its scores lie in (``score_range``), ``modality`` what it scores (``reward_modality``; None: the class
+    says), all known without importing.
     """
 
     def reward_class() -> type:
@@ -195,6 +236,8 @@ def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
     factory.reward_class = reward_class  # the class without building it: its entry points, before weights load
     factory.negative_scores = negative_scores
     factory.score_range = score_range
+    if modality is not None:
+        factory.modality = modality
     factory.__name__ = f"build_{attribute}"
     factory.__doc__ = f"Build flowalign.reward_models.{module}.{attribute} (kwargs: its constructor's)."
     return factory
@@ -207,6 +250,7 @@ REWARDS.register("toy_geneval", _toy_geneval)
 REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
 REWARDS.register("toy_video", _toy_video)
 REWARDS.register("brightness", BrightnessReward)
+REWARDS.register("video_brightness", VideoBrightnessReward)
 # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.
 REWARDS.register("pickscore", _lazy("pickscore", "PickScore"))
 REWARDS.register("hps", _lazy("hps", "HPSv2"))
@@ -226,6 +270,29 @@ REWARDS.register("discriminator", _lazy("discriminator", "DiscriminatorReward",
                                         "more like the base model's than the data"))
 REWARDS.register("shell_lcc", _lazy("shell_lcc", "ShellLCCReward",
                                     negative_scores="it scores minus the distance to the data manifold"))
+# Video rewards (modality video: they score videos [B, F, 3, H, W]; an image reward scores a video through its
+# reward.rewards[i].frames, flowalign.reward_models.frames).
+REWARDS.register("motion", _lazy("motion", "MotionScore", modality="video",
+                                 negative_scores="with a direction it scores the motion along it, negative against it"))
+REWARDS.register("videoalign", _lazy("videoalign", "VideoAlign", modality="video",
+                                     negative_scores="VideoReward's heads are unbounded real numbers"))
+
+
+def _temporal_consistency_class() -> type:
+    from flowalign.embeddings import TemporalConsistency  # any registered image embedding, over consecutive frames
+
+    return TemporalConsistency
+
+
+def _temporal_consistency(**kwargs: Any) -> Reward:
+    return _temporal_consistency_class()(**kwargs)
+
+
+_temporal_consistency.reward_class = _temporal_consistency_class
+_temporal_consistency.modality = "video"
+_temporal_consistency.score_range = (-1.0, 1.0)
+_temporal_consistency.negative_scores = "a cosine similarity: negative for frames whose embeddings point apart"
+REWARDS.register("temporal_consistency", _temporal_consistency)
 
 
 def _remote(module: str, attribute: str, *, score_range: tuple[float, float] | None = None) -> Callable[..., Reward]:
@@ -347,6 +414,76 @@ def check_reward_run(name: str, kwargs: Mapping[str, Any], *, key: str, model: s
     check = getattr(cls, "check_run", None)
     if callable(check):
         check(kwargs, key=key, model=model, image_size=image_size)
+
+
+MODALITIES = ("image", "video", "any")
+
+
+def reward_modality(reward: Any) -> str:
+    """What a reward scores: ``"image"`` (``[B, 3, H, W]``, the default), ``"video"`` (``[B, F, 3, H, W]``) or
+    ``"any"`` (either, as its input comes: a latent reward, the remote reward, the VLM judge). ``reward`` is a
+    registered name (read from its factory or class: nothing is built or loaded), a class or an instance; declared by
+    a ``modality`` attribute."""
+    if isinstance(reward, str):
+        declared = getattr(REWARDS.get(reward), "modality", None)  # a factory's declaration, nothing imported
+        if declared is None:
+            declared = getattr(reward_class(reward), "modality", None)
+    else:
+        declared = getattr(reward, "modality", None)
+    if declared is None:
+        return "image"
+    if declared not in MODALITIES:
+        raise ValueError(f"reward {reward!r} declares modality {declared!r}; expected one of {', '.join(MODALITIES)}")
+    return declared
+
+
+def check_reward_modality(reward_config: Any, modality: str, *, num_frames: int | None = None,
+                          key: str = "reward.rewards") -> None:
+    """Before any reward is built and before any model loads: every reward fits a model of ``modality`` (``"image"``
+    or ``"video"``). ``reward_config`` is a ``RewardConfig`` (its ``rewards``), or a list of specs (objects or
+    mappings with ``name`` and optionally ``frames``, the frame aggregation, ``flowalign.reward_models.frames``).
+
+    Refused, as a ``ConfigError`` naming ``{key}[i].name`` or ``{key}[i].frames`` and the fix: a video reward on an
+    image model; ``frames`` on an image model; an image reward on a video model without ``frames``; ``frames`` on a
+    video reward or a latent reward (they read the whole clip); a malformed ``frames``; and, when ``num_frames`` (the
+    frames sampled) is known, ``frames.weights`` of another length than the frames read."""
+    specs = getattr(reward_config, "rewards", reward_config)
+    for i, spec in enumerate(specs):
+        get = spec.get if isinstance(spec, Mapping) else lambda field, default=None: getattr(spec, field, default)
+        check_reward_fits(get("name"), get("frames", None), modality, at=f"{key}[{i}]", num_frames=num_frames)
+
+
+def check_reward_fits(name: str, frames: Any, modality: str, *, at: str, num_frames: int | None = None) -> None:
+    """One entry of ``check_reward_modality``: the reward ``name`` with its ``frames`` (or None) on a model of
+    ``modality``; errors name ``{at}.name`` or ``{at}.frames``."""
+    from flowalign.config import ConfigError
+    from flowalign.reward_models.frames import parse_frames
+
+    if modality not in ("image", "video"):
+        raise ValueError(f"a model's modality is image or video, got {modality!r}")
+    kind = reward_modality(name)
+    if frames is not None:
+        if modality == "image":
+            raise ConfigError(f"{at}.frames scores a video's frames, but the model makes images: remove {at}.frames",
+                              key=f"{at}.frames")
+        if kind == "video" or reads_latents(reward_class(name)):
+            what = "a video reward" if kind == "video" else "a latent reward"
+            raise ConfigError(f"{at}.frames is set, but {name!r} is {what}: it reads the whole clip; remove "
+                              f"{at}.frames", key=f"{at}.frames")
+        aggregation = parse_frames(frames, f"{at}.frames")
+        if num_frames is not None and aggregation.weights is not None:
+            read = len(aggregation.indices(num_frames))
+            if len(aggregation.weights) != read:
+                raise ConfigError(f"{at}.frames.weights has {len(aggregation.weights)} weights, but the model "
+                                  f"samples {num_frames} frames of which {read} are read: give {read} weights",
+                                  key=f"{at}.frames.weights")
+    elif modality == "image" and kind == "video":
+        raise ConfigError(f"{at}.name = {name!r} is a video reward, but the model makes images: use an image reward "
+                          "(or a video model)", key=f"{at}.name")
+    elif modality == "video" and kind == "image":
+        raise ConfigError(f"{at}.name = {name!r} scores images, but the model makes videos: say how its frame scores "
+                          f"make one, e.g. {at}.frames: {{aggregate: mean}} (or min, or weights: [...])",
+                          key=f"{at}.frames")
 
 
 def bind_reward_model(reward: Any, model: Any) -> None:

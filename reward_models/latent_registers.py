@@ -60,10 +60,14 @@ SIGMA_BANDS = (("sigma>0.8", 0.8, 1.0), ("0.5-0.8", 0.5, 0.8), ("0.2-0.5", 0.2, 
 
 
 def transformer_layers(transformer: nn.Module) -> list[nn.Module]:
-    """The blocks registers can tap, in order: SD3's ``transformer_blocks``; FLUX's double- then single-stream."""
+    """The blocks registers can tap, in order: SD3's ``transformer_blocks``; FLUX's double- then single-stream; a
+    video DiT's ``blocks`` (Wan: one token stream over every latent frame's patches)."""
     layers = list(getattr(transformer, "transformer_blocks", [])) + list(getattr(transformer, "single_transformer_blocks", []))
     if not layers:
-        raise ValueError(f"{type(transformer).__name__} has no transformer_blocks: registers need an SD3 or FLUX DiT")
+        layers = list(getattr(transformer, "blocks", []))
+    if not layers:
+        raise ValueError(f"{type(transformer).__name__} has no transformer_blocks (or blocks): registers need an SD3, "
+                         "FLUX or Wan DiT")
     return layers
 
 

@@ -396,6 +396,7 @@ class ShellLCCReward:
 
     name = "shell_lcc"
     reads_latents = True
+    modality = "any"  # per latent position: image latents [B, C, h, w] and video latents [B, C, f, h, w] alike
     negative_scores = "it scores minus the distance to the data manifold"
 
     def __init__(self, path: str = DEFAULT_PATH, variant: str = "band",

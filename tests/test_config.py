@@ -403,8 +403,8 @@ def test_diff_configs_lists_changed_keys():
     a = to_dict(load())
     b = to_dict(load("optim.lr=3e-4", "train.resume=ckpt/5", "reward.rewards=[{name: x}]"))
     assert diff_configs(a, b) == [
-        "reward.rewards: [{'name': 'toy_geneval', 'weight': 1.0, 'kwargs': {'partial_credit': True}}] != "
-        "[{'name': 'x', 'weight': 1.0, 'kwargs': {}}]",
+        "reward.rewards: [{'name': 'toy_geneval', 'weight': 1.0, 'kwargs': {'partial_credit': True}, 'frames': None}] "
+        "!= [{'name': 'x', 'weight': 1.0, 'kwargs': {}, 'frames': None}]",
         "optim.lr: 0.0005 != 0.0003",
         "train.resume: None != 'ckpt/5'",
     ]

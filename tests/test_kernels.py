@@ -382,3 +382,29 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     # lr * sign(g), and a gradient of ~0 can flip sign between the paths and move an element by 2 lr).
     for name, value in params.items():
         torch.testing.assert_close(value, ref_params[name], rtol=1e-4, atol=1e-10, msg=name)
+
+
+def test_the_kernels_take_video_latents_with_a_frame_axis():
+    """A video latent [B, C, f, h, w]: the SDE kernel and the loss kernel (with its gradient) on it are the torch
+    reference's, and equal the kernels on the same elements laid out as an image latent [B, C f, h, w]."""
+    x, v, noise, rows = step_inputs("flow_grpo")
+    video = (6, 3, 1, 5, 7)  # a frame axis of 1 frame keeps SHAPE's elements in order; below, 2 frames of 3 channels
+    for shape in (video, (6, 1, 3, 5, 7)):
+        step = call_step(x.reshape(shape), v.reshape(shape), rows, "triton", kind="flow_grpo",
+                         noise=noise.reshape(shape))
+        ref = call_step(x.reshape(shape), v.reshape(shape), rows, "torch", kind="flow_grpo", noise=noise.reshape(shape))
+        image = call_step(x, v, rows, "triton", kind="flow_grpo", noise=noise)
+        torch.testing.assert_close(step.log_prob, ref.log_prob, rtol=1e-5, atol=1e-5)
+        assert torch.equal(step.log_prob, image.log_prob) and torch.equal(step.prev_sample.reshape(SHAPE),
+                                                                          image.prev_sample)
+    v, x, x_next, rows, old, v_ref = loss_inputs("flow_grpo", "mean")
+    shape = (6, 1, 3, 5, 7)
+    out, grad = run_loss("triton", v.reshape(shape), x.reshape(shape), x_next.reshape(shape), rows, old,
+                         kind="flow_grpo", reduce="mean", kl="latent_mean", v_ref=v_ref.reshape(shape))
+    ref, ref_grad = run_loss("torch", v.reshape(shape), x.reshape(shape), x_next.reshape(shape), rows, old,
+                             kind="flow_grpo", reduce="mean", kl="latent_mean", v_ref=v_ref.reshape(shape))
+    image, image_grad = run_loss("triton", v, x, x_next, rows, old, kind="flow_grpo", reduce="mean",
+                                 kl="latent_mean", v_ref=v_ref)
+    torch.testing.assert_close(out.loss, ref.loss.detach(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-4 * float(ref_grad.abs().max()))
+    assert torch.equal(out.loss, image.loss) and torch.equal(grad.reshape(SHAPE), image_grad)

@@ -373,14 +373,15 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
     for name, cls in classes.items():
         assert reward_class(name) is cls
     # exactly the scorers with a differentiable forward (the zoo's five, DRL's discriminator, the Shell-LCC manifold,
-    # the editing reward, the soft toy reward, brightness)
+    # the editing reward, the soft toy reward, brightness, and the video rewards temporal consistency and VideoAlign)
     assert differentiable_rewards() == ["aesthetic", "brightness", "clipscore", "discriminator", "hps", "imagereward",
-                                        "pickscore", "shell_lcc", "source_similarity", "toy_geneval_soft"]
-    # scorers without a gradient: the detector stack, JPEG sizes, the exact toy verifier, and the out-of-process ones
-    # (a reward server's scores and a VLM judge's answers come back as numbers)
+                                        "pickscore", "shell_lcc", "source_similarity", "temporal_consistency",
+                                        "toy_geneval_soft", "videoalign"]
+    # scorers without a gradient: the detector stack, JPEG sizes, the exact toy verifier, optical flow (OpenCV), and
+    # the out-of-process ones (a reward server's scores and a VLM judge's answers come back as numbers)
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
-                                                           "jpeg_incompressibility", "toy_geneval", "remote",
-                                                           "vlm_judge"}
+                                                           "jpeg_incompressibility", "toy_geneval", "motion",
+                                                           "remote", "vlm_judge"}
     from flowalign.remote.client import RemoteReward
     from flowalign.remote.judge import VLMJudge
 

@@ -101,11 +101,13 @@ class DiversityCredit(CreditEstimator):
         self.clip = parts.config.advantage.clip
 
     def assign(self, batch, scores: BatchScores, context: CreditContext) -> Credit:
+        from flowalign.embeddings import embed_samples
+
         if scores.images is None:
             raise RuntimeError("credit.name = diversity needs the batch's decoded images (BatchScores.images)")
         t = batch.rollout.transitions
         group_ids = batch.sample_ids // context.config.data.group_size
-        embeddings = self.embedding.embed(scores.images)
+        embeddings = embed_samples(self.embedding, scores.images)  # a video: its frames' mean
         base = scores.advantages if self.config.std == "advantage" else None
         advantages, weights = diversity_advantages(scores.combined, embeddings, group_ids, scores.valid, base=base)
         advantages = advantages.clamp(-self.clip, self.clip).float()

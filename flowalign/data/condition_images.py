@@ -62,11 +62,19 @@ def encode_kwargs(entries: Sequence[Mapping[str, Any]]) -> dict:
 
 def check_family_takes(adapter: type, entries: Sequence[Mapping[str, Any]], key: str, path: Any) -> None:
     """ValueError naming ``key`` (the setting that gave the prompt file ``path``) and the model family when the
-    entries carry condition images the family (its adapter class) does not take, or more per prompt than it takes."""
+    entries carry condition images the family (its adapter class) does not take, or more per prompt than it takes,
+    or when the family needs one per prompt (``requires_condition_images``: the image-to-video families) and an
+    entry has none."""
     with_images = [entry for entry in entries if entry.get(IMAGES_KEY)]
+    family = getattr(adapter, "family", "") or adapter.__name__
+    if getattr(adapter, "requires_condition_images", False):
+        missing = next((entry for entry in entries if not entry.get(IMAGES_KEY)), None)
+        if missing is not None:
+            raise ValueError(f"{key} = {path}: model family {family!r} generates each video from a condition image, "
+                             f"but the prompt {missing.get('prompt')!r} has none: give every entry one "
+                             "(\"images\": [path], relative to the prompt file)")
     if not with_images:
         return
-    family = getattr(adapter, "family", "") or adapter.__name__
     if not getattr(adapter, "takes_condition_images", False):
         from flowalign.models.base import MODEL_FAMILIES
 

@@ -290,7 +290,7 @@ def run_sample(config: SampleConfig) -> dict:
 
     from flowalign.data.condition_images import check_family_takes, has_condition_images
     from flowalign.data.prompts import load_prompts
-    from flowalign.models.loading import adapter_class
+    from flowalign.models.loading import adapter_class, names_adapter
     from flowalign.rewards import require_prompt_metadata
     from flowalign.evaluation.toy_eval import DEFAULT_MODEL, default_prompts_path
     from flowalign.errors import setup_phase
@@ -316,8 +316,8 @@ def run_sample(config: SampleConfig) -> dict:
         if config.max_prompts is not None:
             metadata = metadata[: config.max_prompts]
         require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
-        if has_condition_images(metadata):  # an editing prompt file needs a model that takes condition images
-            check_family_takes(adapter_class(model_path), metadata, "--prompts", prompts_path)
+        if has_condition_images(metadata) or names_adapter(model_path):  # condition images for the families (only)
+            check_family_takes(adapter_class(model_path), metadata, "--prompts", prompts_path)  # that take them
         if guide is not None:
             require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None

@@ -39,13 +39,16 @@ _DIFFERENTIABLE = "toy_geneval_soft, pickscore, hps, clipscore, aesthetic, image
 
 
 def feature_blocks(transformer: torch.nn.Module) -> torch.nn.ModuleList:
-    """The transformer's ``transformer_blocks`` (SD3, FLUX's joint blocks, SANA, Qwen-Image, ...); ValueError
-    naming ``--feature-block`` for a transformer without them."""
+    """The transformer's ``transformer_blocks`` (SD3, FLUX's joint blocks, SANA, Qwen-Image, ...), else its
+    ``blocks`` (Wan's video DiT: one token stream over every latent frame); ValueError naming ``--feature-block`` for
+    a transformer without either."""
     blocks = getattr(transformer, "transformer_blocks", None)
     if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        blocks = getattr(transformer, "blocks", None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
         raise ValueError(f"SatisDive reads its diversity feature from a block of the transformer's "
-                         f"transformer_blocks, and {type(transformer).__name__} has none: this model cannot give "
-                         "SatisDive's feature (--feature-block)")
+                         f"transformer_blocks (or blocks), and {type(transformer).__name__} has none: this model "
+                         "cannot give SatisDive's feature (--feature-block)")
     return blocks
 
 

@@ -199,6 +199,8 @@ class FlowModel:
     # Editing families condition on source images (``encode(..., images=)``); ``max_condition_images`` per prompt.
     takes_condition_images: bool = False
     max_condition_images: int | None = None
+    # The image-to-video families cannot sample without one: prompts without condition images are refused.
+    requires_condition_images: bool = False
 
     @classmethod
     def claims(cls, index: dict) -> int:

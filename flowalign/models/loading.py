@@ -91,6 +91,12 @@ def adapter_class(path_or_id: str | Path, family: str | None = None) -> type[Flo
     return _adapter_for(index["_class_name"], index, f"from {path_or_id}/model_index.json")
 
 
+def names_adapter(path_or_id: str | Path, family: str | None = None) -> bool:
+    """Whether ``adapter_class`` can answer without the hub: a family is given, or ``path_or_id`` is a local folder
+    with a ``model_index.json``."""
+    return family is not None or (Path(str(path_or_id)).expanduser() / "model_index.json").is_file()
+
+
 def load_flow_model(
     path_or_id: str | Path,
     *,

@@ -33,6 +33,84 @@ SANA_ATTENTION_TARGETS = tuple(f"{attn}.{proj}" for attn in ("attn1", "attn2")
                                for proj in ("to_q", "to_k", "to_v", "to_out.0"))
 
 
+def sana_max_sequence_length(pipe) -> int:
+    """The SANA pipelines' Gemma2 token limit: 300, or the tokenizer's own limit when smaller."""
+    tokenizer = getattr(pipe, "tokenizer", None)
+    return min(300, tokenizer.model_max_length) if tokenizer is not None else 300
+
+
+def sana_text_cond(model: FlowModel, prompts: Sequence[str], negative_prompts: Sequence[str] | None) -> Cond:
+    """The ``Cond`` of ``prompts`` (and ``negative_prompts``) through ``model.pipe.encode_prompt``, which
+    ``SanaPipeline`` and ``SanaVideoPipeline`` share: Gemma2 embeddings with their attention masks, the adapter's
+    ``complex_human_instruction`` prefixed to the prompts (never to the negatives, as the pipelines do).
+
+    Args:
+        model: a SANA adapter (``pipe``, ``device``, ``max_sequence_length``, ``complex_human_instruction``).
+        prompts: the batch's prompts (a single string is one prompt).
+        negative_prompts: one negative prompt per prompt, or None.
+
+    Returns:
+        The ``Cond`` with ``embeds`` and ``mask`` (and their negatives when given).
+    """
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    with_negative = negative_prompts is not None
+    embeds, mask, neg_embeds, neg_mask = model.pipe.encode_prompt(
+        prompts,
+        do_classifier_free_guidance=with_negative,
+        negative_prompt=list(negative_prompts) if with_negative else "",
+        device=model.device,
+        max_sequence_length=model.max_sequence_length,
+        complex_human_instruction=model.complex_human_instruction,
+    )
+    return Cond(embeds, mask=mask, negative_embeds=neg_embeds, negative_mask=neg_mask)
+
+
+def sana_velocity(model: FlowModel, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0,
+                  timestep_scale: float | None = None) -> Tensor:
+    """The SANA pipelines' velocity: ``transformer(x, 1000 sigma [* timestep_scale], text, mask)`` in fp32; with CFG
+    one batched pass over ``[negative, positive]`` and ``uncond + scale * (text - uncond)``; a learned-sigma head's
+    first half. ``SanaPipeline`` and ``SanaVideoPipeline`` run the same loop (the video transformer has no
+    ``timestep_scale``: None multiplies by nothing).
+
+    Args:
+        model: a SANA adapter.
+        x: latents ``[B, C, ...]``.
+        sigma: the noise level, a scalar or one per row.
+        cond: the rows' conditioning (``sana_text_cond``).
+        guidance_scale: classifier-free guidance; 1 is none.
+        timestep_scale: the transformer config's ``timestep_scale``, or None.
+
+    Returns:
+        The velocity, fp32, shaped as ``x``.
+    """
+    batch = x.shape[0]
+    hidden, embeds, mask = x, cond.embeds, cond.mask
+    timestep = model.timestep(sigma, batch)
+    cfg = model.uses_cfg(guidance_scale)
+    if cfg:
+        require_negative(cond, guidance_scale)
+        hidden = torch.cat([hidden, hidden])
+        embeds = torch.cat([cond.negative_embeds, embeds])
+        mask = torch.cat([cond.negative_mask, mask])
+        timestep = torch.cat([timestep, timestep])
+    if timestep_scale is not None:
+        timestep = timestep * timestep_scale
+    v = model.run_transformer(
+        hidden_states=hidden.to(dtype=model.dtype),
+        encoder_hidden_states=embeds.to(dtype=model.dtype),
+        encoder_attention_mask=mask,
+        timestep=timestep,
+        return_dict=False,
+    )[0].float()
+    if cfg:
+        uncond, text = v.chunk(2)
+        v = guided(text, uncond, guidance_scale)
+    config = model.transformer.config
+    if config.out_channels // 2 == config.in_channels:
+        v = v.chunk(2, dim=1)[0]  # a learned-sigma head: the velocity is the first half
+    return v
+
+
 @register_model_family("sana")
 class SanaModel(FlowModel):
     """Adapter over ``diffusers.SanaPipeline``."""
@@ -47,8 +125,7 @@ class SanaModel(FlowModel):
         self.complex_human_instruction = list(complex_human_instruction) if complex_human_instruction else None
 
     def default_max_sequence_length(self) -> int:
-        tokenizer = getattr(self.pipe, "tokenizer", None)
-        return min(300, tokenizer.model_max_length) if tokenizer is not None else 300
+        return sana_max_sequence_length(self.pipe)
 
     @property
     def default_image_size(self) -> tuple[int, int]:
@@ -57,45 +134,13 @@ class SanaModel(FlowModel):
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
-        """Gemma2 embeddings and attention masks through the pipeline's ``encode_prompt``."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        with_negative = negative_prompts is not None
-        embeds, mask, neg_embeds, neg_mask = self.pipe.encode_prompt(
-            prompts,
-            do_classifier_free_guidance=with_negative,
-            negative_prompt=list(negative_prompts) if with_negative else "",
-            device=self.device,
-            max_sequence_length=self.max_sequence_length,
-            complex_human_instruction=self.complex_human_instruction,
-        )
-        return Cond(embeds, mask=mask, negative_embeds=neg_embeds, negative_mask=neg_mask)
+        """Gemma2 embeddings and attention masks through the pipeline's ``encode_prompt`` (``sana_text_cond``)."""
+        return sana_text_cond(self, prompts, negative_prompts)
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
-        """``v = transformer(x, 1000 sigma * timestep_scale, text, mask)`` in fp32; CFG batched as the pipeline's."""
-        batch = x.shape[0]
-        hidden, embeds, mask = x, cond.embeds, cond.mask
-        timestep = self.timestep(sigma, batch)
-        cfg = self.uses_cfg(guidance_scale)
-        if cfg:
-            require_negative(cond, guidance_scale)
-            hidden = torch.cat([hidden, hidden])
-            embeds = torch.cat([cond.negative_embeds, embeds])
-            mask = torch.cat([cond.negative_mask, mask])
-            timestep = torch.cat([timestep, timestep])
-        timestep = timestep * self.transformer.config.timestep_scale
-        v = self.run_transformer(
-            hidden_states=hidden.to(dtype=self.dtype),
-            encoder_hidden_states=embeds.to(dtype=self.dtype),
-            encoder_attention_mask=mask,
-            timestep=timestep,
-            return_dict=False,
-        )[0].float()
-        if cfg:
-            uncond, text = v.chunk(2)
-            v = guided(text, uncond, guidance_scale)
-        if self.transformer.config.out_channels // 2 == self.transformer.config.in_channels:
-            v = v.chunk(2, dim=1)[0]  # a learned-sigma head: the velocity is the first half
-        return v
+        """``v = transformer(x, 1000 sigma * timestep_scale, text, mask)`` in fp32; CFG batched as the pipeline's
+        (``sana_velocity``)."""
+        return sana_velocity(self, x, sigma, cond, guidance_scale, self.transformer.config.timestep_scale)
 
     def prepare_noise(self, batch, image_size=None, *, generator=None, dtype=None) -> Tensor:
         """fp32 noise by default, as the pipeline's ``prepare_latents`` (whatever the transformer's dtype)."""

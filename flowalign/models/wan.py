@@ -36,6 +36,23 @@ WAN_LORA_TARGETS = (
 )
 
 
+def component_present(index: dict, name: str) -> bool:
+    """Whether a pipeline config (``model_index.json`` or ``pipe.config``) has component ``name`` (an entry
+    ``[library, class]`` whose class is not null)."""
+    entry = index.get(name)
+    return isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1] is not None
+
+
+def wan_variant(index: dict) -> str:
+    """Which Wan model a ``WanPipeline`` / ``WanImageToVideoPipeline`` config describes: ``"ti2v"`` (Wan2.2 TI2V-5B,
+    ``expand_timesteps``), ``"experts"`` (Wan2.2 A14B, a ``transformer_2``) or ``"wan21"``."""
+    if index.get("expand_timesteps"):
+        return "ti2v"
+    if component_present(index, "transformer_2"):
+        return "experts"
+    return "wan21"
+
+
 @register_model_family("wan")
 class WanModel(VideoFlowModel):
     """Adapter over ``diffusers.WanPipeline`` (Wan2.1 T2V, one transformer)."""
@@ -44,6 +61,11 @@ class WanModel(VideoFlowModel):
     pipeline_class_name = "WanPipeline"
     lora_targets = WAN_LORA_TARGETS
     default_num_frames = 9
+
+    @classmethod
+    def claims(cls, index: dict) -> int:
+        """Wan2.1 T2V: not a config with a ``transformer_2`` (Wan2.2 A14B) or ``expand_timesteps`` (TI2V-5B)."""
+        return 1 if wan_variant(index) == "wan21" else 0
 
     def default_max_sequence_length(self) -> int:
         tokenizer = getattr(self.pipe, "tokenizer", None)
@@ -121,17 +143,23 @@ class WanModel(VideoFlowModel):
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, guidance_scale: float = 1.0) -> Tensor:
         """``v = transformer(x, t = 1000 sigma, text)``; with ``guidance_scale > 1`` a second, unconditional pass and
         ``uncond + scale * (cond - uncond)``."""
-        batch = x.shape[0]
-        timestep = self.timestep(sigma, batch)
+        timestep = self.timestep(sigma, x.shape[0])
+        return self.transformer_velocity(x, timestep, cond, guidance_scale, self.uses_cfg(guidance_scale))
+
+    def transformer_velocity(self, x: Tensor, timestep: Tensor, cond: Cond, scale: float, cfg: bool,
+                             **route) -> Tensor:
+        """The transformer's velocity at ``timestep`` (the pipeline's ``timestep`` argument), the conditional pass
+        and, with ``cfg``, the unconditional one combined at ``scale``; ``route``: further keyword arguments of the
+        forward module (the Wan2.2 expert pair's ``expert``)."""
         hidden = self.model_input(x, cond)
-        extra = self.transformer_inputs(x, cond)
+        extra = {**self.transformer_inputs(x, cond), **route}
         v = self.run_transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=cond.embeds,
                                  return_dict=False, **extra)[0]
-        if self.uses_cfg(guidance_scale):
-            require_negative(cond, guidance_scale)
+        if cfg:
+            require_negative(cond, scale)
             uncond = self.run_transformer(hidden_states=hidden, timestep=timestep,
                                           encoder_hidden_states=cond.negative_embeds, return_dict=False, **extra)[0]
-            v = guided(v, uncond, guidance_scale)
+            v = guided(v, uncond, scale)
         return v
 
     def scheduler_kwargs(self, num_steps: int, image_size: tuple[int, int]) -> dict:

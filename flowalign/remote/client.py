@@ -135,6 +135,7 @@ class RemoteReward:
     """
 
     name = "remote"
+    modality = "any"  # images or videos [B, F, 3, H, W], as the served reward takes them (flowalign.remote.wire)
 
     def __init__(self, url: str, reward: str | None = None, *, token_file: str | None = None, timeout: float = 60.0,
                  retries: int = 3, backoff: float = 0.5, backoff_max: float = 30.0, breaker_failures: int = 5,

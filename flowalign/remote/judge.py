@@ -14,6 +14,11 @@ the judge says, for review). A judge that gives every image of a call the same s
 images) raises a warning: the failure flow_grpo's issue #18 describes, where a misconfigured judge returned a constant
 and every group had zero variance, so nothing trained.
 
+Videos. The judge takes videos ``[B, F, 3, H, W]`` as well (``modality: any``): each video is one request whose user
+message holds ``video_frames`` evenly spaced frames (the first and the last included;
+``flowalign.reward_models.frames.frame_indices``), in order, as that many ``image_url`` parts before the text. The
+``video_alignment`` template says so to the judge.
+
 Built-in templates (``template``): ``alignment`` (a 1-10 score of how well the image matches its prompt,
 answered ``Score: N``) and ``yes_no`` (does the image show the prompt: ``yes`` 1, ``no`` 0). Any other string is a
 template itself (it must contain ``{prompt}``) and then needs its ``pattern``.
@@ -46,6 +51,13 @@ TEMPLATES: dict[str, dict[str, Any]] = {
         "text": ("You are judging an image generated from a text prompt.\nPrompt: \"{prompt}\"\nRate how well the "
                  "image matches the prompt (objects, counts, colours, positions) from 1 (not at all) to 10 "
                  "(perfectly). Answer with exactly one line: Score: N"),
+        "pattern": r"score:\s*(\d+(?:\.\d+)?)",
+        "low": 1.0, "high": 10.0, "labels": None,
+    },
+    "video_alignment": {
+        "text": ("You are judging a video generated from a text prompt; the images above are its frames, in order.\n"
+                 "Prompt: \"{prompt}\"\nRate how well the video matches the prompt (objects, counts, colours, "
+                 "positions, motion) from 1 (not at all) to 10 (perfectly). Answer with exactly one line: Score: N"),
         "pattern": r"score:\s*(\d+(?:\.\d+)?)",
         "low": 1.0, "high": 10.0, "labels": None,
     },
@@ -91,10 +103,12 @@ class VLMJudge:
     template's), ``normalize``, ``api_key_file``, ``max_tokens``, ``temperature``, ``timeout``, ``retries``,
     ``backoff``, ``backoff_max``, ``breaker_failures``, ``breaker_reset``, ``concurrency`` (requests in flight),
     ``resize`` (the side images are resized to before encoding; None keeps them), ``log_every`` (log every n-th answer;
-    0 never), ``min_constant`` (the smallest call whose constant scores warn)."""
+    0 never), ``min_constant`` (the smallest call whose constant scores warn), ``video_frames`` (the frames sent of
+    each video)."""
 
     name = "vlm_judge"
     score_range = (0.0, 1.0)
+    modality = "any"  # images, or videos as video_frames sampled frames (module docstring)
 
     def __init__(self, url: str, model: str, *, template: str = "alignment", system: str | None = None,
                  pattern: str | None = None, labels: Mapping[str, float] | None = None, low: float | None = None,
@@ -102,18 +116,20 @@ class VLMJudge:
                  max_tokens: int = 32, temperature: float = 0.0, timeout: float = 120.0, retries: int = 2,
                  backoff: float = 0.5, backoff_max: float = 30.0, breaker_failures: int = 5,
                  breaker_reset: float = 30.0, concurrency: int = 8, resize: int | None = None, log_every: int = 64,
-                 min_constant: int = 4):
+                 min_constant: int = 4, video_frames: int = 4):
         settings = dict(url=url, model=model, template=template, system=system, pattern=pattern, labels=labels,
                         low=low, high=high, normalize=normalize, api_key_file=api_key_file, max_tokens=max_tokens,
                         temperature=temperature, timeout=timeout, retries=retries, backoff=backoff,
                         backoff_max=backoff_max, breaker_failures=breaker_failures, breaker_reset=breaker_reset,
-                        concurrency=concurrency, resize=resize, log_every=log_every, min_constant=min_constant)
+                        concurrency=concurrency, resize=resize, log_every=log_every, min_constant=min_constant,
+                        video_frames=video_frames)
         resolved = self.resolve(settings, "vlm_judge")
         self.url, self.model, self.system = url.rstrip("/"), model, system
         self.text, self.pattern = resolved["text"], resolved["pattern"]
         self.labels, self.low, self.high = resolved["labels"], resolved["low"], resolved["high"]
         self.normalize, self.max_tokens, self.temperature = normalize, max_tokens, temperature
         self.timeout, self.resize, self.log_every, self.min_constant = timeout, resize, log_every, min_constant
+        self.video_frames = video_frames
         self.headers = {"Content-Type": "application/json"}
         if api_key_file is not None:
             self.headers["Authorization"] = f"Bearer {resolved['api_key']}"
@@ -168,7 +184,7 @@ class VLMJudge:
             raise ValueError(f"{key}.normalize maps [low, high] to [0, 1]: set {key}.low and {key}.high, or "
                              "normalize: false")
         for name, lowest in (("max_tokens", 1), ("retries", 0), ("breaker_failures", 0), ("concurrency", 1),
-                             ("log_every", 0), ("min_constant", 2), ("resize", 1)):
+                             ("log_every", 0), ("min_constant", 2), ("resize", 1), ("video_frames", 1)):
             value = settings.get(name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lowest):
                 raise ValueError(f"{key}.{name} must be an integer >= {lowest}, got {value!r}")
@@ -208,17 +224,22 @@ class VLMJudge:
 
     # ---------------------------------------------------------------------------------------- scoring
     def message(self, image: Tensor, prompt: str, metadata: Mapping[str, Any]) -> dict:
-        """The chat-completions request body for one image."""
-        if self.resize is not None and tuple(image.shape[-2:]) != (self.resize, self.resize):
-            image = torch.nn.functional.interpolate(image[None].float(), size=(self.resize, self.resize),
-                                                    mode="bilinear", antialias=True, align_corners=False)[0]
-        url = "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode("ascii")
+        """The chat-completions request body for one image ``[3, H, W]``, or one video ``[F, 3, H, W]`` (its
+        ``video_frames`` sampled frames, in order, one image part each)."""
+        from flowalign.reward_models.frames import frame_indices
+
+        frames = image[frame_indices(image.shape[0], count=self.video_frames)] if image.ndim == 4 else image[None]
+        if self.resize is not None and tuple(frames.shape[-2:]) != (self.resize, self.resize):
+            frames = torch.nn.functional.interpolate(frames.float(), size=(self.resize, self.resize),
+                                                     mode="bilinear", antialias=True, align_corners=False)
+        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                            + base64.b64encode(png_bytes(frame)).decode("ascii")}}
+                 for frame in frames]
         fields = _Fill({k: v for k, v in metadata.items() if isinstance(v, (str, int, float))})
         fields["prompt"] = prompt
         text = self.text.format_map(fields)
         messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-        messages.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                     {"type": "text", "text": text}]})
+        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
         return {"model": self.model, "messages": messages, "temperature": self.temperature,
                 "max_tokens": self.max_tokens}
 

@@ -13,13 +13,17 @@ them in one call of the reward and hands each request its slice. A request of mo
 into pieces of at most ``batch_size``. All scoring runs on one worker thread, one call at a time (one model, one
 device); the event loop keeps reading, decoding and answering meanwhile. A groupwise reward is called once per
 request with that request's ``group_ids`` (requests are never merged for it: its score depends on the group). A
-reward scoring latents (``reads_latents``) cannot be served: the server sees images only.
+reward scoring latents (``reads_latents``) cannot be served: the server sees images only. Videos. A request may carry
+videos ``[B, F, 3, H, W]`` (``flowalign.remote.wire``); a video reward (``modality: video``) takes them, an image reward
+only when served with ``frames`` (its frame aggregation, ``flowalign.reward_models.frames``), and any other pairing is
+answered 422 naming the reward.
 
 Limits. A request's body is read whole, within ``read_timeout`` seconds (408 beyond), before it takes a slot, so slow
 uploads cannot hold the slots; ``max_concurrency`` requests are then decoded and scored at once, up to ``max_queued``
 more read or wait for a slot, and beyond that a request is answered 503 (the client backs off and retries). A body
 over ``max_request_mb`` is answered 413. Before any image is decoded, its size is read from its header and checked:
-at most ``max_pixels`` per image and ``max_request_pixels`` per request (413), and ``image_size`` when set (422);
+at most ``max_pixels`` per image (or video frame), ``max_request_pixels`` per request and ``max_frames`` per video
+(413), and ``image_size`` when set (422);
 PIL's own decompression-bomb limit is set to ``max_pixels`` as well (``flowalign.remote.wire``). With
 ``token_file``, every endpoint but ``/health`` needs ``Authorization: Bearer <token>`` (401 otherwise; the token is
 compared in constant time), and ``/health`` shows its request counts only to a request that carries the token.
@@ -59,7 +63,8 @@ import torch
 from torch import Tensor
 
 from flowalign.errors import RewardInputError
-from flowalign.remote.wire import (DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ENCODINGS, PROTOCOL, Limits,
+from flowalign.remote.wire import (DEFAULT_MAX_FRAMES, DEFAULT_MAX_PIXELS, DEFAULT_MAX_REQUEST_PIXELS, ENCODINGS,
+                                   PROTOCOL, Limits,
                                    ScoreRequest, WireError, decode_request, encode_scores)
 from flowalign.settings import at_least, check, option
 
@@ -74,13 +79,16 @@ class ServedReward:
 
     name: str = option("toy_geneval", "registered reward name (flowalign.rewards.REWARDS)")
     kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor (device, batch_size, ...)")
+    frames: dict[str, Any] | None = option(None, "serve an image reward on videos: its frame aggregation, {aggregate: "
+                                                 "mean|min|weights, weights, every | count} "
+                                                 "(flowalign.reward_models.frames); null = the reward's own input")
 
 
 @dataclass
 class ServeRewardConfig:
     """Settings of ``flowalign serve-reward``."""
 
-    rewards: list[ServedReward] = option([ServedReward()], "rewards to serve, each {name, kwargs}")
+    rewards: list[ServedReward] = option([ServedReward()], "rewards to serve, each {name, kwargs, frames}")
     host: str = option("127.0.0.1", "address to listen on; 127.0.0.1 = this machine only (use 0.0.0.0 with a "
                                     "token_file to serve other machines)")
     port: int = option(8765, "port to listen on; 0 = any free port (written to port_file)")
@@ -94,6 +102,8 @@ class ServeRewardConfig:
                                                  "decoded (413 beyond); also PIL's decompression-bomb limit")
     max_request_pixels: int = option(DEFAULT_MAX_REQUEST_PIXELS, "most pixels of all the images of one request, "
                                                                  "read from their headers (413 beyond)")
+    max_frames: int = option(DEFAULT_MAX_FRAMES, "most frames of one video, read from the request before any frame "
+                                                 "is decoded (413 beyond)")
     read_timeout: float = option(60.0, "seconds a client may take to send its request body (408 beyond); the body "
                                        "is read before the request takes a slot")
     files_root: str | None = option(None, "the directory a reward that opens files named in its metadata "
@@ -121,6 +131,10 @@ class ServeRewardConfig:
                   f"= {spec.name!r}: serve the rewards themselves, not a client of another server")
             check(not reads_latents(reward_class(spec.name)), f"rewards[{i}].name",
                   f"= {spec.name!r} scores the model's latents; a reward server sees images only")
+            if spec.frames is not None:
+                from flowalign.rewards import check_reward_fits
+
+                check_reward_fits(spec.name, spec.frames, "video", at=f"rewards[{i}]")  # an image reward, well formed
             keys = files_read(reward_class(spec.name))
             check(not keys or self.files_root is not None, f"rewards[{i}].name",
                   f"= {spec.name!r} opens the files that a request's metadata names ({', '.join(keys)}): serve it "
@@ -144,13 +158,14 @@ class ServeRewardConfig:
         at_least("threads", self.threads, 1)
         at_least("max_pixels", self.max_pixels, 1)
         at_least("max_request_pixels", self.max_request_pixels, 1)
+        at_least("max_frames", self.max_frames, 1)
         check(math.isfinite(self.read_timeout) and self.read_timeout > 0, "read_timeout",
               f"must be > 0, got {self.read_timeout}")
 
     def limits(self) -> Limits:
         """What one request may hold (``flowalign.remote.wire.Limits``)."""
         return Limits(max_pixels=self.max_pixels, max_request_pixels=self.max_request_pixels,
-                      image_size=self.image_size)
+                      image_size=self.image_size, max_frames=self.max_frames)
 
 
 def read_token(path: str | Path, key: str) -> str:
@@ -213,7 +228,11 @@ class RewardServer:
         from flowalign.rewards import build_reward
 
         token = read_token(config.token_file, "token_file") if config.token_file is not None else None
+        from flowalign.reward_models.frames import over_frames
+
         rewards = [(spec.name, build_reward(spec.name, **spec.kwargs)) for spec in config.rewards]
+        rewards = [(name, fn if spec.frames is None else over_frames(fn, spec.frames, f"rewards[{i}].frames"))
+                   for i, (spec, (name, fn)) in enumerate(zip(config.rewards, rewards))]
         return cls(config, rewards, token=token)
 
     def _init_thread(self) -> None:
@@ -223,7 +242,7 @@ class RewardServer:
     # --------------------------------------------------------------------------------------------- metadata
     def metadata(self) -> dict:
         import flowalign
-        from flowalign.rewards import is_groupwise, score_range
+        from flowalign.rewards import is_groupwise, reward_modality, score_range
 
         kwargs = {spec.name: spec.kwargs for spec in self.config.rewards}
         size = self.config.image_size
@@ -234,7 +253,8 @@ class RewardServer:
             "rewards": {name: {"version": reward_version(name, fn),
                                "class": f"{type(fn).__module__}.{type(fn).__qualname__}",
                                "kwargs": kwargs.get(name, {}), "groupwise": is_groupwise(fn),
-                               "score_range": score_range(name)} for name, fn in self.rewards.items()},
+                               "score_range": score_range(name), "modality": reward_modality(fn)}
+                        for name, fn in self.rewards.items()},
             "image_size": None if size is None else [size, size],
             "batch_size": self.config.batch_size,
             "encodings": list(ENCODINGS),
@@ -340,11 +360,18 @@ class RewardServer:
         """Each served reward's checks of one request, before it is merged into a batch: the files its metadata
         names (``reads_files``, under ``files_root``; module docstring) and the reward's ``check_inputs``. A
         refusal is a ``WireError`` (400) or a ``RewardInputError`` (422)."""
-        from flowalign.rewards import files_read
+        from flowalign.rewards import files_read, reward_modality
 
         metadata = request.metadata
         for name in request.rewards:
             fn = self.rewards[name]
+            kind = reward_modality(fn)
+            if kind == "image" and request.is_video:
+                raise WireError(f"reward {name!r} scores images and this request holds videos: send images, or serve "
+                                "it with frames: {aggregate: mean} (its frame aggregation)", status=422)
+            if kind == "video" and not request.is_video:
+                raise WireError(f"reward {name!r} scores videos [B, F, 3, H, W] and this request holds images",
+                                status=422)
             keys = files_read(fn)
             if keys:
                 metadata = [self._confined(entry, keys, index) for index, entry in enumerate(metadata)]

@@ -11,6 +11,13 @@ A score request is ``POST /v1/score`` with one of two bodies:
   strings]`` (8-bit RGB, read as ``k / 255``): about a quarter of float32's bytes before compression, but quantised,
   so scores are those of the 8-bit images.
 
+Videos. In place of images a request may carry videos ``[B, F, 3, H, W]`` (frames first, in [0, 1]): the safetensors
+tensor is then named ``videos``, and the JSON body holds ``"videos_png": [B lists of F base64 PNG strings]``. Every
+frame of every video must share one size, and every video one frame count. A video counts as one sample (one prompt,
+one metadata object, one score); its frames count against ``max_frames`` (per video) and, frame by frame, against
+``max_pixels`` and ``max_request_pixels``, all read from the headers before any frame is decoded: the safetensors
+shape, the number of strings per video, each PNG's IHDR.
+
 The answer is JSON ``{"protocol": 1, "scores": {name: [B numbers or null]}}``, each score the float32 value the reward
 returned (written as a JSON number it reads back exactly); ``null`` is a non-finite score (an invalid sample). An
 error is a 4xx or 5xx with ``{"error": message}``.
@@ -37,7 +44,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["DEFAULT_MAX_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS", "PROTOCOL", "SAFETENSORS", "Limits", "ScoreRequest",
+__all__ = ["DEFAULT_MAX_FRAMES", "DEFAULT_MAX_PIXELS", "DEFAULT_MAX_REQUEST_PIXELS", "PROTOCOL", "SAFETENSORS",
+           "Limits", "ScoreRequest",
            "WireError", "decode_request", "decode_scores", "encode_request", "encode_scores", "png_bytes", "read_png"]
 
 PROTOCOL = 1
@@ -47,6 +55,8 @@ IMAGE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, tor
 SAFETENSORS_DTYPES = ("F32", "F16", "BF16", "F64", "U8")  # IMAGE_DTYPES as a safetensors header names them
 DEFAULT_MAX_PIXELS = 16 * 2**20  # per image: 4096 x 4096
 DEFAULT_MAX_REQUEST_PIXELS = 64 * 2**20  # per request: 64 images of 1024 x 1024 (768 MiB as float32 RGB)
+DEFAULT_MAX_FRAMES = 256  # per video: Wan's 81 frames and HunyuanVideo's 129 fit
+SAFETENSORS_ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "U8": 1}
 ENCODINGS = ("safetensors", "png")
 
 
@@ -60,7 +70,8 @@ class WireError(ValueError):
 
 @dataclass
 class ScoreRequest:
-    """A decoded score request: ``images [B, 3, H, W]`` in [0, 1] (float; uint8 and PNG inputs divided by 255)."""
+    """A decoded score request: ``images [B, 3, H, W]``, or videos ``[B, F, 3, H, W]``, in [0, 1] (float; uint8 and
+    PNG inputs divided by 255)."""
 
     rewards: list[str]
     images: Tensor
@@ -70,6 +81,11 @@ class ScoreRequest:
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the request carries videos ``[B, F, 3, H, W]`` rather than images."""
+        return self.images.ndim == 5
 
 
 # ---------------------------------------------------------------------------------------------- the client's side
@@ -85,8 +101,11 @@ def png_bytes(image: Tensor) -> bytes:
 
 def encode_request(rewards: Sequence[str], images: Tensor, prompts: Sequence[str], metadata: Sequence[dict],
                    *, encoding: str = "safetensors", group_ids: Sequence[int] | None = None) -> tuple[bytes, str]:
-    """``(body, content_type)`` of a score request (module docstring)."""
+    """``(body, content_type)`` of a score request (module docstring): ``images [B, 3, H, W]``, or videos
+    ``[B, F, 3, H, W]`` (a 5-dimensional tensor travels as ``videos``; the server checks the layout)."""
     from safetensors.torch import save
+
+    field_name = "videos" if images.ndim == 5 else "images"
 
     header: dict[str, Any] = {"rewards": list(rewards), "prompts": list(prompts), "metadata": list(metadata)}
     if group_ids is not None:
@@ -95,9 +114,13 @@ def encode_request(rewards: Sequence[str], images: Tensor, prompts: Sequence[str
         tensor = images.detach().cpu().contiguous()
         if tensor.dtype not in IMAGE_DTYPES:
             tensor = tensor.float()
-        return save({"images": tensor}, metadata={"flowalign": json.dumps(header)}), SAFETENSORS
+        return save({field_name: tensor}, metadata={"flowalign": json.dumps(header)}), SAFETENSORS
     if encoding == "png":
-        header["images_png"] = [base64.b64encode(png_bytes(image)).decode("ascii") for image in images]
+        def encoded(image: Tensor) -> str:
+            return base64.b64encode(png_bytes(image)).decode("ascii")
+
+        header[f"{field_name}_png"] = [[encoded(frame) for frame in video] if images.ndim == 5 else encoded(video)
+                                       for video in images]
         return json.dumps(header).encode("utf-8"), JSON
     raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
 
@@ -174,10 +197,21 @@ class Limits:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_request_pixels: int = DEFAULT_MAX_REQUEST_PIXELS
     image_size: int | None = None
+    max_frames: int = DEFAULT_MAX_FRAMES
+
+    def check_frames(self, counts: Sequence[int]) -> None:
+        """``counts``: the frame count of each video, as the request states it; more than ``max_frames`` is a 413,
+        none a 400."""
+        for index, count in enumerate(counts):
+            if count < 1:
+                raise WireError(f"video {index} holds no frames")
+            if count > self.max_frames:
+                raise WireError(f"video {index} has {count} frames, more than the server's max_frames "
+                                f"{self.max_frames} per video", status=413)
 
     def check(self, sizes: Sequence[tuple[int, int]], repeat: int = 1) -> None:
-        """``sizes``: ``(height, width)`` of each image, as its header states it; ``repeat``: how many times the
-        list stands (a batch tensor states one size for all its images)."""
+        """``sizes``: ``(height, width)`` of each image (or video frame), as its header states it; ``repeat``: how
+        many times the list stands (a batch tensor states one size for all its images and frames)."""
         total = 0
         for index, (height, width) in enumerate(sizes):
             if height < 1 or width < 1:
@@ -210,24 +244,38 @@ def _check_images(images: Tensor, fields: dict) -> Tensor:
     return images
 
 
-def _tensor_shape(header: dict, limits: Limits) -> list[int]:
-    """The ``images`` entry of a safetensors header, checked (dtype, ``[B, 3, H, W]``, ``limits``) before the tensor
-    is read."""
-    entry = header.get("images")
+def _tensor_shape(header: dict, limits: Limits, name: str, data_bytes: int) -> list[int]:
+    """The ``name`` entry (``images`` or ``videos``) of a safetensors header, checked (dtype, ``[B, 3, H, W]`` or
+    ``[B, F, 3, H, W]``, ``limits``, and that its bytes are all in the body: ``data_bytes`` after the header) before
+    the tensor is read."""
+    entry = header.get(name)
     if not isinstance(entry, dict):
-        raise WireError("the safetensors header's 'images' entry is not an object with dtype, shape and data_offsets")
+        raise WireError(f"the safetensors header's {name!r} entry is not an object with dtype, shape and "
+                        "data_offsets")
     dtype, shape = entry.get("dtype"), entry.get("shape")
     if dtype not in SAFETENSORS_DTYPES:
-        raise WireError(f"'images' has dtype {str(dtype)[:20]!r}; expected one of {', '.join(SAFETENSORS_DTYPES)} "
+        raise WireError(f"{name!r} has dtype {str(dtype)[:20]!r}; expected one of {', '.join(SAFETENSORS_DTYPES)} "
                         "(float32, float16, bfloat16, float64, uint8)")
     if not isinstance(shape, list) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
                                                for n in shape):
-        raise WireError("the safetensors header's 'images' shape is not a list of sizes")
-    if len(shape) != 4 or shape[1] != 3:
-        raise WireError(f"'images' must be [B, 3, H, W], got shape {shape[:8]}")
+        raise WireError(f"the safetensors header's {name!r} shape is not a list of sizes")
+    video = name == "videos"
+    if len(shape) != (5 if video else 4) or shape[-3] != 3:
+        layout = "[B, F, 3, H, W]" if video else "[B, 3, H, W]"
+        raise WireError(f"{name!r} must be {layout}, got shape {shape[:8]}")
     if shape[0] < 1:
-        raise WireError("the request holds no images")
-    limits.check([(shape[2], shape[3])], repeat=shape[0])
+        raise WireError(f"the request holds no {name}")
+    if video:
+        limits.check_frames([shape[1]])
+    limits.check([(shape[-2], shape[-1])], repeat=math.prod(shape[:-3]))
+    offsets = entry.get("data_offsets")
+    expected = math.prod(shape) * SAFETENSORS_ITEMSIZE[dtype]
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)
+            or offsets[1] - offsets[0] != expected):
+        raise WireError(f"the safetensors header's {name!r} data_offsets do not span its {expected} bytes")
+    if offsets[0] < 0 or offsets[1] > data_bytes:
+        raise WireError(f"the body is truncated: {name!r} needs bytes {offsets[0]}..{offsets[1]} of the data, the "
+                        f"body holds {data_bytes}")
     return shape
 
 
@@ -297,14 +345,16 @@ def _decode_safetensors(body: bytes, limits: Limits) -> ScoreRequest:
     except (ValueError, RecursionError):
         raise WireError("__metadata__['flowalign'] is not JSON") from None
     fields = _request_fields(parsed)
-    if set(header) - {"__metadata__"} != {"images"}:
-        raise WireError(f"the safetensors body must hold exactly one tensor 'images', got "
-                        f"{sorted(set(header) - {'__metadata__'})[:8]}")
-    _tensor_shape(header, limits)
+    names = set(header) - {"__metadata__"}
+    if names not in ({"images"}, {"videos"}):
+        raise WireError(f"the safetensors body must hold exactly one tensor, 'images' or 'videos', got "
+                        f"{sorted(names)[:8]}")
+    (name,) = names
+    _tensor_shape(header, limits, name, len(body) - 8 - struct.unpack("<Q", body[:8])[0])
     from safetensors.torch import load
 
     try:
-        images = load(body)["images"]
+        images = load(body)[name]
     except Exception as error:  # noqa: BLE001 - a malformed file is the sender's mistake
         raise WireError(f"the safetensors body cannot be read: {error}") from None
     return ScoreRequest(images=_check_images(images, fields), **fields)
@@ -316,6 +366,10 @@ def _decode_json(body: bytes, limits: Limits) -> ScoreRequest:
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise WireError("the body is not JSON") from None
     fields = _request_fields(parsed)
+    if "videos_png" in parsed:
+        if "images_png" in parsed:
+            raise WireError("a request carries 'images_png' or 'videos_png', not both")
+        return ScoreRequest(images=_check_images(_decode_png_videos(parsed["videos_png"], limits), fields), **fields)
     encoded = parsed.get("images_png")
     if not isinstance(encoded, list) or not all(isinstance(item, str) for item in encoded) or not encoded:
         raise WireError("'images_png' must be a non-empty list of base64 PNG strings")
@@ -336,3 +390,37 @@ def _decode_json(body: bytes, limits: Limits) -> ScoreRequest:
         for image in opened:
             image.close()
     return ScoreRequest(images=_check_images(torch.stack(decoded), fields), **fields)
+
+
+def _decode_png_videos(encoded: Any, limits: Limits) -> Tensor:
+    """``videos_png`` (a list per video of base64 PNG frames) as ``[B, F, 3, H, W]``: the frame counts are checked
+    against ``max_frames``, and every frame's header against the pixel limits and the first frame's size, before any
+    frame is decoded."""
+    if not isinstance(encoded, list) or not encoded or not all(
+            isinstance(video, list) and all(isinstance(item, str) for item in video) for video in encoded):
+        raise WireError("'videos_png' must be a non-empty list of videos, each a list of base64 PNG strings")
+    counts = [len(video) for video in encoded]
+    limits.check_frames(counts)  # before anything is decoded, base64 included
+    if len(set(counts)) != 1:
+        raise WireError(f"the videos of one request must share one frame count, got {sorted(set(counts))[:8]}")
+    opened = []
+    try:
+        for v, video in enumerate(encoded):
+            for f, item in enumerate(video):
+                try:
+                    data = base64.b64decode(item, validate=True)
+                except ValueError:
+                    raise WireError(f"video {v} frame {f} of 'videos_png' is not base64") from None
+                opened.append(_open_png(data, len(opened)))
+        sizes = [(image.height, image.width) for image in opened]
+        limits.check(sizes)  # every frame's header, before any pixel is decoded
+        for index, size in enumerate(sizes):
+            if size != sizes[0]:
+                v, f = divmod(index, counts[0])
+                raise WireError(f"video {v} frame {f} is {size[0]}x{size[1]}, but frame 0 of video 0 is "
+                                f"{sizes[0][0]}x{sizes[0][1]}: every frame of a request must share one size")
+        decoded = [_decode_png(image, limits, index) for index, image in enumerate(opened)]
+    finally:
+        for image in opened:
+            image.close()
+    return torch.stack(decoded).reshape(len(encoded), counts[0], *decoded[0].shape)

@@ -24,7 +24,7 @@ from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
 
 __all__ = ["build_rewards", "build_trainer", "check_prompts_fit_model", "check_prompts_fit_rewards",
-           "enable_xformers", "load_policy"]
+           "check_rewards_fit_modality", "check_video_settings", "enable_xformers", "load_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     if rewards is None:
         check_prompts_fit_rewards(config, train_prompts)
     check_prompts_fit_model(config, train_prompts, model)
+    check_video_settings(config, train_prompts, t.layout, model)
+    if rewards is None:
+        check_rewards_fit_modality(config, model)
     t.prompts = PromptSampler(train_prompts, seed=cfg.seed, count=config.data.prompts_per_iteration,
                               sampling=config.data.prompt_sampling)
     t.rewards = build_rewards(config, rewards, t.layout)
@@ -96,15 +99,52 @@ def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
 
 
 def check_prompts_fit_model(config, prompts: list[dict], model: FlowModel | None = None) -> None:
-    """Before the model loads: training prompts with condition images (``images``) need a model family that takes
-    them (``flowalign.data.condition_images.check_family_takes``), read from ``model.family`` or the model's
-    ``model_index.json`` (or ``model``, a ``FlowModel`` given to the trainer)."""
+    """Before the model loads, against its family (``model``'s, else read from ``model.family`` or the model's
+    ``model_index.json``; an unreadable or unsupported model is left to the loader, which names it): training prompts
+    with condition images need a family that takes them, and an image-to-video family needs one in every prompt
+    (``flowalign.data.condition_images.check_family_takes``); ``model.lora_experts`` and ``model.guidance_scale_2``
+    need a family with two experts."""
     from flowalign.data.condition_images import check_family_takes, has_condition_images
-    from flowalign.models.loading import adapter_class
+    from flowalign.models.loading import adapter_class, names_adapter
 
-    if has_condition_images(prompts):
-        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
-        check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
+    if model is not None:
+        adapter = type(model)
+    elif has_condition_images(prompts) or names_adapter(config.model.path, config.model.family):
+        try:
+            adapter = adapter_class(config.model.path, config.model.family)
+        except (ValueError, FileNotFoundError):
+            if has_condition_images(prompts):
+                raise
+            return
+    else:
+        return
+    check_family_takes(adapter, prompts, "data.train_prompts", config.data.train_prompts)
+    check_family_experts(adapter, config)
+
+
+def check_family_experts(adapter: type, config) -> None:
+    """``model.lora_experts`` and ``model.guidance_scale_2`` only on a family with two experts (``adapter.experts``):
+    a SetupError naming the key otherwise."""
+    if getattr(adapter, "experts", ()):
+        return
+    family = getattr(adapter, "family", "") or adapter.__name__
+    for key, value in (("lora_experts", config.model.lora_experts), ("guidance_scale_2", config.model.guidance_scale_2)):
+        if value is not None:
+            raise SetupError(f"model.{key} = {value} is a setting of models with two experts, but model family "
+                             f"{family!r} ({config.model.path}) has one transformer: drop model.{key}, or use a "
+                             "Wan2.2 A14B model")
+
+
+def check_video_settings(config, prompts: list[dict], layout, model: FlowModel | None = None) -> None:
+    """Before the model loads: the video settings fit the model (``flowalign.training.video_checks``), whose adapter
+    class comes from ``model_index.json`` (or ``model``); a hub id is checked when it loads."""
+    from flowalign.models.loading import adapter_class
+    from flowalign.training.video_checks import check_video_run
+
+    if model is None and config.model.family is None and not Path(config.model.path).expanduser().is_dir():
+        return
+    adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    check_video_run(config, prompts, adapter, layout)
 
 
 def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, Callable]]:
@@ -130,7 +170,8 @@ def build_rewards(config, rewards=None, layout=None) -> list[tuple[str, float, C
 
 def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
     if rewards is None:
-        return [(spec.name, spec.weight, build_reward(spec.name, **spec.kwargs)) for spec in config.reward.rewards]
+        return [(spec.name, spec.weight, _built(spec, f"reward.rewards[{i}]"))
+                for i, spec in enumerate(config.reward.rewards)]
     if isinstance(rewards, Mapping):
         rewards = [(name, 1.0, fn) for name, fn in rewards.items()]
     elif callable(rewards):
@@ -149,16 +190,44 @@ def _rewards(config, rewards) -> list[tuple[str, float, Callable]]:
     return out
 
 
+def _built(spec, key: str) -> Callable:
+    """The reward of one ``reward.rewards`` entry: built from the registry, scored over a video's frames when the
+    entry has ``frames`` (``flowalign.reward_models.frames.over_frames``)."""
+    reward = build_reward(spec.name, **spec.kwargs)
+    if getattr(spec, "frames", None) is None:
+        return reward
+    from flowalign.reward_models.frames import over_frames
+
+    return over_frames(reward, spec.frames, f"{key}.frames")
+
+
+def check_rewards_fit_modality(config, model: FlowModel | None = None) -> None:
+    """Before any reward is built and the model loads: the rewards fit the model's modality, image or video
+    (``flowalign.rewards.check_reward_modality``), read from ``model`` or from the model's ``model_index.json``. A
+    model path that cannot be read is left to the loader, whose error names it."""
+    from flowalign.models.loading import adapter_class
+    from flowalign.rewards import check_reward_modality
+
+    try:
+        adapter = type(model) if model is not None else adapter_class(config.model.path, config.model.family)
+    except FileNotFoundError:
+        return
+    check_reward_modality(config.reward, getattr(adapter, "modality", "image"),
+                          num_frames=getattr(config.sampling, "num_frames", None))
+
+
 def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
     """The model of ``model.path`` (or ``model``) with a fresh LoRA adapter on frozen weights, LoRA weights in fp32;
     or, with ``model.finetune: full``, every transformer weight trained as an fp32 master weight beside a frozen
     reference copy of the base (``FlowModel.make_full_finetune``)."""
     cfg = config.model
     if model is None:
-        frames = config.sampling.num_frames
+        options = {"num_frames": config.sampling.num_frames, "vae_batch": cfg.vae_batch,
+                   "vae_tiling": cfg.vae_tiling or None,  # video models only (check_video_settings)
+                   "lora_experts": cfg.lora_experts, "guidance_scale_2": cfg.guidance_scale_2}  # two experts only
+        options = {k: v for k, v in options.items() if v is not None}
         model = load_flow_model(cfg.path, family=cfg.family, dtype=cfg.dtype, device=device,
-                                max_sequence_length=cfg.max_sequence_length,
-                                adapter_options=None if frames is None else {"num_frames": frames})
+                                max_sequence_length=cfg.max_sequence_length, adapter_options=options or None)
     if cfg.attention == "xformers":
         enable_xformers(model)
     if cfg.gradient_checkpointing:

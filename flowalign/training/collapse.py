@@ -29,7 +29,7 @@ __all__ = ["CollapseMetrics", "auto_held_out", "saturated_fraction", "within_gro
 
 
 def saturated_fraction(images: Tensor, margin: float) -> tuple[float, int]:
-    """``(count, total)`` of pixel channels of ``images [B, 3, H, W]`` in [0, 1] that are ``<= margin`` or
+    """``(count, total)`` of pixel channels of ``images [B, 3, H, W]`` (or videos ``[B, F, 3, H, W]``) in [0, 1] that are ``<= margin`` or
     ``>= 1 - margin``."""
     x = images.float()
     saturated = (x <= margin) | (x >= 1.0 - margin)
@@ -95,10 +95,12 @@ class CollapseMetrics:
         """The iteration's ``collapse/*`` metrics (every process calls it: it gathers)."""
         if not self.enabled or scores is None or not batches:
             return {}
+        from flowalign.embeddings import embed_samples
+
         accelerator, device = trainer.accelerator, trainer.accelerator.device
         images = scores.images
         ids = torch.cat([b.sample_ids for b in batches])
-        embeddings = accelerator.gather(self.embedding.embed(images).to(device)).cpu()
+        embeddings = accelerator.gather(embed_samples(self.embedding, images).to(device)).cpu()
         group_ids = torch.arange(trainer.layout.global_samples) // trainer.config.data.group_size
         metrics = {"collapse/diversity": float(within_group_diversity(embeddings, group_ids).mean())}
         count, total = saturated_fraction(images, self.margin)

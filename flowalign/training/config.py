@@ -81,7 +81,18 @@ class ModelConfig:
     lora_rank: int = option(8, "LoRA rank")
     lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
+    lora_experts: list[str] | None = option(
+        None, "models with several experts (Wan2.2 A14B): the experts the LoRA trains, from [high, low] (high: "
+        "transformer, the high-noise expert; low: transformer_2); null = every expert")
+    guidance_scale_2: float | None = option(
+        None, "models with two experts (Wan2.2 A14B): the low-noise expert's CFG scale (the pipeline's "
+        "guidance_scale_2); null = sampling.guidance_scale")
     gradient_checkpointing: bool = option(False, "recompute transformer activations in backward to save memory")
+    vae_batch: int | None = option(None, "video models: videos per VAE call when decoding (and encoding) a batch, so "
+                                         "the VAE holds at most vae_batch x sampling.num_frames frames at once; null "
+                                         "= the adapter's default (1); image models refuse it")
+    vae_tiling: bool = option(False, "video models: decode and encode with the VAE's own spatial tiling "
+                                     "(vae.enable_tiling()); image models refuse it")
     attention: Literal["sdpa", "xformers"] = option("sdpa", "attention kernel")
     kernels: Literal["auto", "triton", "torch"] = option(
         "auto", "SDE step and GRPO loss: fused Triton kernels (CUDA), the torch reference, or auto = Triton on CUDA "
@@ -102,7 +113,20 @@ class ModelConfig:
         if self.lora_targets is not None:
             _check(len(self.lora_targets) > 0, "model.lora_targets", "must list at least one module (or be null)")
             _check(all(self.lora_targets), "model.lora_targets", f"has an empty module name: {self.lora_targets}")
+        if self.lora_experts is not None:
+            from flowalign.models.wan_experts import check_expert_names
+
+            try:
+                check_expert_names(self.lora_experts)
+            except ValueError as error:
+                raise ConfigError(str(error), key="model.lora_experts") from None
+            _check(self.finetune == "lora", "model.lora_experts",
+                   "chooses the experts a LoRA trains; with model.finetune = 'full' every weight of every expert "
+                   "trains: drop model.lora_experts")
+        if self.guidance_scale_2 is not None:
+            _finite("model.guidance_scale_2", self.guidance_scale_2, 0.0, strict=True)
         _at_least("model.max_sequence_length", self.max_sequence_length, 1)
+        _at_least("model.vae_batch", self.vae_batch, 1)
         _check(self.finetune == "full" or not self.reference_offload, "model.reference_offload",
                "= true offloads a full fine-tune's reference copy; with model.finetune = 'lora' the reference is the "
                "LoRA-disabled model itself: set model.finetune: full, or drop reference_offload")
@@ -173,6 +197,9 @@ class SamplingConfig:
     image_size: int | None = option(None, "image height and width in pixels; null = the model's default")
     num_frames: int | None = option(None, "video models: frames per sampled video (the VAE's kt+1 counts, e.g. 5, "
                                           "9, 81 for Wan); null = the family's default; image models refuse it")
+    max_latent_elements: int | None = option(
+        None, "memory budget: the most latent elements one micro-batch may hold (its rows x C x f x h x w, from the "
+        "model's config files), checked before the model loads; null = no budget")
     log_prob_reduce: Literal["mean", "sum"] = option("mean", "how a transition's log-prob reduces over latent dims")
     batch_size: int | None = option(None, "rollout forward batch per process; null = the whole local batch at once")
     base_tail_steps: int = option(
@@ -237,6 +264,7 @@ class SamplingConfig:
                f"{self.guidance_scale:g} (no CFG): set sampling.guidance_scale > 1, or drop it")
         _at_least("sampling.image_size", self.image_size, 1)
         _at_least("sampling.num_frames", self.num_frames, 1)
+        _at_least("sampling.max_latent_elements", self.max_latent_elements, 1)
         _at_least("sampling.batch_size", self.batch_size, 1)
         self._validate_base_tail()
 
@@ -317,6 +345,9 @@ class RewardSpec:
         "toy_geneval", "registered reward name, or a class of your own: module.path:Class or path/to/file.py:Class"))
     weight: float = option(1.0, "weight of this reward in the combination")
     kwargs: dict[str, Any] = option({}, "keyword arguments for the reward's constructor")
+    frames: dict[str, Any] | None = option(
+        None, "video models: score an image reward over a video's frames, {aggregate: mean|min|weights, weights: "
+        "[...], every: k | count: n} (flowalign.reward_models.frames); null = the reward's own input")
 
 
 @dataclass
@@ -324,7 +355,7 @@ class RewardConfig:
     """The rewards and how they are combined."""
 
     rewards: list[RewardSpec] = option(
-        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs}"
+        [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs, frames}"
     )
     combine: Literal["sum_then_normalize", "normalize_then_sum"] = option(
         "sum_then_normalize",
@@ -350,6 +381,10 @@ class RewardConfig:
         for i, spec in enumerate(self.rewards):
             _check(bool(spec.name), f"reward.rewards[{i}].name", "must not be empty")
             _check(math.isfinite(spec.weight), f"reward.rewards[{i}].weight", f"must be finite, got {spec.weight}")
+            if spec.frames is not None:  # its form; whether it fits the model: rewards.check_reward_modality
+                from flowalign.reward_models.frames import parse_frames
+
+                parse_frames(spec.frames, f"reward.rewards[{i}].frames")
         for key in ("max_invalid_fraction", "skip_invalid_fraction"):
             value = getattr(self, key)
             _check(math.isfinite(value) and 0.0 <= value <= 1.0, f"reward.{key}", f"must be in [0, 1], got {value}")
