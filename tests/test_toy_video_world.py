@@ -8,7 +8,7 @@ import torch
 
 from flowalign.errors import RewardInputError
 from flowalign.evaluation.geneval import load_metadata, validate_metadata
-from flowalign.rewards import REWARDS, build_reward, reward_class, score_range
+from flowalign.rewards import REWARDS, build_reward, reward_modality, score_range
 from flowalign.toy import video_prompts as V
 from flowalign.toy.clips import DIRECTIONS, TRAVEL_RANGE, Clip, clip_for, clips_tensor, motion_offsets, render_clip
 from flowalign.toy.prompts import PROMPT_ASSET_DIR
@@ -119,7 +119,7 @@ def test_rendered_clips_score_one_on_their_own_prompts_and_fail_only_direction_o
     entries = V.all_video_prompts()
     videos = clips_tensor([clip_for(e, rng) for e in entries])
     reward = build_reward("toy_video")
-    assert reward.modality == "video" and reward_class("toy_video").modality == "video"
+    assert reward.modality == "video" and reward_modality("toy_video") == "video"
     assert score_range("toy_video") == (0.0, 1.0) and "toy_video" in REWARDS
     assert reward(videos, [e["prompt"] for e in entries], entries).tolist() == [1.0] * len(entries)
     wrong = [V.corrupt_direction(e) for e in entries]
