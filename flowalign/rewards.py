@@ -145,7 +145,19 @@ def _toy_geneval_soft(**kwargs: Any) -> Reward:
     return _toy_geneval_soft_class()(**kwargs)
 
 
+def _toy_video_class() -> type:
+    from flowalign.toy.video_reward import ToyVideoReward  # the toy video world's verifier (a video reward)
+
+    return ToyVideoReward
+
+
+def _toy_video(**kwargs: Any) -> Reward:
+    return _toy_video_class()(**kwargs)
+
+
 _toy_geneval.reward_class = _toy_geneval_class
+_toy_video.reward_class = _toy_video_class
+_toy_video.score_range = (0.0, 1.0)  # correctness, or the mean of its four checks
 _toy_geneval_soft.reward_class = _toy_geneval_soft_class
 _toy_geneval.score_range = _toy_geneval_soft.score_range = (0.0, 1.0)  # correctness, or the fraction of clauses
 
@@ -236,6 +248,7 @@ def _lazy(module: str, attribute: str, *, negative_scores: str | None = None,
 REWARDS: Registry[Reward] = Registry("reward", protocol=Reward)
 REWARDS.register("toy_geneval", _toy_geneval)
 REWARDS.register("toy_geneval_soft", _toy_geneval_soft)
+REWARDS.register("toy_video", _toy_video)
 REWARDS.register("brightness", BrightnessReward)
 REWARDS.register("video_brightness", VideoBrightnessReward)
 # The reward model zoo (reward_models/); README "Using real models offline" lists the files each one needs.

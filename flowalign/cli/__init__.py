@@ -30,8 +30,9 @@ Commands (modules of this package):
   registered guided sampler (``sample``).
 * ``flowalign serve-reward [CONFIG] [key=value ...]``: serve registered rewards over HTTP for the ``remote``
   reward (``serve``).
-* ``flowalign eval toy|geneval|hpd``: GenEval on the toy world, GenEval, HPD v2 (``eval``).
-* ``flowalign toy pretrain|segmenter``, ``flowalign export CHECKPOINT --out DIR`` (``tools``). ``sample`` and every
+* ``flowalign eval toy|toy-video|geneval|hpd``: GenEval on the toy world, the toy video verifier, GenEval, HPD v2
+  (``eval``).
+* ``flowalign toy pretrain|pretrain-video|segmenter``, ``flowalign export CHECKPOINT --out DIR`` (``tools``). ``sample`` and every
   ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
 
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .prep import add_calibrate, add_fit_manifold, add_prep_commands, add_registers_train, add_train_discriminator
     from .sample import add_sample
     from .serve import add_serve_reward
-    from .tools import add_export, add_toy_pretrain, add_toy_segmenter
+    from .tools import add_export, add_toy_pretrain, add_toy_pretrain_video, add_toy_segmenter
     from .train import add_train
 
     parser = _Parser(prog=PROG, description="Align flow-matching text-to-image models with reward models.")
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_commands(_group(commands, "eval", "evaluate a model"))
     toy = _group(commands, "toy", "toy-world tools")
     add_toy_pretrain(toy)
+    add_toy_pretrain_video(toy)
     add_toy_segmenter(toy)
     add_sample(commands)
     add_serve_reward(commands)

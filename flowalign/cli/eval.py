@@ -1,4 +1,4 @@
-"""``flowalign eval toy|geneval|hpd``: each built from its settings dataclass (``EvalConfig``, ``GenEvalRunConfig``,
+"""``flowalign eval toy|toy-video|geneval|hpd``: each built from its settings dataclass (``EvalConfig``, ``GenEvalRunConfig``,
 ``HPDRunConfig``, all extending ``SamplingRun``) by the config loader; the options are generated from their fields."""
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ def _run_eval_toy(config, args: argparse.Namespace) -> None:
     from flowalign.evaluation.toy_eval import run_eval
 
     run_eval(config)
+
+
+def _run_eval_toy_video(config, args: argparse.Namespace) -> None:
+    from flowalign.evaluation.toy_video_eval import run_video_eval
+
+    run_video_eval(config)
 
 
 def _run_eval_geneval(config, args: argparse.Namespace) -> None:
@@ -43,6 +49,13 @@ def add_eval_commands(group) -> None:
         help="GenEval-style evaluation on the toy world",
         description="Sample the toy prompts with the ODE, detect shapes, judge with GenEval's rules; writes "
         "results.json, summary.md and grid.png to --out.",
+    )
+    add_config_command(
+        group, "toy-video", ConfigCommand("flowalign.evaluation.toy_video_eval:VideoEvalConfig", _run_eval_toy_video),
+        help="the toy video world's verifier on sampled clips (object, count, colour, direction)",
+        description="Sample the toy video prompts with the ODE and verify each clip exactly (per-frame object, "
+        "count and colour, tracked direction of motion); writes results.json, summary.md and strips.png to --out "
+        "(with --lora --paired also the paired before/after statistics).",
     )
     add_config_command(
         group, "geneval", ConfigCommand("flowalign.evaluation.geneval_eval:GenEvalRunConfig", _run_eval_geneval),

@@ -1,4 +1,4 @@
-"""The tools around training: ``toy pretrain``, ``toy segmenter`` (each built from its settings dataclass by the config
+"""The tools around training: ``toy pretrain``, ``toy pretrain-video``, ``toy segmenter`` (each built from its settings dataclass by the config
 loader) and ``export`` (a checkpoint's LoRA for diffusers; positional, no config). The preparation tools are
 ``flowalign prep`` (``flowalign.cli.prep``)."""
 
@@ -9,13 +9,19 @@ import argparse
 from flowalign.deprecation import moved_names
 from .options import ConfigCommand, add_config_command
 
-__all__ = ["add_export", "add_toy_pretrain", "add_toy_segmenter"]
+__all__ = ["add_export", "add_toy_pretrain", "add_toy_pretrain_video", "add_toy_segmenter"]
 
 
 def _run_toy_pretrain(config, args: argparse.Namespace) -> None:
     from flowalign.toy.pretrain import pretrain
 
     pretrain(config)
+
+
+def _run_toy_pretrain_video(config, args: argparse.Namespace) -> None:
+    from flowalign.toy.video_pretrain import pretrain_video
+
+    pretrain_video(config)
 
 
 def _run_toy_segmenter(config, args: argparse.Namespace) -> None:
@@ -34,6 +40,16 @@ def add_toy_pretrain(group) -> None:
         group, "pretrain", ConfigCommand("flowalign.toy.pretrain:PretrainConfig", _run_toy_pretrain),
         help="pre-train the toy SD3 model",
         description="Pre-train the small SD3 pipeline of the toy world and save it with save_pretrained.",
+    )
+
+
+def add_toy_pretrain_video(group) -> None:
+    add_config_command(
+        group, "pretrain-video", ConfigCommand("flowalign.toy.video_pretrain:VideoPretrainConfig",
+                                               _run_toy_pretrain_video),
+        help="pre-train the toy video world's tiny Wan2.1 model",
+        description="Pre-train the small WanPipeline of the toy video world on rendered clips of moving shapes and "
+        "save it with save_pretrained (assets/toy-wan by default).",
     )
 
 

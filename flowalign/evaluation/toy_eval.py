@@ -388,8 +388,12 @@ def _z(diff: float, se: float) -> float:
     return 0.0 if diff == 0 else math.copysign(math.inf, diff)
 
 
-def paired_difference(results_a: Sequence[Mapping[str, Any]], results_b: Sequence[Mapping[str, Any]]) -> dict:
+def paired_difference(results_a: Sequence[Mapping[str, Any]], results_b: Sequence[Mapping[str, Any]], *,
+                      score: str = "correct") -> dict:
     """Mean accuracy difference ``b - a`` on the same samples, per tag and overall, with standard errors.
+
+    ``score`` names the result field compared: ``correct`` (a verdict, read as 0 or 1), or a number in each result
+    (the toy video verifier's ``partial``).
 
     Samples are matched on ``(prompt_id, image_index)``; a key present in one list only raises ValueError naming it.
     Per tag, with ``d_i = correct_b - correct_a`` over the tag's ``n`` samples: ``diff = mean(d)``,
@@ -413,7 +417,8 @@ def paired_difference(results_a: Sequence[Mapping[str, Any]], results_b: Sequenc
         b = keyed_b[key]
         if a["tag"] != b["tag"]:
             raise ValueError(f"tag mismatch for (prompt_id={key[0]!r}, image_index={key[1]!r}): {a['tag']!r} vs {b['tag']!r}")
-        per_tag.setdefault(a["tag"], []).append((float(bool(a["correct"])), float(bool(b["correct"]))))
+        value = (lambda r: float(bool(r["correct"]))) if score == "correct" else (lambda r: float(r[score]))
+        per_tag.setdefault(a["tag"], []).append((value(a), value(b)))
 
     order = [tag for tag in TAGS if tag in per_tag] + sorted(tag for tag in per_tag if tag not in TAGS)
     tags = {}

@@ -121,11 +121,15 @@ class SceneStream:
         self.tag_probs = p / p.sum()
         self.rng = np.random.default_rng(seed)
 
+    def draw(self) -> dict:
+        """One training prompt: a tag by ``tag_probs``, then one of its prompts uniformly."""
+        group = self.by_tag[self.tags[self.rng.choice(len(self.tags), p=self.tag_probs)]]
+        return group[self.rng.integers(len(group))]
+
     def batch(self, size: int) -> tuple[list[str], torch.Tensor]:
         captions, images = [], []
         for _ in range(size):
-            group = self.by_tag[self.tags[self.rng.choice(len(self.tags), p=self.tag_probs)]]
-            entry = group[self.rng.integers(len(group))]
+            entry = self.draw()
             captions.append(entry["prompt"])
             images.append(render(scene_for(entry, self.rng)))
         pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0

@@ -1,5 +1,7 @@
 """The held-out evaluation at the end of a run: toy GenEval of the reference (LoRA off) and of the trained policy (its
-EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag.
+EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag. A video model is
+judged by the toy video world's verifier instead (``flowalign.evaluation.toy_video_eval.evaluate_videos``), with the
+same paired statistics; its grids show each clip's frames side by side.
 
 With several processes each one samples its share of the evaluation's batches (whole batches, so every image is
 computed exactly as on one process) through the unwrapped transformer, whose forward has no collectives; the main
@@ -38,6 +40,7 @@ def evaluate_before_after(trainer) -> dict | None:
 
     from flowalign.evaluation.geneval import summarize
     from flowalign.evaluation.toy_eval import evaluate, images_per_tag, paired_difference
+    from flowalign.evaluation.toy_video_eval import evaluate_videos
 
     cfg, accelerator, model = trainer.config, trainer.accelerator, trainer.model
     metadata = load_metadata(cfg.data.eval_prompts)
@@ -45,6 +48,8 @@ def evaluate_before_after(trainer) -> dict | None:
     shard = (accelerator.process_index, accelerator.num_processes)
     kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg),
                   image_size=cfg.sampling.image_size, shard=shard)
+    if getattr(model, "modality", "image") == "video":  # the toy video world's verifier (toy_video_eval)
+        evaluate = evaluate_videos
     model.transformer.eval()
     wrapped, model.forward_module = model.forward_module, None
     try:
@@ -85,6 +90,10 @@ def write_before_after(out: Path, before, after, before_summary, after_summary, 
     report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n, "seed": seed}
     (out / "before_after.json").write_text(json.dumps(report, indent=1))
     for name, results, images in (("before", before, before_images), ("after", after, after_images)):
+        if images.ndim == 5:  # videos [N, F, 3, H, W]: each as its frames side by side
+            from flowalign.evaluation.videos import strips_of
+
+            images = strips_of(images[:64])
         captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:64]]
         save_grid(images[:64], captions, out / f"grid_{name}.png")
     logger.info("%s", "\n".join(lines))

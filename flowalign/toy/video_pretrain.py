@@ -1,0 +1,276 @@
+"""Pre-train the toy video world's tiny Wan2.1 (``WanPipeline``) from scratch on a CPU.
+
+``flowalign toy pretrain-video`` is the source of truth for ``assets/toy-wan``: the same settings and seed rebuild it
+(seeded: the clip stream, the initial weights and every noise draw come from ``seed``). Why Wan2.1: of the video
+families it is the cheapest to train here, a plain DiT over a causal 3D VAE with one UMT5 text encoder and no other
+conditioning (no image stream, no second expert, no audio), whose VAE stays small at small widths.
+
+The model: 32x32 px clips of 5 frames (``flowalign.toy.clips``), a Wan VAE compressing 4x in time (Wan's own factor:
+5 frames are 2 latent frames) and 4x in space (8x8 latents with 16 channels; Wan's 8x would leave a toy shape about
+one latent pixel), a 3-layer Wan DiT of width 128 with patches 1x2x2 (32 tokens a clip), and a 2-layer UMT5 encoder
+over the toy vocabulary's words. Two stages, on clips rendered from the *training* video prompts only
+(``assets/prompts/video_train.jsonl``; held-out captions are never seen):
+
+1. **VAE.** ``AutoencoderKLWan`` trained on clips rendered on the fly with an L2 reconstruction loss and a small KL term; then the config's
+   per-channel ``latents_mean`` / ``latents_std`` are set from the posterior means, so that the adapter's
+   normalisation (``flowalign.models.wan``) hands the transformer zero-mean, unit-variance latents.
+2. **Flow matching.** ``latent_clips`` clips are rendered and encoded once (the posterior's mode, normalised): the
+   VAE is the costly part of a step on a CPU. The DiT and the text encoder train jointly on them, with the rectified-flow loss
+   ``|| v(x_s, s, c) - (eps - x0) ||^2``, ``x_s = (1 - s) x0 + s eps``, ``s`` logit-normal, as the image world's
+   ``flowalign toy pretrain``; 10% empty captions (for CFG), AdamW with warmup and cosine decay, and the EMA of the
+   weights saved.
+
+The pipeline is written with ``save_pretrained`` (safetensors) into a temporary sibling directory that is then renamed
+into place (``flowalign.toy.pretrain.save_atomically``), with ``pretrain_log.json`` (settings, losses, wall times).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..lr_schedule import learning_rate_scale
+from ..settings import at_least, finite, option
+from .clips import NUM_FRAMES, clip_for, render_clip
+from .pretrain import SceneStream, save_atomically
+from .video_prompts import split_video_prompts
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VIDEO_ARCHITECTURE", "ClipStream", "VideoPretrainConfig", "pretrain_video", "toy_wan_pipeline"]
+
+FRAME_SIZE = 32
+VIDEO_ARCHITECTURE = dict(
+    max_length=12,
+    t5_dim=64,
+    t5_layers=2,
+    transformer=dict(num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=3, freq_dim=64,
+                     rope_max_seq_len=32),
+    vae=dict(z_dim=16, base_dim=16, spatial_levels=2, temporal_levels=2),
+)
+
+
+@dataclass
+class VideoPretrainConfig:
+    """Settings of ``flowalign toy pretrain-video`` (module docstring)."""
+
+    out: str = option("assets/toy-wan", "output pipeline directory")
+    seed: int = option(0, "seed")
+    num_frames: int = option(NUM_FRAMES, "frames per training clip (4k+1 for the Wan VAE)")
+    vae_steps: int = option(700, "VAE training steps")
+    vae_batch_size: int = option(16, "VAE batch size (clips)")
+    vae_lr: float = option(2e-3, "VAE learning rate")
+    kl_weight: float = option(1e-6, "weight of the VAE's KL term")
+    calibration_clips: int = option(256, "clips whose latents set the VAE's per-channel mean and std")
+    latent_clips: int = option(1536, "clips rendered and encoded once for the flow stage (its data set)")
+    steps: int = option(1500, "transformer training steps")
+    batch_size: int = option(48, "transformer batch size (clips)")
+    lr: float = option(1e-3, "transformer learning rate (AdamW, warmup then cosine decay)")
+    warmup_steps: int = option(100, "learning-rate warmup steps")
+    weight_decay: float = option(0.01, "AdamW weight decay")
+    ema_decay: float = option(0.995, "decay of the saved EMA of the weights")
+    empty_caption_prob: float = option(0.1, "probability of the empty caption (for classifier-free guidance)")
+    shift: float = option(1.0, "timestep shift of the scheduler")
+    threads: int = option(1, "torch CPU threads (1: on a shared CPU, two threads that wait for each other's "
+                                 "time slices ran 8x slower than one)")
+    tag_weights: dict = option({}, "sampling weight per tag (tags not listed weigh 1)")
+
+    def validate(self) -> None:
+        for name in ("vae_steps", "vae_batch_size", "calibration_clips", "latent_clips", "steps", "batch_size", "threads"):
+            at_least(name, getattr(self, name), 1)
+        at_least("warmup_steps", self.warmup_steps, 0)
+        at_least("seed", self.seed, 0)
+        at_least("num_frames", self.num_frames, 5)
+        if (self.num_frames - 1) % 4:
+            from flowalign.config import ConfigError
+
+            below = (self.num_frames - 1) // 4 * 4 + 1
+            raise ConfigError(f"num_frames = {self.num_frames}: the Wan VAE compresses 4 frames into one after the "
+                              f"first, so the count must be 4k+1: use {below} or {below + 4}", key="num_frames")
+        for name in ("vae_lr", "lr"):
+            finite(name, getattr(self, name), 0, strict=True)
+        for name in ("kl_weight", "weight_decay", "shift"):
+            finite(name, getattr(self, name), 0)
+        finite("ema_decay", self.ema_decay, 0, high=1)
+        finite("empty_caption_prob", self.empty_caption_prob, 0, high=1)
+
+
+class ClipStream(SceneStream):
+    """Random (caption, clip) batches from the training video prompts, drawn as ``SceneStream`` draws prompts."""
+
+    def __init__(self, prompts: list[dict], seed: int, tag_weights: dict[str, float] | None = None,
+                 num_frames: int = NUM_FRAMES):
+        super().__init__(prompts, seed, tag_weights)
+        self.num_frames = num_frames
+
+    def batch(self, size: int) -> tuple[list[str], torch.Tensor]:
+        """``size`` captions and their clips ``[B, 3, F, H, W]`` in [-1, 1] (the Wan VAE's layout)."""
+        captions, clips = [], []
+        for _ in range(size):
+            entry = self.draw()
+            captions.append(entry["prompt"])
+            clips.append(render_clip(clip_for(entry, self.rng, self.num_frames, FRAME_SIZE), FRAME_SIZE))
+        pixels = torch.from_numpy(np.stack(clips)).permute(0, 4, 1, 2, 3).float() / 127.5 - 1.0
+        return captions, pixels
+
+
+def toy_wan_pipeline(words, *, shift: float, seed: int):
+    """The untrained toy Wan pipeline (``VIDEO_ARCHITECTURE``), its default frame size 32 px
+    (``sample_size`` 8 latent pixels, read by the adapter's ``default_image_size``)."""
+    from ..models.tiny import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(words, shift=shift, seed=seed, **VIDEO_ARCHITECTURE)
+    scale = pipe.vae.config.scale_factor_spatial
+    pipe.transformer.register_to_config(sample_size=FRAME_SIZE // scale)
+    return pipe
+
+
+def train_vae(vae, stream: ClipStream, config: VideoPretrainConfig, log: dict) -> None:
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=config.vae_lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: learning_rate_scale(s, config.vae_steps, warmup=min(20, config.vae_steps // 10 + 1),
+                                                 schedule="cosine"))
+    vae.train().requires_grad_(True)
+    generator = torch.Generator().manual_seed(config.seed + 2)
+    bar = tqdm(range(config.vae_steps), desc="vae", dynamic_ncols=True)
+    for step in bar:
+        _, pixels = stream.batch(config.vae_batch_size)
+        posterior = vae.encode(pixels).latent_dist
+        recon = vae.decode(posterior.sample(generator)).sample
+        mse = F.mse_loss(recon, pixels)
+        loss = mse + config.kl_weight * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 25 == 0 or step == config.vae_steps - 1:
+            bar.set_postfix(mse=f"{mse.item():.4f}")
+            log["vae_mse"].append((step, mse.item()))
+    vae.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def calibrate_latents(vae, stream: ClipStream, samples: int) -> tuple[list[float], list[float], float]:
+    """Set the config's per-channel ``latents_mean`` / ``latents_std`` from posterior means; returns them and the
+    reconstruction MSE in [0, 1] pixel units."""
+    latents, errors = [], []
+    for start in range(0, samples, 64):
+        _, pixels = stream.batch(min(64, samples - start))
+        z = vae.encode(pixels).latent_dist.mode()
+        latents.append(z)
+        errors.append(F.mse_loss((vae.decode(z).sample.clamp(-1, 1) + 1) / 2, (pixels + 1) / 2).item())
+    z = torch.cat(latents).transpose(0, 1).flatten(1)  # [C, N]
+    mean, std = z.mean(dim=1).tolist(), z.std(dim=1).clamp_min(1e-3).tolist()
+    vae.register_to_config(latents_mean=mean, latents_std=std)
+    return mean, std, float(np.mean(errors))
+
+
+def trainable_modules(pipe) -> list[torch.nn.Module]:
+    return [pipe.transformer, pipe.text_encoder]
+
+
+@torch.no_grad()
+def encode_clips(pipe, stream: ClipStream, count: int, batch: int = 64) -> tuple[list[str], torch.Tensor]:
+    """``count`` captions and the normalised latents ``[count, C, f, h, w]`` of their clips (the posterior's mode,
+    through the adapter's normalisation): the flow stage's data set, encoded once."""
+    from ..models.wan import WanModel
+
+    model = WanModel(pipe, max_sequence_length=VIDEO_ARCHITECTURE["max_length"])
+    captions, latents = [], []
+    for start in range(0, count, batch):
+        names, pixels = stream.batch(min(batch, count - start))
+        captions += names
+        latents.append(model.from_vae_space(pipe.vae.encode(pixels).latent_dist.mode()))
+    return captions, torch.cat(latents)
+
+
+def train_flow(pipe, data: tuple[list[str], torch.Tensor], config: VideoPretrainConfig, log: dict
+               ) -> list[torch.nn.Module]:
+    """Joint rectified-flow training of the Wan DiT and the UMT5 encoder on the encoded clips ``data``; returns the
+    EMA copies."""
+    captions_all, latents = data
+    rng = np.random.default_rng(config.seed + 3)
+    modules = trainable_modules(pipe)
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        m.train().requires_grad_(True)
+    ema = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: learning_rate_scale(s, config.steps, warmup=config.warmup_steps, schedule="cosine"))
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    bar = tqdm(range(config.steps), desc="flow", dynamic_ncols=True)
+    running = None
+    for step in bar:
+        rows = rng.integers(len(captions_all), size=config.batch_size)
+        captions = [captions_all[r] if rng.random() >= config.empty_caption_prob else "" for r in rows]
+        x0 = latents[torch.from_numpy(rows)]
+        noise = torch.randn(x0.shape, generator=generator)
+        sigma = torch.sigmoid(torch.randn(x0.shape[0], generator=generator))
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_s = (1 - s) * x0 + s * noise
+        embeds, _ = pipe.encode_prompt(prompt=captions, do_classifier_free_guidance=False,
+                                       max_sequence_length=VIDEO_ARCHITECTURE["max_length"],
+                                       device=torch.device("cpu"))
+        v = pipe.transformer(hidden_states=x_s, timestep=sigma * 1000, encoder_hidden_states=embeds,
+                             return_dict=False)[0]
+        loss = F.mse_loss(v, noise - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            for live, avg in zip(modules, ema):
+                for p_avg, p in zip(avg.parameters(), live.parameters()):
+                    p_avg.lerp_(p, 1 - config.ema_decay)
+        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        if step % 25 == 0 or step == config.steps - 1:
+            bar.set_postfix(loss=f"{running:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
+            log["flow_loss"].append((step, running))
+    return ema
+
+
+def pretrain_video(config: VideoPretrainConfig) -> Path:
+    """Both stages (module docstring); returns the written pipeline directory."""
+    config.validate()
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    train, test = split_video_prompts()
+    words = sorted({w for entry in train + test for w in entry["prompt"].split()})
+    pipe = toy_wan_pipeline(words, shift=config.shift, seed=config.seed)
+    stream = ClipStream(train, config.seed, config.tag_weights, config.num_frames)
+    log = {"config": asdict(config), "architecture": VIDEO_ARCHITECTURE, "vae_mse": [], "flow_loss": [],
+           "load_average_at_start": list(os.getloadavg()), "cpu_count": os.cpu_count()}
+    start = time.time()
+    train_vae(pipe.vae, stream, config, log)
+    mean, std, recon = calibrate_latents(pipe.vae, stream, config.calibration_clips)
+    log.update(vae_seconds=time.time() - start, latents_mean=mean, latents_std=std, vae_recon_mse=recon)
+    logger.info("vae: recon MSE %.4f (pixels in [0,1]) after %.1f min", recon, log["vae_seconds"] / 60)
+    data = encode_clips(pipe, stream, config.latent_clips)
+    log["encode_seconds"] = time.time() - start - log["vae_seconds"]
+    ema = train_flow(pipe, data, config, log)
+    for live, avg in zip(trainable_modules(pipe), ema):
+        live.load_state_dict(avg.state_dict())
+        live.eval().requires_grad_(False)
+    log["total_seconds"] = time.time() - start
+    log["load_average_at_end"] = list(os.getloadavg())
+    out = Path(config.out)
+    save_atomically(pipe, out)
+    tmp = out / "pretrain_log.json.tmp"
+    tmp.write_text(json.dumps(log, indent=1))
+    os.replace(tmp, out / "pretrain_log.json")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 2**20
+    logger.info("saved %s (%.1f MB) after %.1f min", out, size, log["total_seconds"] / 60)
+    return out

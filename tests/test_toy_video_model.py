@@ -1,0 +1,134 @@
+"""The toy video world's model: `flowalign toy pretrain-video`, `flowalign eval toy-video`, and the video main job
+(configs/video/default.yaml) end to end, on the toy Wan architecture at a handful of steps."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from flowalign import cli
+from flowalign.evaluation.geneval import load_metadata
+from flowalign.evaluation.images import cell_size
+from flowalign.evaluation.toy_eval import sample_seed
+from flowalign.models.loading import load_flow_model
+from flowalign.toy.prompts import PROMPT_ASSET_DIR
+from flowalign.toy.video_pretrain import VideoPretrainConfig, pretrain_video
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_PRETRAIN = dict(vae_steps=2, vae_batch_size=2, calibration_clips=4, latent_clips=4, steps=2, batch_size=2,
+                     warmup_steps=1)
+
+
+@pytest.fixture(scope="module")
+def toy_wan(tmp_path_factory):
+    """A toy Wan pipeline after two VAE and two flow steps (the architecture of assets/toy-wan)."""
+    out = tmp_path_factory.mktemp("toy-wan") / "toy-wan"
+    pretrain_video(VideoPretrainConfig(out=str(out), **TINY_PRETRAIN))
+    return out
+
+
+def test_pretrain_video_writes_a_reproducible_wan_pipeline_through_save_pretrained(toy_wan, tmp_path):
+    model = load_flow_model(toy_wan)
+    assert model.family == "wan" and model.modality == "video"
+    assert model.default_image_size == (32, 32) and model.temporal_compression == 4
+    assert model.latent_shape(1) == (1, 16, 3, 8, 8)  # the family's default 9 frames; the toy clips have 5
+    files = sorted(p.relative_to(toy_wan).as_posix() for p in toy_wan.rglob("*.safetensors"))
+    assert files == ["text_encoder/model.safetensors", "transformer/diffusion_pytorch_model.safetensors",
+                     "vae/diffusion_pytorch_model.safetensors"]
+    assert sum(p.stat().st_size for p in toy_wan.rglob("*") if p.is_file()) < 30 * 2**20
+    log = json.loads((toy_wan / "pretrain_log.json").read_text())
+    assert log["config"]["steps"] == 2 and len(log["latents_std"]) == 16 and log["total_seconds"] > 0
+    assert not list(toy_wan.parent.glob("*.tmp")) and not list(toy_wan.parent.glob("*.old"))
+
+    again = tmp_path / "again"
+    pretrain_video(VideoPretrainConfig(out=str(again), **TINY_PRETRAIN))
+    for name in files:
+        first, second = load_file(toy_wan / name), load_file(again / name)
+        assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((again / "vae/config.json").read_text()) == json.loads((toy_wan / "vae/config.json").read_text())
+
+
+def _exit_status(argv) -> int:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    return exit_info.value.code
+
+
+def test_pretrain_video_refuses_a_frame_count_the_wan_vae_cannot_take(capsys):
+    assert _exit_status(["toy", "pretrain-video", "--num-frames", "7", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "num_frames = 7" in err and "use 5 or 9" in err
+
+
+def test_eval_toy_video_writes_verdicts_checks_and_frame_strips(toy_wan, tmp_path):
+    out = tmp_path / "eval"
+    argv = ["eval", "toy-video", "--model", str(toy_wan), "--max-prompts", "3", "--images-per-prompt", "2",
+            "--steps", "2", "--out", str(out), "--device", "cpu"]
+    assert cli.main(argv) == 0
+    record = json.loads((out / "results.json").read_text())
+    metadata = load_metadata(PROMPT_ASSET_DIR / "video_test.jsonl")[:3]
+    assert [(r["prompt_id"], r["image_index"]) for r in record["results"]] == [(p, k) for p in range(3) for k in range(2)]
+    for result in record["results"]:
+        assert result["prompt"] == metadata[result["prompt_id"]]["prompt"]
+        assert result["seed"] == sample_seed(0, result["prompt_id"], result["image_index"])
+        assert set(result["checks"]) == {"object", "count", "color", "direction"}
+        assert result["partial"] == sum(result["checks"].values()) / 4 and result["correct"] == (result["partial"] == 1)
+    assert set(record["summary"]["checks"]) == {"colors", "overall"}
+    assert "| colors |" in (out / "summary.md").read_text()
+    with Image.open(out / "strips.png") as strips:
+        cell_w, cell_h = cell_size(32, 5 * 32, 4)
+        assert strips.size == (2 * cell_w, 3 * cell_h)  # 6 strips of 5 frames, 2 columns
+
+
+def test_eval_toy_video_refuses_an_image_model_and_paired_without_a_lora(tmp_path, capsys, words):
+    from flowalign.models.tiny import tiny_sd3_pipeline
+
+    image_model = tmp_path / "sd3"
+    tiny_sd3_pipeline(words, seed=0).save_pretrained(image_model)
+    assert _exit_status(["eval", "toy-video", "--model", str(image_model), "--out", str(tmp_path / "a")]) == 2
+    assert "is an image model" in capsys.readouterr().err
+    assert _exit_status(["eval", "toy-video", "--paired", "--out", str(tmp_path / "b")]) == 2
+    assert "--paired compares a trained LoRA" in capsys.readouterr().err
+
+
+def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_out_prompts(toy_wan, tmp_path):
+    run = tmp_path / "run"
+    argv = ["train", str(REPO / "configs/video/default.yaml"), f"model.path={toy_wan}", "train.iterations=1",
+            "data.group_size=2", "data.prompts_per_iteration=2", "train.eval_images_per_tag=2", "train.eval_steps=2",
+            "sampling.num_steps=2", f"train.out_dir={run}",
+            f"data.train_prompts={PROMPT_ASSET_DIR / 'video_train.jsonl'}",
+            f"data.eval_prompts={PROMPT_ASSET_DIR / 'video_test.jsonl'}"]
+    assert cli.main(argv) == 0
+    report = json.loads((run / "eval/before_after.json").read_text())
+    assert set(report["paired"]["tags"]) == {"colors", "counting"} and report["samples"] == 54
+    for name in ("grid_before.png", "grid_after.png"):
+        with Image.open(run / "eval" / name) as grid:
+            assert grid.size[0] > grid.size[1]  # frame strips, five frames wide
+
+    # The trained checkpoint against its base, paired on the same seeds.
+    checkpoint = sorted(run.glob("checkpoint-*"))[-1]
+    out = tmp_path / "paired"
+    assert cli.main(["eval", "toy-video", "--lora", str(checkpoint), "--paired", "--max-prompts", "2",
+                     "--images-per-prompt", "1", "--steps", "2", "--out", str(out), "--device", "cpu"]) == 0
+    paired = json.loads((out / "before_after.json").read_text())["paired"]
+    record = json.loads((out / "results.json").read_text())
+    assert paired["overall"]["n"] == 2 and record["paired"] == paired
+    assert record["paired_partial"]["overall"]["mean_b"] == pytest.approx(
+        sum(r["partial"] for r in record["results"]) / 2)
+
+
+def test_the_committed_toy_wan_is_the_pretrain_video_defaults_output_and_under_30_mb():
+    from dataclasses import asdict
+
+    asset = REPO / "assets/toy-wan"
+    log = json.loads((asset / "pretrain_log.json").read_text())
+    defaults = asdict(VideoPretrainConfig())
+    assert {k: v for k, v in log["config"].items() if k != "out"} == {k: v for k, v in defaults.items() if k != "out"}
+    assert sum(p.stat().st_size for p in asset.rglob("*") if p.is_file()) < 30 * 2**20
+    model = load_flow_model(asset)
+    assert model.family == "wan" and model.default_image_size == (32, 32)
