@@ -17,7 +17,7 @@ least two frames.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -15,7 +15,7 @@ of the image detector's GenEval verdict:
 With ``--lora`` and ``--paired``, the reference (the LoRA switched off: the base model) is sampled on the same seeds
 as well, and the paired before/after statistics of the image world's default run (``toy_eval.paired_difference``:
 gain, standard error and z per tag and overall) are written as ``before_after.md`` / ``.json`` by
-``flowalign.training.evaluation.write_before_after``, the writer of the trainer's own end-of-run evaluation;
+``flowalign.evaluation.before_after.write_before_after``, the writer of the trainer's own end-of-run evaluation;
 ``results.json`` adds the same statistics of the verifier's partial credit (``paired_partial``).
 """
 
@@ -218,7 +218,7 @@ def run_video_eval(config: VideoEvalConfig) -> dict:
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if config.paired:
-        from flowalign.training.evaluation import write_before_after
+        from flowalign.evaluation.before_after import write_before_after
 
         paired = write_before_after(out, before, results, before_summary, summary,
                                     paired_difference(before, results), before_videos, videos,

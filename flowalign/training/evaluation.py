@@ -10,16 +10,15 @@ process gathers the verdicts and writes ``eval/before_after.md`` / ``.json`` and
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 
+from flowalign.evaluation.before_after import write_before_after
 from flowalign.evaluation.geneval import load_metadata
 from flowalign.training.run_files import RunFiles
 
-__all__ = ["eval_seed", "evaluate_before_after", "write_before_after"]
+__all__ = ["eval_seed", "evaluate_before_after"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +38,8 @@ def evaluate_before_after(trainer) -> dict | None:
     from accelerate.utils import gather_object
 
     from flowalign.evaluation.geneval import summarize
-    from flowalign.evaluation.toy_eval import evaluate, images_per_tag, paired_difference
+    from flowalign.evaluation.toy_eval import evaluate as evaluate_images
+    from flowalign.evaluation.toy_eval import images_per_tag, paired_difference
     from flowalign.evaluation.toy_video_eval import evaluate_videos
 
     cfg, accelerator, model = trainer.config, trainer.accelerator, trainer.model
@@ -48,8 +48,8 @@ def evaluate_before_after(trainer) -> dict | None:
     shard = (accelerator.process_index, accelerator.num_processes)
     kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg),
                   image_size=cfg.sampling.image_size, shard=shard)
-    if getattr(model, "modality", "image") == "video":  # the toy video world's verifier (toy_video_eval)
-        evaluate = evaluate_videos
+    # a video model: the toy video world's verifier (toy_video_eval), else toy GenEval
+    evaluate = evaluate_videos if getattr(model, "modality", "image") == "video" else evaluate_images
     model.transformer.eval()
     wrapped, model.forward_module = model.forward_module, None
     try:
@@ -72,29 +72,3 @@ def evaluate_before_after(trainer) -> dict | None:
     return report
 
 
-def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images,
-                       *, seed: int | None = None) -> dict:
-    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed``: the evaluation's)."""
-    from flowalign.evaluation.geneval import TAGS
-    from flowalign.evaluation.images import save_grid
-
-    out.mkdir(parents=True, exist_ok=True)
-    lines = ["| tag | before | after | paired gain | SE | z |", "|---|---|---|---|---|---|"]
-    for tag in [t for t in TAGS if t in paired["tags"]] + ["overall"]:
-        entry = paired["overall"] if tag == "overall" else paired["tags"][tag]
-        lines.append(f"| {tag} | {entry['mean_a']:.3f} | {entry['mean_b']:.3f} | {entry['diff']:+.3f} | "
-                     f"{entry['se']:.3f} | {entry['z']:.1f} |")
-    n = len(before)
-    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after (evaluation seed {seed}).")
-    (out / "before_after.md").write_text("\n".join(lines) + "\n")
-    report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n, "seed": seed}
-    (out / "before_after.json").write_text(json.dumps(report, indent=1))
-    for name, results, images in (("before", before, before_images), ("after", after, after_images)):
-        if images.ndim == 5:  # videos [N, F, 3, H, W]: each as its frames side by side
-            from flowalign.evaluation.videos import strips_of
-
-            images = strips_of(images[:64])
-        captions = [f"{r['prompt']} | {'yes' if r['correct'] else 'no'}" for r in results[:64]]
-        save_grid(images[:64], captions, out / f"grid_{name}.png")
-    logger.info("%s", "\n".join(lines))
-    return report
