@@ -131,17 +131,7 @@ class LTXVideoModel(VideoFlowModel):
 
     def text_cond(self, prompts: list[str], negative_prompts: Sequence[str] | None) -> Cond:
         """The ``Cond`` of the prompts' (and negatives') T5 embeddings and masks."""
-        with_negative = negative_prompts is not None
-        embeds, mask, negative, negative_mask = self.pipe.encode_prompt(
-            prompt=prompts,
-            negative_prompt=list(negative_prompts) if with_negative else None,
-            do_classifier_free_guidance=with_negative,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
-        if not with_negative:
-            return Cond(embeds, mask=mask)
-        return Cond(embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
+        return self.masked_pipeline_cond(prompts, negative_prompts)
 
     # --- the transformer ------------------------------------------------------------------------------------------
     def token_timestep(self, timestep: Tensor, latents: Tensor, cond: Cond) -> Tensor:

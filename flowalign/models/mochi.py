@@ -106,17 +106,7 @@ class MochiModel(VideoFlowModel):
         """T5 embeddings and masks through the pipeline's ``encode_prompt``. Mochi takes no condition images."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         self.condition_images(images, len(prompts))
-        with_negative = negative_prompts is not None
-        embeds, mask, negative, negative_mask = self.pipe.encode_prompt(
-            prompt=prompts,
-            negative_prompt=list(negative_prompts) if with_negative else None,
-            do_classifier_free_guidance=with_negative,
-            max_sequence_length=self.max_sequence_length,
-            device=self.device,
-        )
-        if not with_negative:
-            return Cond(embeds, mask=mask)
-        return Cond(embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
+        return self.masked_pipeline_cond(prompts, negative_prompts)
 
     def timestep(self, sigma: float | Tensor, batch: int) -> Tensor:
         """The transformer's time: ``1000 (1 - sigma)`` with an inverting scheduler (``1000 sigma`` without), one per

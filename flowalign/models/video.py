@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from .base import FlowModel, as_image_size
+from .base import Cond, FlowModel, as_image_size
 
 
 class VideoFlowModel(FlowModel):
@@ -118,6 +118,30 @@ class VideoFlowModel(FlowModel):
         """Channels of the noise latents (the transformer's ``in_channels`` unless the family concatenates a
         condition to them)."""
         return int(self.transformer.config.in_channels)
+
+    # --- text ------------------------------------------------------------------------------------------------------
+    def masked_pipeline_cond(self, prompts: list[str], negative_prompts: Sequence[str] | None) -> Cond:
+        """The ``Cond`` of a pipeline whose ``encode_prompt`` returns ``(embeds, mask, negative, negative_mask)``
+        (LTX-Video, Mochi): the prompts' embeddings and masks, and the negatives' when given.
+
+        Args:
+            prompts: the batch's prompts.
+            negative_prompts: one negative prompt per prompt, or None.
+
+        Returns:
+            The ``Cond``.
+        """
+        with_negative = negative_prompts is not None
+        embeds, mask, negative, negative_mask = self.pipe.encode_prompt(
+            prompt=prompts,
+            negative_prompt=list(negative_prompts) if with_negative else None,
+            do_classifier_free_guidance=with_negative,
+            max_sequence_length=self.max_sequence_length,
+            device=self.device,
+        )
+        if not with_negative:
+            return Cond(embeds, mask=mask)
+        return Cond(embeds, mask=mask, negative_embeds=negative, negative_mask=negative_mask)
 
     # --- the VAE --------------------------------------------------------------------------------------------------
     def to_vae_space(self, latents: Tensor) -> Tensor:
