@@ -180,6 +180,21 @@ def trainable_modules(pipe) -> list[torch.nn.Module]:
     return [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2, pipe.text_encoder_3]
 
 
+def flow_update(loss, optimizer, schedule, params, modules, ema, ema_decay: float) -> float:
+    """One update of the flow pretraining: backward, gradients clipped to norm 1, the optimizer's and the learning-rate
+    schedule's step, then each EMA copy ``lerp``-ed towards its live module by ``1 - ema_decay``. Returns the loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimizer.step()
+    schedule.step()
+    with torch.no_grad():
+        for live, avg in zip(modules, ema):
+            for p_avg, p in zip(avg.parameters(), live.parameters()):
+                p_avg.lerp_(p, 1 - ema_decay)
+    return loss.item()
+
+
 def train_flow(pipe, stream: SceneStream, config: PretrainConfig, log: dict) -> list[torch.nn.Module]:
     """Joint rectified-flow training of the MMDiT and the text encoders; returns the EMA copies."""
     modules = trainable_modules(pipe)
@@ -213,16 +228,8 @@ def train_flow(pipe, stream: SceneStream, config: PretrainConfig, log: dict) -> 
             return_dict=False,
         )[0]
         loss = F.mse_loss(v, noise - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        with torch.no_grad():
-            for live, avg in zip(modules, ema):
-                for p_avg, p in zip(avg.parameters(), live.parameters()):
-                    p_avg.lerp_(p, 1 - config.ema_decay)
-        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        loss_value = flow_update(loss, optimizer, schedule, params, modules, ema, config.ema_decay)
+        running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
         if step % 50 == 0 or step == config.steps - 1:
             bar.set_postfix(loss=f"{running:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
             log["flow_loss"].append((step, running))

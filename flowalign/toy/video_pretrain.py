@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..lr_schedule import learning_rate_scale
 from ..settings import at_least, finite, option
 from .clips import NUM_FRAMES, clip_for, render_clip
-from .pretrain import SceneStream, save_atomically
+from .pretrain import SceneStream, flow_update, save_atomically
 from .video_prompts import split_video_prompts
 
 logger = logging.getLogger(__name__)
@@ -226,16 +226,8 @@ def train_flow(pipe, data: tuple[list[str], torch.Tensor], config: VideoPretrain
         v = pipe.transformer(hidden_states=x_s, timestep=sigma * 1000, encoder_hidden_states=embeds,
                              return_dict=False)[0]
         loss = F.mse_loss(v, noise - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        schedule.step()
-        with torch.no_grad():
-            for live, avg in zip(modules, ema):
-                for p_avg, p in zip(avg.parameters(), live.parameters()):
-                    p_avg.lerp_(p, 1 - config.ema_decay)
-        running = loss.item() if running is None else 0.98 * running + 0.02 * loss.item()
+        loss_value = flow_update(loss, optimizer, schedule, params, modules, ema, config.ema_decay)
+        running = loss_value if running is None else 0.98 * running + 0.02 * loss_value
         if step % 25 == 0 or step == config.steps - 1:
             bar.set_postfix(loss=f"{running:.4f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
             log["flow_loss"].append((step, running))
