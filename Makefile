@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast train clean docs docs-serve
+.PHONY: install test test-fast train clean docs docs-serve docs-gen
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +39,12 @@ $(VENV)/.docs-installed: pyproject.toml | $(VENV)/.installed
 # The generated reference pages must be fresh (python -m flowalign.cli.reference regenerates them).
 docs: $(VENV)/.docs-installed
 	$(BIN)/python -m flowalign.cli.reference --check
+	$(BIN)/python docs/generate.py --check
 	$(BIN)/mkdocs build --strict --site-dir site
+
+# Rewrite the generated blocks of the docs (family and comparison tables) from the code and docs/data/.
+docs-gen: install
+	$(BIN)/python docs/generate.py
 
 docs-serve: $(VENV)/.docs-installed
 	$(BIN)/mkdocs serve

@@ -254,19 +254,11 @@ def test_a_tree_preset_trains_on_the_family(name, saved_pipelines, tmp_path):
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
 
 
-def test_every_registered_family_is_under_the_contract_and_in_the_models_guide():
-    """The guide's families table names exactly the registered families, each with its pipeline class, and every
-    registered adapter has a contract row here."""
-    from pathlib import Path
-
+def test_every_registered_image_family_is_under_the_contract():
+    """Every registered image adapter has a contract row here (the guide's families tables are generated from the
+    registry: tests/test_docs_generated.py keeps them fresh)."""
     from flowalign.models import MODEL_FAMILIES
 
-    guide = (Path(__file__).resolve().parents[1] / "docs/guides/adding-a-model.md").read_text()
-    rows = [line.split("|")[1:3] for line in guide.splitlines() if line.startswith("| `")]
-    table = {family.strip().strip("`"): pipeline.split("`")[1] for family, pipeline in rows
-             if "Pipeline" in pipeline}
-    registered = {name: MODEL_FAMILIES.get(name).pipeline_class_name for name in MODEL_FAMILIES}
-    assert table == registered
     image = {MODEL_FAMILIES.get(name) for name in MODEL_FAMILIES if MODEL_FAMILIES.get(name).modality == "image"}
     assert image <= {family.adapter for family in FAMILIES.values()}
     assert set(VAE_ENCODING) == set(FAMILIES)
