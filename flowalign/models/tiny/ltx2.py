@@ -106,9 +106,10 @@ def tiny_ltx2_pipeline(
 ):
     """A randomly initialised ``LTX2Pipeline``: a 1-layer Gemma3 encoder, the text connectors, a 1-layer LTX-2 DiT
     over 4 video latent channels and 2x2 audio latent channels and mel bins, a video VAE downsampling 4x in space and
-    time, the audio VAE and vocoder, and the released scheduler's settings (``FlowMatchEulerDiscreteScheduler`` with
-    ``use_dynamic_shifting``, shifts 0.95 / 2.05 between 1024 and 4096 tokens, ``shift_terminal`` 0.1:
-    Lightricks/LTX-2's ``scheduler/scheduler_config.json``).
+    time, the audio VAE and vocoder, and the LTX line's released scheduler settings (``FlowMatchEulerDiscreteScheduler``
+    with ``use_dynamic_shifting``, shifts 0.95 / 2.05 between 1024 and 4096 tokens, ``shift_terminal`` 0.1: the
+    values of Lightricks/LTX-Video's ``scheduler_config.json`` and the defaults ``LTX2Pipeline`` falls back to; LTX-2's
+    own config file was not read here, its 0.95 / 2.05 shifts are what other LTX-2 runtimes use).
 
     ``transformer`` overrides the settings of ``tiny_ltx2_transformer``.
     """
