@@ -10,8 +10,8 @@ import torch
 
 from flowalign.models.ltx2 import AUDIO_TEXT, NEGATIVE_AUDIO_TEXT
 
-from test_video_families import PROMPTS, adapter_latents, pipeline_output, wrap
-from video_families import VIDEO_FAMILIES, ltx2_audio_held, tiny_video_pipeline
+from test_video_families import PROMPTS, adapter_latents, perturb_lora, pipeline_output, wrap
+from video_families import VIDEO_FAMILIES, fresh_video_pipeline, ltx2_audio_held, tiny_video_pipeline
 
 
 def test_the_held_audio_is_the_pipelines_own_audio_draw_for_the_seed():
@@ -97,3 +97,36 @@ def test_lora_covers_flow_factorys_28_projections_a_block():
     block = tiny_video_pipeline("ltx2").transformer.transformer_blocks[0]
     linear = {name for name, module in block.named_modules() if isinstance(module, torch.nn.Linear)}
     assert set(LTX2_LORA_TARGETS) <= linear
+
+
+def test_the_ltx2_preset_has_flow_factorys_ltx2_settings_and_frames_the_vae_takes():
+    from pathlib import Path
+
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+
+    preset = load_config(TrainConfig, Path(__file__).resolve().parents[1] / "configs/models/ltx2.yaml", [])
+    s = preset.sampling
+    assert (preset.model.family, s.num_steps, s.kind, s.noise_level, s.stochastic_steps(), s.guidance_scale,
+            s.num_frames, preset.model.lora_rank, preset.model.lora_alpha, preset.optim.lr, preset.data.group_size,
+            preset.loss["grpo"].beta, preset.loss["grpo"].clip_range, preset.advantage.clip) == \
+        ("ltx2", 24, "cps", 0.8, 3, 1.0, 121, 64, 128, 3e-4, 16, 0.0, 1e-4, 5.0)
+    model = wrap("ltx2")
+    # Flow-Factory's 512x768 at 24 fps are the adapter's defaults; 121 = 8 * 15 + 1 = 2 * 60 + 1 (released, tiny VAE).
+    assert model.default_image_size == (512, 768) and model.frame_rate == 24.0 and model.guidance_rescale == 0.0
+    assert model.check_num_frames(s.num_frames) == 121
+
+
+def test_the_video_loss_reaches_the_audio_streams_weights_up_to_the_audio_to_video_attention():
+    model = wrap("ltx2", fresh_video_pipeline("ltx2"))
+    cond = model.encode(PROMPTS)
+    x = model.prepare_noise(2, (32, 32), generator=torch.Generator().manual_seed(0))
+    model.add_lora(rank=2, alpha=4)
+    model.freeze_base()
+    perturb_lora(model)
+    model.velocity(x, 0.6, cond).square().sum().backward()
+    grads = {name.split(".lora_")[0].split("blocks.0.")[1]: parameter.grad
+             for name, parameter in model.transformer.named_parameters() if "lora_A" in name}
+    reached = {name for name, grad in grads.items() if grad is not None and grad.abs().sum() > 0}
+    assert {"audio_attn1.to_q", "audio_attn2.to_v", "audio_to_video_attn.to_k", "attn1.to_q", "ff.net.2"} <= reached
+    assert not reached & {"audio_ff.net.0.proj", "audio_ff.net.2", "video_to_audio_attn.to_q"}  # audio-only, 1 block
