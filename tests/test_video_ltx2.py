@@ -130,3 +130,20 @@ def test_the_video_loss_reaches_the_audio_streams_weights_up_to_the_audio_to_vid
     reached = {name for name, grad in grads.items() if grad is not None and grad.abs().sum() > 0}
     assert {"audio_attn1.to_q", "audio_attn2.to_v", "audio_to_video_attn.to_k", "attn1.to_q", "ff.net.2"} <= reached
     assert not reached & {"audio_ff.net.0.proj", "audio_ff.net.2", "video_to_audio_attn.to_q"}  # audio-only, 1 block
+
+
+def test_the_x0_space_guidance_detaches_the_unconditional_branch_inside_unconditional_detached():
+    from flowalign.models.base import unconditional_detached
+
+    model = wrap("ltx2")
+    latents = torch.randn(2, 6, 4, generator=torch.Generator().manual_seed(0))
+    v = torch.randn(4, 6, 4, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    both = model.guided_velocity(latents, v, 0.6, 3.0)
+    both.sum().backward()
+    assert (v.grad[:2] != 0).any()  # the unconditional rows: (1 - g) each
+    v.grad = None
+    with unconditional_detached():
+        conditional = model.guided_velocity(latents, v, 0.6, 3.0)
+    conditional.sum().backward()
+    torch.testing.assert_close(conditional, both, rtol=0, atol=1e-6)
+    assert torch.equal(v.grad[:2], torch.zeros_like(v.grad[:2])) and (v.grad[2:] != 0).all()
