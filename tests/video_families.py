@@ -19,12 +19,12 @@ from typing import Callable
 import torch
 
 from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTX2Model,
-                              LTXImageToVideoModel, LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2I2VModel, SkyReelsV2Model,
-                              Wan22I2VModel, Wan22Model, WanI2VModel, WanModel, WanTI2VImageModel, WanTI2VModel)
+                              LTXImageToVideoModel, LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2I2VModel,
+                              SkyReelsV2Model, Wan22I2VModel, Wan22Model, WanI2VModel, WanModel, WanTI2VImageModel,
+                              WanTI2VModel)
 from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx2_pipeline,
-                                   tiny_ltx_pipeline,
-                                   tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_i2v_pipeline,
-                                   tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline, tiny_wan22_pipeline,
+                                   tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_sana_video_pipeline,
+                                   tiny_skyreels_v2_i2v_pipeline, tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline, tiny_wan22_pipeline,
                                    tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
