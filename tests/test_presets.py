@@ -46,7 +46,7 @@ def test_the_expected_presets_ship():
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
                                          "grpo_guard", "gardo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
-                                        "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "mochi",
+                                        "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
                                         "wan21_i2v", "wan22_a14b", "wan22_ti2v_5b"}
     from flowalign.training.collectives import SUPPORTED_DISTRIBUTED_TYPES

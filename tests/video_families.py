@@ -11,19 +11,20 @@ The shapes are the smallest that exercise a frame axis: 5 frames (2 latent frame
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
 import torch
 
-from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTXImageToVideoModel,
-                              LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2I2VModel, SkyReelsV2Model,
-                              Wan22I2VModel, Wan22Model, WanI2VModel, WanModel, WanTI2VImageModel, WanTI2VModel)
-from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx_pipeline,
-                                   tiny_mochi_pipeline, tiny_sana_video_pipeline, tiny_skyreels_v2_i2v_pipeline,
-                                   tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline, tiny_wan22_pipeline,
+from flowalign.models import (HunyuanVideo15I2VModel, HunyuanVideo15Model, Kandinsky5T2VModel, LTX2Model,
+                              LTXImageToVideoModel, LTXVideoModel, MochiModel, SanaVideoModel, SkyReelsV2I2VModel,
+                              SkyReelsV2Model, Wan22I2VModel, Wan22Model, WanI2VModel, WanModel, WanTI2VImageModel,
+                              WanTI2VModel)
+from flowalign.models.tiny import (tiny_hunyuan_video15_pipeline, tiny_kandinsky5_pipeline, tiny_ltx2_pipeline,
+                                   tiny_ltx_pipeline, tiny_mochi_pipeline, tiny_sana_video_pipeline,
+                                   tiny_skyreels_v2_i2v_pipeline, tiny_skyreels_v2_pipeline, tiny_wan22_i2v_pipeline, tiny_wan22_pipeline,
                                    tiny_wan22_ti2v_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline)
 
 from model_families import WORDS
@@ -186,6 +187,55 @@ def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
     return torch.cat([condition.to(latents.dtype), latents[:, :, 1:]], dim=2)
 
 
+def ltx2_vae_encoding(pipe, videos: torch.Tensor) -> torch.Tensor:
+    """``LTX2ImageToVideoPipeline.prepare_latents``' encoding of its condition, at the posterior's mode: one video per
+    VAE call through diffusers' ``retrieve_latents(..., sample_mode="argmax")``, then the pipeline's own
+    ``_normalize_latents`` with the VAE's statistics buffers and ``scaling_factor`` (1 in the released VAE and the
+    tiny one; the I2V pipeline passes none, the decode divides by it). Videos ``[B, 3, F, H, W]`` in [-1, 1]."""
+    from diffusers import LTX2Pipeline
+    from diffusers.pipelines.ltx2.pipeline_ltx2_image2video import retrieve_latents
+
+    vae = pipe.vae
+    latents = torch.cat([retrieve_latents(vae.encode(video.unsqueeze(0)), sample_mode="argmax") for video in videos])
+    return LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def ltx2_call(model, guidance: float) -> dict:
+    """LTX-2's pipeline as the adapter samples: CFG at ``guidance`` for both streams, no spatio-temporal or
+    modality-isolation guidance, no guidance rescale (the pipeline's defaults are 1, 3 and 0.7), the adapter's
+    frame rate."""
+    return {**_cfg_kwargs(model, guidance), "audio_guidance_scale": guidance, "stg_scale": 0.0,
+            "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0, "guidance_rescale": 0.0,
+            "audio_guidance_rescale": 0.0, "frame_rate": model.frame_rate}
+
+
+@contextmanager
+def ltx2_audio_held():
+    """The tiny LTX-2 pipeline with its audio stream held as the adapter holds it (flowalign.models.ltx2): a forward
+    pre-hook on its transformer gives every call of the *pipeline's* loop (the calls without an ``audio_timestep``;
+    the adapter always passes one) the adapter's held audio draw at audio timestep and sigma 1000, instead of the
+    audio the pipeline denoises alongside. Everything else, text, connectors, packing, sigmas, RoPE, CFG in x0 space,
+    denormalisation, is the pipeline's own code; the hook checks the pipeline's audio shape equals the held one."""
+    pipe = tiny_video_pipeline("ltx2")
+    adapter = LTX2Model(pipe, num_frames=VIDEO_FAMILIES["ltx2"].frames)
+
+    def hold_audio(module, args, kwargs):
+        if kwargs.get("audio_timestep") is not None:
+            return None
+        audio = kwargs["audio_hidden_states"]
+        held = adapter.held_audio(audio.shape[0]).to(audio.dtype)
+        assert held.shape == audio.shape, (held.shape, audio.shape)
+        assert kwargs["fps"] == adapter.frame_rate and kwargs["audio_num_frames"] == adapter.audio_latent_frames()
+        timestep = torch.full((audio.shape[0],), 1000.0, dtype=kwargs["timestep"].dtype)
+        return args, {**kwargs, "audio_hidden_states": held, "audio_timestep": timestep, "audio_sigma": timestep}
+
+    handle = pipe.transformer.register_forward_pre_hook(hold_audio, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def load_lora_folder(pipe, folder) -> None:
     """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
     pipe.load_lora_weights(folder)
@@ -269,6 +319,12 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
                                  build_kwargs={"image_to_video": True}, pipeline_layout=lambda model, latents: model.pack(latents),
                                  sizes=((32, 32), (32, 64)), condition_images=ltx_condition_image, prompts_per_call=1,
                                  start=ltx_i2v_start),
+    # LTX-2 (audio-video): the video stream, its audio stream held at a fixed noise draw (flowalign.models.ltx2; the
+    # pipeline with the same audio held through ltx2_audio_held); Gemma 3 text through the connectors, CFG in x0
+    # space, 32 px multiples, a VAE 4x in space and 2x in time (5 frames are 3 latent frames).
+    "ltx2": VideoFamily(LTX2Model, tiny_ltx2_pipeline, ltx2_vae_encoding, call=ltx2_call, context=ltx2_audio_held,
+                        pipeline_layout=lambda model, latents: model.pipeline_latents(latents),
+                        sizes=((32, 32), (32, 64))),
     # Mochi: its own linear-quadratic sigmas through an inverting scheduler (time and sign flipped), batched CFG, a
     # VAE 8x in space and 6x in time (7 frames are 2 latent frames).
     "mochi": VideoFamily(MochiModel, tiny_mochi_pipeline, mochi_vae_encoding, frames=7),

@@ -12,6 +12,7 @@ from .hunyuan_video15 import HUNYUAN_VIDEO15_LORA_TARGETS, HunyuanVideo15Model
 from .hunyuan_video15_i2v import HunyuanVideo15I2VModel
 from .kandinsky5 import KANDINSKY5_LORA_TARGETS, Kandinsky5T2VModel
 from .loading import ADAPTERS, load_flow_model, resolve_dtype, wrap_pipeline
+from .ltx2 import LTX2_LORA_TARGETS, LTX2Model
 from .ltx_video import LTX_LORA_TARGETS, LTXImageToVideoModel, LTXVideoModel
 from .lumina2 import LUMINA2_ATTENTION_TARGETS, Lumina2Model
 from .mochi import MOCHI_LORA_TARGETS, MochiModel
@@ -33,6 +34,8 @@ __all__ = [
     "ADAPTERS",
     "JOINT_ATTENTION_TARGETS",
     "KANDINSKY5_LORA_TARGETS",
+    "LTX2_LORA_TARGETS",
+    "LTX2Model",
     "LTX_LORA_TARGETS",
     "LTXImageToVideoModel",
     "LTXVideoModel",

@@ -13,6 +13,7 @@ from .flux2 import tiny_flux2_klein_pipeline, tiny_flux2_pipeline
 from .hidream import tiny_hidream_pipeline
 from .hunyuan_video15 import tiny_hunyuan_video15_pipeline
 from .kandinsky5 import tiny_kandinsky5_pipeline
+from .ltx2 import tiny_ltx2_pipeline
 from .ltx_video import tiny_ltx_pipeline
 from .lumina2 import tiny_lumina2_pipeline
 from .mochi import tiny_mochi_pipeline
@@ -38,6 +39,7 @@ __all__ = [
     "tiny_hidream_pipeline",
     "tiny_hunyuan_video15_pipeline",
     "tiny_kandinsky5_pipeline",
+    "tiny_ltx2_pipeline",
     "tiny_ltx_pipeline",
     "tiny_lumina2_pipeline",
     "tiny_mochi_pipeline",
