@@ -186,6 +186,12 @@ def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
     return torch.cat([condition.to(latents.dtype), latents[:, :, 1:]], dim=2)
 
 
+# Wan2.2 A14B's contract runs train steps on both sides of the expert boundary: 4 steps at the tiny shift run
+# t = 1000 (the high expert) then 857, 600 and 3 (the low one), and the fixed window of 3 trains every step but the last.
+BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
+                "sampling.window_last": "null"}
+
+
 def load_lora_folder(pipe, folder) -> None:
     """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
     pipe.load_lora_weights(folder)
@@ -216,7 +222,8 @@ class VideoFamily:
     condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists the size its condition image gives); ``decode_atol``:
     how far one video per VAE call may be from the pipeline's batched call (fp32 rounding: batched convolutions round
     differently). ``load_lora(pipe, folder)``: how diffusers loads a LoRA folder the adapter saved
-    into the plain pipeline (Wan2.2 A14B: one file per expert)."""
+    into the plain pipeline (Wan2.2 A14B: one file per expert). ``training``: config overrides of the family's contract
+    training runs (tests/video_training.py), for a family the default run's trained steps do not cover."""
 
     adapter: type
     build: Callable
@@ -236,6 +243,7 @@ class VideoFamily:
     sized_by_image: bool = False
     decode_atol: float = 1e-6
     load_lora: Callable = load_lora_folder
+    training: dict = field(default_factory=dict)
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -249,10 +257,12 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     "wan_i2v": VideoFamily(WanI2VModel, tiny_wan_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
                            condition_images=wan_first_frame_image),
     # Wan2.2 A14B T2V: two experts switching at t = 875; the 3-step schedule runs high at 1000, low at 750 and 3.
-    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder),
+    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder,
+                         training=BOTH_EXPERTS),
     # Wan2.2 A14B I2V: two experts (boundary 900), the condition through the latents only (no image encoder).
     "wan22_i2v": VideoFamily(Wan22I2VModel, tiny_wan22_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
-                             condition_images=wan_first_frame_image, load_lora=load_expert_lora_folder),
+                             condition_images=wan_first_frame_image, load_lora=load_expert_lora_folder,
+                             training=BOTH_EXPERTS),
     # Wan2.2 TI2V-5B: per-token timesteps, the Wan2.2 VAE (residual, 2x2 patchify).
     "wan22_ti2v": VideoFamily(WanTI2VModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding),
     # Wan2.2 TI2V-5B I2V: the condition image is the first latent frame, never denoised.
