@@ -268,8 +268,8 @@ def component_weights(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_full_fine_tuning_trains_every_transformer_weight_and_exports(name, video_runs):
-    """``model.finetune: full``, two iterations from the saved directory: every first ratio exactly 1 (the trained
-    weights and the frozen reference start bitwise equal); every weight of the transformer (both experts of Wan2.2
+    """``model.finetune: full``: the frozen reference copy is the base bit for bit, and so are the trained weights at
+    the start (Mochi: within an ulp, below). Two iterations from the saved directory: every first ratio exactly 1; every weight of the transformer (both experts of Wan2.2
     A14B) trains and moves, the text encoders, image encoders and VAE stay bitwise; the checkpoint exports the trained
     transformer(s) in diffusers' format (``transformer/``, ``transformer_2/``), which the plain pipeline loads in place
     of the base's and samples the trained model's velocity bit for bit."""
@@ -278,6 +278,25 @@ def test_full_fine_tuning_trains_every_transformer_weight_and_exports(name, vide
     from safetensors.torch import load_file
 
     family = VIDEO_FAMILIES[name]
+    model = wrap(name, fresh_video_pipeline(name))
+    cond, x = probe(model, family)
+    with torch.no_grad():
+        base = model.velocity(x, 0.6, cond)
+        model.make_full_finetune()
+        policy = model.velocity(x, 0.6, cond)
+        with model.reference():
+            reference = model.velocity(x, 0.6, cond)
+    assert torch.equal(reference, base)
+    # Mochi's trained weights sample within rounding of its frozen reference, not bitwise: torch computes its
+    # attention-output projection (a non-contiguous input) by another kernel when the weights require grad
+    # (flowalign.models.mochi freezes the transformer it wraps for the same reason); measured: 2.4e-7 at most, an ulp
+    # of the velocity's largest elements. The ratio is unaffected (the rollout and the training forward both run the
+    # trained weights); a KL to the reference starts at rounding, not at 0.
+    if name == "mochi":
+        torch.testing.assert_close(policy, base, rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(policy, base)
+
     directory = video_runs.pipeline(name)
     run = video_runs.run(name, "full")
     metrics = history(run)

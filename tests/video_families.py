@@ -191,6 +191,10 @@ def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
 BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
                 "sampling.window_last": "null"}
 
+# HunyuanVideo 1.5's contract runs pad the Qwen prompt to 32 tokens, not the 1000 a saved pipeline loads with: the
+# padding is masked out (measured: the same gradient norms) and a run takes about a third less time.
+SHORT_QWEN_PADDING = {"model.max_sequence_length": 32}
+
 
 def load_lora_folder(pipe, folder) -> None:
     """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
@@ -294,13 +298,13 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # a mask concatenated to the latents (zeros in T2V), one video per VAE call; the pipeline has no LoRA loader
     # (tests/test_video_hunyuan_video15.py round-trips through the transformer's load_lora_adapter).
     "hunyuan_video15": VideoFamily(HunyuanVideo15Model, tiny_hunyuan_video15_sliced, hunyuan_video15_vae_encoding,
-                                   call=hunyuan_video15_call, lora_loader=False),
+                                   call=hunyuan_video15_call, lora_loader=False, training=SHORT_QWEN_PADDING),
     # HunyuanVideo 1.5 I2V: the T2V row's conventions with a first frame (SigLIP embeddings, the first latent frame
     # and its mask); the pipeline sizes the video by the image.
     "hunyuan_video15_i2v": VideoFamily(HunyuanVideo15I2VModel, tiny_hunyuan_video15_sliced,
                                        hunyuan_video15_vae_encoding, call=hunyuan_video15_call, lora_loader=False,
                                        build_kwargs={"image_to_video": True}, condition_images=first_frame_image,
-                                       sizes=((16, 16),), sized_by_image=True),
+                                       sizes=((16, 16),), sized_by_image=True, training=SHORT_QWEN_PADDING),
     # Kandinsky 5 T2V: channels-last pipeline latents, Qwen2.5-VL text with CLIP's pooled embedding, CFG in two passes,
     # the released visual_cond transformer (zeros and a zero mask appended in T2V), the HunyuanVideo VAE (whose
     # one-video and two-video calls differ by up to 4e-6 on CPU: decode_atol).
