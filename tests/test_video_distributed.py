@@ -52,9 +52,11 @@ def test_two_processes_match_one_process_on_video(engine, wan_path, tmp_path):
 
 # Two FSDP2 processes against one, for every video family: the fp32 tolerances of the comparison. A gradient is summed
 # over the batch in another order (each process's half, then a reduce-scatter, against one process's chunks), so it
-# agrees to fp32 rounding (measured: grad norms within 8e-5 of each other, relative); Adam's first steps divide each
-# gradient element by its own magnitude, which turns a rounding-level difference of a near-zero element into a larger
-# one of its update: the trained weights agree to 1e-3 of the update's norm (measured: at most 2e-4).
+# agrees to fp32 rounding; Adam's first steps divide each gradient element by its own magnitude, which turns a
+# rounding-level difference of a near-zero element into a larger one of its update, and the second iteration's
+# gradients are taken at those weights. Measured over every family: gradient norms within 2.4e-4 of each other
+# (relative), trained weights within 2.4e-4 of the update's norm; a real difference (a gradient not reduced, a group
+# normalised on one process) is of the order of the update itself.
 GRAD_NORM_RTOL = 1e-3
 UPDATE_RTOL = 1e-3
 
