@@ -269,10 +269,11 @@ def component_weights(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", VIDEO_FAMILIES)
 def test_full_fine_tuning_trains_every_transformer_weight_and_exports(name, video_runs):
     """``model.finetune: full``: the frozen reference copy is the base bit for bit, and so are the trained weights at
-    the start (Mochi: within an ulp, below). Two iterations from the saved directory: every first ratio exactly 1; every weight of the transformer (both experts of Wan2.2
-    A14B) trains and moves, the text encoders, image encoders and VAE stay bitwise; the checkpoint exports the trained
-    transformer(s) in diffusers' format (``transformer/``, ``transformer_2/``), which the plain pipeline loads in place
-    of the base's and samples the trained model's velocity bit for bit."""
+    the start (Mochi: within rounding, below). Two iterations from the saved directory: every first ratio exactly 1;
+    every weight of the transformer (both experts of Wan2.2 A14B) trains and moves; the text encoders, image encoders
+    and the VAE stay bitwise; the checkpoint exports the trained transformer(s) in diffusers' format
+    (``transformer/``, ``transformer_2/``), which the plain pipeline loads in place of the base's and which sample the
+    trained weights' velocity bit for bit."""
     import diffusers
 
     from safetensors.torch import load_file

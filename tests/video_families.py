@@ -187,7 +187,7 @@ def condition_as_first_frame(model, latents: torch.Tensor) -> torch.Tensor:
 
 
 # Wan2.2 A14B's contract runs train steps on both sides of the expert boundary: 4 steps at the tiny shift run
-# t = 1000 (the high expert) then 857, 600 and 3 (the low one), and the fixed window of 3 trains every step but the last.
+# t = 1000 (the high expert), then 857, 600 and 3 (the low one), and a fixed window of 3 trains all but the last.
 BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
                 "sampling.window_last": "null"}
 

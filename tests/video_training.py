@@ -23,6 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowalign.config import load_config
+from flowalign.training.config import TrainConfig
+from flowalign.training.trainer import Trainer
+
 from golden_runs import small_run_values
 from video_families import VIDEO_FAMILIES, tiny_video_pipeline
 
@@ -42,17 +46,6 @@ def training_values(name: str, directory: Path, out: Path, prompts: Path, finetu
         values.update({"data.train_prompts": str(prompts),
                        "sampling.image_size": family.sizes[0][0] if family.sized_by_image else 32})
     return {**values, **family.training, **extra}
-
-
-def train(values: dict):
-    """A Trainer over ``values`` (config overrides), trained; returns it."""
-    from flowalign.config import load_config
-    from flowalign.training.config import TrainConfig
-    from flowalign.training.trainer import Trainer
-
-    trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
-    trainer.train()
-    return trainer
 
 
 def frozen_components(model) -> dict[str, dict[str, torch.Tensor]]:
@@ -127,10 +120,6 @@ class SharedVideoRuns:
 
         def write(tmp: Path) -> None:
             values = self.values(name, tmp, finetune)
-            from flowalign.config import load_config
-            from flowalign.training.config import TrainConfig
-            from flowalign.training.trainer import Trainer
-
             trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
             before = frozen_components(trainer.model)
             trainer.train()
