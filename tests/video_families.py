@@ -236,6 +236,16 @@ def ltx2_audio_held():
         handle.remove()
 
 
+# Wan2.2 A14B's contract runs train steps on both sides of the expert boundary: 4 steps at the tiny shift run
+# t = 1000 (the high expert), then 857, 600 and 3 (the low one), and a fixed window of 3 trains all but the last.
+BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
+                "sampling.window_last": "null"}
+
+# HunyuanVideo 1.5's contract runs pad the Qwen prompt to 32 tokens, not the 1000 a saved pipeline loads with: the
+# padding is masked out (measured: the same gradient norms) and a run takes about a third less time.
+SHORT_QWEN_PADDING = {"model.max_sequence_length": 32}
+
+
 def load_lora_folder(pipe, folder) -> None:
     """A LoRA folder into a pipeline with diffusers' own loader: ``pipe.load_lora_weights(folder)``."""
     pipe.load_lora_weights(folder)
@@ -266,7 +276,8 @@ class VideoFamily:
     condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists the size its condition image gives); ``decode_atol``:
     how far one video per VAE call may be from the pipeline's batched call (fp32 rounding: batched convolutions round
     differently). ``load_lora(pipe, folder)``: how diffusers loads a LoRA folder the adapter saved
-    into the plain pipeline (Wan2.2 A14B: one file per expert)."""
+    into the plain pipeline (Wan2.2 A14B: one file per expert). ``training``: config overrides of the family's contract
+    training runs (tests/video_training.py), for a family the default run's trained steps do not cover."""
 
     adapter: type
     build: Callable
@@ -286,6 +297,7 @@ class VideoFamily:
     sized_by_image: bool = False
     decode_atol: float = 1e-6
     load_lora: Callable = load_lora_folder
+    training: dict = field(default_factory=dict)
 
     def images_kwargs(self, count: int) -> dict:
         """``encode``'s ``images=`` for ``count`` prompts (nothing for a family without condition images)."""
@@ -299,10 +311,12 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     "wan_i2v": VideoFamily(WanI2VModel, tiny_wan_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
                            condition_images=wan_first_frame_image),
     # Wan2.2 A14B T2V: two experts switching at t = 875; the 3-step schedule runs high at 1000, low at 750 and 3.
-    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder),
+    "wan22": VideoFamily(Wan22Model, tiny_wan22_pipeline, wan_vae_encoding, load_lora=load_expert_lora_folder,
+                         training=BOTH_EXPERTS),
     # Wan2.2 A14B I2V: two experts (boundary 900), the condition through the latents only (no image encoder).
     "wan22_i2v": VideoFamily(Wan22I2VModel, tiny_wan22_i2v_pipeline, wan_vae_encoding, sizes=((16, 32),),
-                             condition_images=wan_first_frame_image, load_lora=load_expert_lora_folder),
+                             condition_images=wan_first_frame_image, load_lora=load_expert_lora_folder,
+                             training=BOTH_EXPERTS),
     # Wan2.2 TI2V-5B: per-token timesteps, the Wan2.2 VAE (residual, 2x2 patchify).
     "wan22_ti2v": VideoFamily(WanTI2VModel, tiny_wan22_ti2v_pipeline, wan_vae_encoding),
     # Wan2.2 TI2V-5B I2V: the condition image is the first latent frame, never denoised.
@@ -340,13 +354,13 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # a mask concatenated to the latents (zeros in T2V), one video per VAE call; the pipeline has no LoRA loader
     # (tests/test_video_hunyuan_video15.py round-trips through the transformer's load_lora_adapter).
     "hunyuan_video15": VideoFamily(HunyuanVideo15Model, tiny_hunyuan_video15_sliced, hunyuan_video15_vae_encoding,
-                                   call=hunyuan_video15_call, lora_loader=False),
+                                   call=hunyuan_video15_call, lora_loader=False, training=SHORT_QWEN_PADDING),
     # HunyuanVideo 1.5 I2V: the T2V row's conventions with a first frame (SigLIP embeddings, the first latent frame
     # and its mask); the pipeline sizes the video by the image.
     "hunyuan_video15_i2v": VideoFamily(HunyuanVideo15I2VModel, tiny_hunyuan_video15_sliced,
                                        hunyuan_video15_vae_encoding, call=hunyuan_video15_call, lora_loader=False,
                                        build_kwargs={"image_to_video": True}, condition_images=first_frame_image,
-                                       sizes=((16, 16),), sized_by_image=True),
+                                       sizes=((16, 16),), sized_by_image=True, training=SHORT_QWEN_PADDING),
     # Kandinsky 5 T2V: channels-last pipeline latents, Qwen2.5-VL text with CLIP's pooled embedding, CFG in two passes,
     # the released visual_cond transformer (zeros and a zero mask appended in T2V), the HunyuanVideo VAE (whose
     # one-video and two-video calls differ by up to 4e-6 on CPU: decode_atol).
