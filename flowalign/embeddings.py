@@ -32,9 +32,9 @@ from flowalign.config import ConfigError
 from flowalign.errors import RewardInputError
 from flowalign.registry import Registry
 
-__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "TemporalConsistency", "is_toy_model", "build_embedding",
-           "check_embedding", "consecutive_similarity", "embed_samples", "register_embedding", "resolve_embedding",
-           "set_diversity"]
+__all__ = ["EMBEDDINGS", "TOY_MODEL_MARKERS", "TOY_VIDEO_MODEL_MARKERS", "TemporalConsistency", "is_toy_model",
+           "build_embedding", "check_embedding", "consecutive_similarity", "embed_samples", "register_embedding",
+           "resolve_embedding", "set_diversity"]
 
 
 def _lazy(attribute: str) -> Callable[..., Any]:
@@ -55,6 +55,8 @@ EMBEDDINGS.register("dreamsim", _lazy("DreamSimEmbedding"))
 
 # ``auto`` means ``toy_scene`` for the toy world (a model path ending in one of these), else ``pixels``.
 TOY_MODEL_MARKERS = ("toy-sd3",)
+# The toy video world's model (``flowalign toy pretrain-video``): its frames are toy images.
+TOY_VIDEO_MODEL_MARKERS = ("toy-wan",)
 
 
 def register_embedding(name: str, factory: Callable[..., Any], *, overwrite: bool = False) -> None:
@@ -68,10 +70,12 @@ def is_toy_model(model: str | None) -> bool:
 
 
 def resolve_embedding(name: str, model: str | None) -> str:
-    """``name``, with ``auto`` made ``toy_scene`` for the toy world's model and ``pixels`` for any other."""
+    """``name``, with ``auto`` made ``toy_scene`` for the toy worlds' models (the image world's, and the video
+    world's, whose frames are toy images) and ``pixels`` for any other."""
     if name != "auto":
         return name
-    return "toy_scene" if is_toy_model(model) else "pixels"
+    toy_video = model is not None and str(model).rstrip("/").endswith(TOY_VIDEO_MODEL_MARKERS)
+    return "toy_scene" if is_toy_model(model) or toy_video else "pixels"
 
 
 def check_embedding(name: str, kwargs: Mapping[str, Any], *, key: str) -> None:

@@ -453,37 +453,41 @@ def check_reward_modality(reward_config: Any, modality: str, *, num_frames: int 
         check_reward_fits(get("name"), get("frames", None), modality, at=f"{key}[{i}]", num_frames=num_frames)
 
 
-def check_reward_fits(name: str, frames: Any, modality: str, *, at: str, num_frames: int | None = None) -> None:
+def check_reward_fits(name: str, frames: Any, modality: str, *, at: str, num_frames: int | None = None,
+                      frames_flag: str | None = None) -> None:
     """One entry of ``check_reward_modality``: the reward ``name`` with its ``frames`` (or None) on a model of
-    ``modality``; errors name ``{at}.name`` or ``{at}.frames``."""
+    ``modality``; errors name ``{at}.name`` or ``{at}.frames``. On the command line, ``at`` is the reward's flag
+    (``--reward``) and ``frames_flag`` the aggregation's (``--reward-frames``), and the errors name those."""
     from flowalign.config import ConfigError
     from flowalign.reward_models.frames import parse_frames
 
     if modality not in ("image", "video"):
         raise ValueError(f"a model's modality is image or video, got {modality!r}")
+    name_key, frames_key = (at, frames_flag) if frames_flag else (f"{at}.name", f"{at}.frames")
+    example = (f"{frames_flag} '{{\"aggregate\": \"mean\"}}'" if frames_flag
+               else f"{frames_key}: {{aggregate: mean}}")
     kind = reward_modality(name)
     if frames is not None:
         if modality == "image":
-            raise ConfigError(f"{at}.frames scores a video's frames, but the model makes images: remove {at}.frames",
-                              key=f"{at}.frames")
+            raise ConfigError(f"{frames_key} scores a video's frames, but the model makes images: remove {frames_key}",
+                              key=frames_key)
         if kind == "video" or reads_latents(reward_class(name)):
             what = "a video reward" if kind == "video" else "a latent reward"
-            raise ConfigError(f"{at}.frames is set, but {name!r} is {what}: it reads the whole clip; remove "
-                              f"{at}.frames", key=f"{at}.frames")
-        aggregation = parse_frames(frames, f"{at}.frames")
+            raise ConfigError(f"{frames_key} is set, but {name!r} is {what}: it reads the whole clip; remove "
+                              f"{frames_key}", key=frames_key)
+        aggregation = parse_frames(frames, frames_key)
         if num_frames is not None and aggregation.weights is not None:
             read = len(aggregation.indices(num_frames))
             if len(aggregation.weights) != read:
-                raise ConfigError(f"{at}.frames.weights has {len(aggregation.weights)} weights, but the model "
+                raise ConfigError(f"{frames_key}.weights has {len(aggregation.weights)} weights, but the model "
                                   f"samples {num_frames} frames of which {read} are read: give {read} weights",
-                                  key=f"{at}.frames.weights")
+                                  key=f"{frames_key}.weights")
     elif modality == "image" and kind == "video":
-        raise ConfigError(f"{at}.name = {name!r} is a video reward, but the model makes images: use an image reward "
-                          "(or a video model)", key=f"{at}.name")
+        raise ConfigError(f"{name_key} = {name!r} is a video reward, but the model makes images: use an image reward "
+                          "(or a video model)", key=name_key)
     elif modality == "video" and kind == "image":
-        raise ConfigError(f"{at}.name = {name!r} scores images, but the model makes videos: say how its frame scores "
-                          f"make one, e.g. {at}.frames: {{aggregate: mean}} (or min, or weights: [...])",
-                          key=f"{at}.frames")
+        raise ConfigError(f"{name_key} = {name!r} scores images, but the model makes videos: say how its frame scores "
+                          f"make one, e.g. {example} (or min, or weights: [...])", key=frames_key)
 
 
 def bind_reward_model(reward: Any, model: Any) -> None:

@@ -40,6 +40,10 @@ def test_the_held_out_reward_by_default_is_the_other_reading_of_the_toy_verifier
     assert auto_held_out([binary]) == ("toy_geneval_soft", {})
     assert auto_held_out([soft, binary]) is None  # both trained: nothing held out
     assert auto_held_out([RewardSpec("pickscore")]) is None
+    # The toy video world: the other reading of its verifier.
+    video_partial = RewardSpec("toy_video", kwargs={"partial_credit": True})
+    assert auto_held_out([video_partial]) == ("toy_video", {"partial_credit": False})  # the video default run
+    assert auto_held_out([RewardSpec("toy_video")]) == ("toy_video", {"partial_credit": True})
     assert auto_held_out(load_config(TrainConfig, None, []).reward.rewards) == ("toy_geneval", {"partial_credit": False})
 
 

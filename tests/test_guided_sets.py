@@ -186,6 +186,7 @@ def test_pixel_embedding_and_auto():
     image = torch.rand(2, 3, 16, 16)
     assert pixels.embed(image).shape == (2, 48)
     assert resolve_embedding("auto", str(TOY)) == "toy_scene"
+    assert resolve_embedding("auto", "assets/toy-wan/") == "toy_scene"  # the toy video world's frames
     assert resolve_embedding("auto", "/models/stable-diffusion-3.5-medium") == "pixels"
     assert resolve_embedding("clip", str(TOY)) == "clip"
     assert {"toy_scene", "pixels", "clip", "dreamsim"} <= set(EMBEDDINGS.names())

@@ -35,14 +35,15 @@ def toy_wan(tmp_path_factory):
 def test_pretrain_video_writes_a_reproducible_wan_pipeline_through_save_pretrained(toy_wan, tmp_path):
     model = load_flow_model(toy_wan)
     assert model.family == "wan" and model.modality == "video"
-    assert model.default_image_size == (32, 32) and model.temporal_compression == 4
-    assert model.latent_shape(1) == (1, 16, 3, 8, 8)  # the family's default 9 frames; the toy clips have 5
+    # 2x2 pixels folded into 4 channels, no further downsampling in space or time
+    assert model.default_image_size == (32, 32) and model.temporal_compression == 1
+    assert model.latent_shape(1) == (1, 4, 9, 16, 16)  # the family's default 9 frames; the toy clips have 5
     files = sorted(p.relative_to(toy_wan).as_posix() for p in toy_wan.rglob("*.safetensors"))
     assert files == ["text_encoder/model.safetensors", "transformer/diffusion_pytorch_model.safetensors",
                      "vae/diffusion_pytorch_model.safetensors"]
     assert sum(p.stat().st_size for p in toy_wan.rglob("*") if p.is_file()) < 30 * 2**20
     log = json.loads((toy_wan / "pretrain_log.json").read_text())
-    assert log["config"]["steps"] == 2 and len(log["latents_std"]) == 16 and log["total_seconds"] > 0
+    assert log["config"]["steps"] == 2 and len(log["latents_std"]) == 4 and log["total_seconds"] > 0
     assert not list(toy_wan.parent.glob("*.tmp")) and not list(toy_wan.parent.glob("*.old"))
 
     again = tmp_path / "again"
@@ -59,7 +60,14 @@ def _exit_status(argv) -> int:
     return exit_info.value.code
 
 
-def test_pretrain_video_refuses_a_frame_count_the_wan_vae_cannot_take(capsys):
+def test_pretrain_video_refuses_a_frame_count_the_toy_vae_cannot_take(capsys, monkeypatch):
+    assert _exit_status(["toy", "pretrain-video", "--num-frames", "1", "--out", "unused"]) == 2
+    assert "num_frames" in capsys.readouterr().err
+    # A VAE that compresses time 4x (Wan2.1's own factor) takes 4k+1 frames only.
+    from flowalign.toy import video_pretrain
+
+    monkeypatch.setitem(video_pretrain.VIDEO_ARCHITECTURE, "vae", {**video_pretrain.VIDEO_ARCHITECTURE["vae"],
+                                                                   "temporal_levels": 2})
     assert _exit_status(["toy", "pretrain-video", "--num-frames", "7", "--out", "unused"]) == 2
     err = capsys.readouterr().err
     assert "num_frames = 7" in err and "use 5 or 9" in err
@@ -104,6 +112,9 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
             f"data.train_prompts={PROMPT_ASSET_DIR / 'video_train.jsonl'}",
             f"data.eval_prompts={PROMPT_ASSET_DIR / 'video_test.jsonl'}"]
     assert cli.main(argv) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Collapse metrics on clips: toy_scene embeddings of the frames, and the binary verdict held out.
+    assert {"collapse/diversity", "collapse/saturated_frac", "collapse/held_out/toy_video"} <= set(metrics[-1])
     report = json.loads((run / "eval/before_after.json").read_text())
     assert set(report["paired"]["tags"]) == {"colors", "counting"} and report["samples"] == 54
     for name in ("grid_before.png", "grid_after.png"):

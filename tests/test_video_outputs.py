@@ -331,8 +331,9 @@ def test_flowalign_sample_on_the_tiny_wan_model_writes_its_videos(tmp_path, tiny
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red square moving left\na red square moving right\n")
     out = tmp_path / "out"
-    main(["sample", "--model", str(tiny_wan_dir), "--prompts", str(prompts), "--reward", "brightness", "--steps", "2",
-          "--budget", "2", "--strip-frames", "3", "--out", str(out)])
+    main(["sample", "--model", str(tiny_wan_dir), "--prompts", str(prompts), "--reward", "brightness",
+          "--reward-frames", '{"aggregate": "min"}', "--steps", "2", "--budget", "2", "--strip-frames", "3",
+          "--out", str(out)])
     summary = json.loads((out / "results.json").read_text())
     assert {k: summary[k] for k in ("modality", "frames", "fps", "prompts")} == {
         "modality": "video", "frames": 9, "fps": 16.0, "prompts": 2}
@@ -343,3 +344,25 @@ def test_flowalign_sample_on_the_tiny_wan_model_writes_its_videos(tmp_path, tiny
         frames = np.concatenate([decoded.frames[i] for i in (0, 4, 8)], axis=1).astype(float)
         assert strip.shape == (SIZE, 3 * SIZE, 3) and np.abs(frames - strip).mean() < 6
     assert read_mp4(out / "grid.mp4").frames.shape == (9, SIZE + 2 * PAD, 2 * (SIZE + 2 * PAD), 3)
+    for row in summary["results"]:  # the image reward's score of the clip: its darkest frame's brightness
+        frames = torch.from_numpy(read_mp4(out / row["video"]).frames).float() / 255
+        assert row["reward"] == pytest.approx(float(frames.mean(dim=(1, 2, 3)).min()), abs=0.02)
+
+
+def test_flowalign_sample_refuses_a_reward_that_does_not_fit_the_models_modality(tmp_path, tiny_wan_dir, capsys):
+    from flowalign.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square moving left\n")
+    base = ["sample", "--model", str(tiny_wan_dir), "--prompts", str(prompts), "--steps", "2", "--budget", "2"]
+    with pytest.raises(SystemExit) as exit_info:  # an image reward on clips, with no frame aggregation
+        main(base + ["--reward", "brightness", "--out", str(tmp_path / "a")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--reward = 'brightness' scores images" in err and "--reward-frames '{\"aggregate\": \"mean\"}'" in err
+    with pytest.raises(SystemExit) as exit_info:  # a video reward told to score frames
+        main(base + ["--reward", "video_brightness", "--reward-frames", '{"aggregate": "mean"}',
+                     "--out", str(tmp_path / "b")])
+    assert exit_info.value.code == 2 and "--reward-frames is set, but 'video_brightness' is a video reward" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

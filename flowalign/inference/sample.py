@@ -109,6 +109,10 @@ class SampleConfig:
                                            parse=parse_json_object, metavar="JSON")
     partial_credit: bool = option(True, "toy_geneval gives partial credit (--binary-reward: it does not)",
                                   flag="binary-reward", flag_value=False)
+    reward_frames: dict[str, Any] | None = option(
+        None, "on a video model, how an image --reward scores a clip from its frames, as a JSON object: "
+              "'{\"aggregate\": \"mean\"}' (or min, or \"weights\": [...]; flowalign.reward_models.frames)",
+        parse=parse_json_object, metavar="JSON")
     max_prompts: int | None = option(None, "sample only the first M prompts")
     batch_prompts: int = option(16, "prompts sampled at once")
     out_dir: str = option("outputs/sample", "output directory", flag="out")
@@ -284,6 +288,14 @@ def read_transformer_config(model_path: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def check_sample_reward(config: SampleConfig, modality: str) -> None:
+    """``--reward`` (with ``--reward-frames``) fits a model of ``modality``: an image reward on a video model needs
+    ``--reward-frames``; a video reward needs a video model (``flowalign.rewards.check_reward_fits``)."""
+    from flowalign.rewards import check_reward_fits
+
+    check_reward_fits(config.reward, config.reward_frames, modality, at="--reward", frames_flag="--reward-frames")
+
+
 def run_sample(config: SampleConfig) -> dict:
     """Check, load, sample every prompt and write the outputs; returns the summary written to results.json."""
     from dataclasses import replace
@@ -316,6 +328,8 @@ def run_sample(config: SampleConfig) -> dict:
         if config.max_prompts is not None:
             metadata = metadata[: config.max_prompts]
         require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
+        if names_adapter(model_path):  # an image reward scores a video model's clips through --reward-frames
+            check_sample_reward(config, getattr(adapter_class(model_path), "modality", "image"))
         if has_condition_images(metadata) or names_adapter(model_path):  # condition images for the families (only)
             check_family_takes(adapter_class(model_path), metadata, "--prompts", prompts_path)  # that take them
         if guide is not None:
@@ -344,9 +358,14 @@ def run_sample(config: SampleConfig) -> dict:
 
         embedding_name = resolve_embedding(config.diversity, model_path)
         reward_fn = build_reward(config.reward, **{**reward_kwargs, **config.reward_kwargs})
+        if config.reward_frames is not None:
+            from flowalign.reward_models.frames import over_frames
+
+            reward_fn = over_frames(reward_fn, config.reward_frames, "--reward-frames")
         guide_reward = None if guide is None else build_guide_reward(guide[0], **guide[1])
         device = str(resolve_device(config.device))
         model = load_model(model_path, lora, device=device)
+        check_sample_reward(config, getattr(model, "modality", "image"))  # a hub id's modality is known only now
     model.transformer.requires_grad_(False)
     from flowalign.rewards import bind_reward_model
 

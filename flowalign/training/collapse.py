@@ -10,7 +10,8 @@ On the iteration's decoded rollout images, gathered over the processes (so the n
 * ``collapse/held_out/<name>``: the mean (over valid images) of a reward the run does not optimise
   (``collapse.held_out``). ``auto`` picks, on the toy world, the exact binary ``toy_geneval`` when the run trains on
   ``toy_geneval_soft`` or the partial-credit ``toy_geneval``, and ``toy_geneval_soft`` when it trains on the binary
-  one: the proxy rising while the held-out one falls is over-optimisation.
+  one: the proxy rising while the held-out one falls is over-optimisation. On the toy video world, the other reading
+  of ``toy_video``: the binary verdict when the run trains on its partial credit, and the reverse.
 
 They are measurements: computed without gradients and without drawing randomness from anything the run uses, they
 change no weight, optimizer state or later metric (the golden runs leave ``collapse/`` out of their digests). The
@@ -49,6 +50,8 @@ def within_group_diversity(embeddings: Tensor, group_ids: Tensor) -> Tensor:
 def auto_held_out(rewards) -> tuple[str, dict[str, Any]] | None:
     """``collapse.held_out: auto`` for the trained ``reward.rewards`` (module docstring), or None."""
     trained = {spec.name: spec for spec in rewards if spec.weight != 0}
+    if "toy_video" in trained:
+        return "toy_video", {"partial_credit": not trained["toy_video"].kwargs.get("partial_credit", False)}
     if "toy_geneval_soft" in trained:
         return ("toy_geneval", {"partial_credit": False}) if "toy_geneval" not in trained or \
             trained["toy_geneval"].kwargs.get("partial_credit") else None

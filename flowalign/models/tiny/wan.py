@@ -9,15 +9,18 @@ import torch
 from .tokenizers import word_level_tokenizer
 
 
-def tiny_wan_vae(z_dim: int = 4, *, base_dim: int = 4, spatial_levels: int = 2, temporal_levels: int = 2):
+def tiny_wan_vae(z_dim: int = 4, *, base_dim: int = 4, spatial_levels: int = 2, temporal_levels: int = 2,
+                 patch_size: int | None = None):
     """An ``AutoencoderKLWan`` downsampling ``2 ** spatial_levels`` in space and ``2 ** temporal_levels`` in time
     (released Wan2.1: 8 and 4), with ``z_dim`` latent channels and per-channel statistics that are not 0 and 1 (so the
-    adapter's normalisation is exercised)."""
+    adapter's normalisation is exercised). ``patch_size`` p folds p x p pixels into channels before the encoder (the
+    Wan2.2 VAE's ``patchify``), so that space shrinks ``p * 2 ** spatial_levels`` in all."""
     from diffusers import AutoencoderKLWan
 
     if temporal_levels > spatial_levels:
         raise ValueError("the Wan VAE downsamples time only at levels that also downsample space")
     levels = spatial_levels + 1
+    pixels = 3 * (patch_size or 1) ** 2
     generator = torch.Generator().manual_seed(1)
     return AutoencoderKLWan(
         base_dim=base_dim,
@@ -27,8 +30,11 @@ def tiny_wan_vae(z_dim: int = 4, *, base_dim: int = 4, spatial_levels: int = 2, 
         temperal_downsample=[False] * (spatial_levels - temporal_levels) + [True] * temporal_levels,
         latents_mean=(0.2 * torch.randn(z_dim, generator=generator)).tolist(),
         latents_std=(1.0 + 0.5 * torch.rand(z_dim, generator=generator)).tolist(),
+        in_channels=pixels,
+        out_channels=pixels,
+        patch_size=patch_size,
         scale_factor_temporal=2 ** temporal_levels,
-        scale_factor_spatial=2 ** spatial_levels,
+        scale_factor_spatial=(patch_size or 1) * 2 ** spatial_levels,
     )
 
 

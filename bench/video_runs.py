@@ -1,0 +1,161 @@
+"""The toy video world's main job over training seeds, and a second method at the same wall time.
+
+Each run is a plain ``flowalign train`` of ``configs/video/default.yaml`` (DiffusionNFT on the toy Wan, ``toy_video``'s
+partial credit) with ``train.seed=K``, or of the same file with its ``base:`` swapped for another method preset
+(``--runs default,flow_grpo_fast``: the run's config is written to ``<out>/configs/<method>.yaml``; every other
+setting is the video main job's). Each run ends with the main job's own held-out evaluation, so its gain is paired
+against the base model on the same clips and seeds (``eval/before_after.json``; the evaluation's seeds follow
+``train.seed``). ``--iterations METHOD=N`` sets a method's iterations: the equal-wall comparison gives the second
+method the iterations that cost the main job's training wall time (its seconds per iteration measured beside it).
+
+The table (``<out>/video_runs.md`` and ``.json``) gives per method: the seeds, the iterations, the mean held-out gain
+of the exact verifier over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE) and
+z, the per-seed gains, the partial-credit gain, the mean training wall time (the sum of the iterations'
+``time/*``) and the whole command's wall time. ``--jobs 2`` runs two at once, each on one thread
+(``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core busy with the other run.
+
+Runs are resumable: a run whose record ``<out>/records/<method>-seed<k>.json`` exists is skipped; ``--report`` only
+rebuilds the table.
+
+    python bench/video_runs.py --runs default --seeds 0,1,2 --jobs 2
+    python bench/video_runs.py --runs flow_grpo_fast --iterations flow_grpo_fast=40 --seeds 0,1,2 --jobs 2
+    python bench/video_runs.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from methods import seed_mean  # noqa: E402 - the benchmarks' shared SE over seeds
+
+MAIN_JOB = REPO / "configs/video/default.yaml"
+COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0"]
+
+
+def run_config(method: str, out: Path) -> Path:
+    """The config file of ``method``: the main job's, or the main job's with ``base`` the method preset."""
+    if method == "default":
+        return MAIN_JOB
+    preset = REPO / "configs/methods" / f"{method}.yaml"
+    if not preset.is_file():
+        raise SystemExit(f"--runs: no method preset {preset}")
+    config = yaml.safe_load(MAIN_JOB.read_text())
+    config["base"] = str(preset)
+    config.pop("objectives", None)
+    path = out / "configs" / f"{method}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(f"# bench/video_runs.py: the video main job ({MAIN_JOB.relative_to(REPO)}) with {method}'s preset\n"
+                   + yaml.safe_dump(config, sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: int | None) -> dict:
+    """Train and evaluate one run; returns (and writes) its record."""
+    record_path = out / "records" / f"{method}-seed{seed}.json"
+    if record_path.is_file():
+        return json.loads(record_path.read_text())
+    run_dir = out / f"{method}-seed{seed}"
+    command = [sys.executable, "-m", "flowalign", "train", str(run_config(method, out)), f"train.seed={seed}",
+               f"train.out_dir={run_dir}", "train.overwrite=true", *COMMON]
+    if iterations is not None:
+        command.append(f"train.iterations={iterations}")
+    env = dict(os.environ)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    start = time.perf_counter()
+    log = out / "logs" / f"{method}-seed{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as stream:
+        subprocess.run(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT, check=True)
+    wall = time.perf_counter() - start
+    report = json.loads((run_dir / "eval/before_after.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_wall = sum(v for row in rows for k, v in row.items() if k.startswith("time/") and isinstance(v, float))
+    record = {"method": method, "seed": seed, "iterations": len(rows), "train_wall_s": train_wall, "wall_s": wall,
+              "threads": threads, "load_average_at_end": list(os.getloadavg()),
+              "paired": report["paired"]["overall"], "tags": report["paired"]["tags"],
+              "paired_partial": (report.get("paired_partial") or {}).get("overall"),
+              "reward_first": rows[0].get("reward/mean"), "reward_last10": _mean(r.get("reward/mean") for r in rows[-10:])}
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = record_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    os.replace(tmp, record_path)
+    print(f"{method} seed {seed}: {record['iterations']} iterations, train {train_wall:.0f} s, wall {wall:.0f} s, "
+          f"gain {record['paired']['diff']:+.3f} (SE {record['paired']['se']:.3f})", flush=True)
+    return record
+
+
+def _mean(values) -> float | None:
+    kept = [v for v in values if isinstance(v, (int, float))]
+    return sum(kept) / len(kept) if kept else None
+
+
+def report(out: Path) -> str:
+    """Rebuild ``video_runs.md`` / ``.json`` from the records."""
+    records = [json.loads(p.read_text()) for p in sorted((out / "records").glob("*.json"))]
+    methods = sorted({r["method"] for r in records}, key=lambda m: (m != "default", m))
+    lines = ["| method | seeds | iterations | held-out gain (exact) | SE | z | per seed | partial-credit gain | "
+             "train wall s | command wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    table = {}
+    for method in methods:
+        group = sorted((r for r in records if r["method"] == method), key=lambda r: r["seed"])
+        gains = [r["paired"]["diff"] for r in group]
+        mean, se, spread = seed_mean(gains, [r["paired"]["se"] for r in group])
+        partial = [r["paired_partial"]["diff"] for r in group if r.get("paired_partial")]
+        iterations = sorted({r["iterations"] for r in group})
+        train = sum(r["train_wall_s"] for r in group) / len(group)
+        wall = sum(r["wall_s"] for r in group) / len(group)
+        table[method] = {"seeds": [r["seed"] for r in group], "iterations": iterations, "gain": mean, "se": se,
+                         "seed_sd": spread, "gains": gains, "partial_gain": _mean(partial), "train_wall_s": train,
+                         "wall_s": wall, "before": _mean(r["paired"]["mean_a"] for r in group),
+                         "after": _mean(r["paired"]["mean_b"] for r in group)}
+        z = mean / se if se else math.nan
+        lines.append(f"| {method} | {len(group)} | {'/'.join(map(str, iterations))} | {mean:+.3f} | {se:.3f} | "
+                     f"{z:.1f} | {', '.join(f'{g:+.3f}' for g in gains)} | "
+                     f"{'' if table[method]['partial_gain'] is None else format(table[method]['partial_gain'], '+.3f')}"
+                     f" | {train:.0f} | {wall:.0f} |")
+    text = "\n".join(lines) + "\n"
+    for name, content in (("video_runs.md", text), ("video_runs.json", json.dumps(table, indent=1))):
+        tmp = out / f"{name}.tmp"
+        tmp.write_text(content)
+        os.replace(tmp, out / name)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", default="default", help="methods: default (the main job) or method presets")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--iterations", action="append", default=[], metavar="METHOD=N")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each on one thread when > 1)")
+    parser.add_argument("--out", default=str(REPO / "bench/results/video"))
+    parser.add_argument("--report", action="store_true", help="only rebuild the table from the records")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        iterations = {k: int(v) for k, v in (item.split("=", 1) for item in args.iterations)}
+        jobs = [(m, int(s)) for m in args.runs.split(",") for s in args.seeds.split(",")]
+        threads = 1 if args.jobs > 1 else None
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for future in [pool.submit(run_one, m, s, iterations.get(m), out, threads) for m, s in jobs]:
+                future.result()
+    print(report(out))
+
+
+if __name__ == "__main__":
+    main()
