@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 from .base import _UNCONDITIONAL_GRADIENT, Cond, register_model_family, require_negative
+from .ltx_video import LTXTokenPacking
 from .video import VideoFlowModel
 
 # Every attention and MLP projection of an LTX-2 block: the video stream's self-attention, text cross-attention and
@@ -78,7 +79,7 @@ NEGATIVE_AUDIO_TEXT = "ltx2_negative_audio_text"
 
 
 @register_model_family("ltx2")
-class LTX2Model(VideoFlowModel):
+class LTX2Model(LTXTokenPacking, VideoFlowModel):
     """Adapter over ``diffusers.LTX2Pipeline`` (LTX-2 text-to-audio-video), sampling and training the video stream
     with the audio stream held at a fixed noise draw (see the module docstring).
 
@@ -152,27 +153,6 @@ class LTX2Model(VideoFlowModel):
     def default_max_sequence_length(self) -> int:
         tokenizer = getattr(self.pipe, "tokenizer", None)
         return min(1024, tokenizer.model_max_length) if tokenizer is not None else 1024
-
-    def prepare_noise(self, batch, image_size=None, *, generator=None, dtype=None) -> Tensor:
-        """fp32 noise ``[B, C, f, h, w]`` by default, as ``LTX2Pipeline.prepare_latents`` draws it before packing."""
-        return super().prepare_noise(batch, image_size, generator=generator, dtype=dtype or torch.float32)
-
-    # --- packing --------------------------------------------------------------------------------------------------
-    def pack(self, latents: Tensor) -> Tensor:
-        """``[B, C, f, h, w]`` to the pipeline's tokens ``[B, N, D]`` (``LTX2Pipeline._pack_latents``)."""
-        return self.pipe._pack_latents(latents, self.pipe.transformer_spatial_patch_size,
-                                       self.pipe.transformer_temporal_patch_size)
-
-    def unpack(self, tokens: Tensor, grid: Sequence[int]) -> Tensor:
-        """``pack``'s inverse for the token grid ``(f, h, w)`` (``LTX2Pipeline._unpack_latents``)."""
-        return self.pipe._unpack_latents(tokens, *grid, self.pipe.transformer_spatial_patch_size,
-                                         self.pipe.transformer_temporal_patch_size)
-
-    def token_grid(self, latents: Tensor) -> tuple[int, int, int]:
-        """The transformer's ``(num_frames, height, width)`` in tokens for latents ``[B, C, f, h, w]``."""
-        f, h, w = latents.shape[-3:]
-        patch, patch_t = self.pipe.transformer_spatial_patch_size, self.pipe.transformer_temporal_patch_size
-        return f // patch_t, h // patch, w // patch
 
     # --- the held audio stream ------------------------------------------------------------------------------------
     def audio_latent_frames(self) -> int:

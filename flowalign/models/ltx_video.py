@@ -47,8 +47,34 @@ LTX_LORA_TARGETS = (
 )
 
 
+class LTXTokenPacking:
+    """The LTX line's latents-to-tokens packing, shared by LTX-Video and LTX-2 (their pipelines' ``_pack_latents`` /
+    ``_unpack_latents`` with the transformer's spatial and temporal patch sizes), and its fp32 noise: both pipelines
+    draw ``prepare_latents``' noise in fp32 before packing. Mixed in before ``VideoFlowModel``."""
+
+    def prepare_noise(self, batch, image_size=None, *, generator=None, dtype=None) -> Tensor:
+        """fp32 noise ``[B, C, f, h, w]`` by default, as the pipeline's ``prepare_latents`` draws it before packing."""
+        return super().prepare_noise(batch, image_size, generator=generator, dtype=dtype or torch.float32)
+
+    def pack(self, latents: Tensor) -> Tensor:
+        """``[B, C, f, h, w]`` to the pipeline's tokens ``[B, N, D]`` (its ``_pack_latents``)."""
+        return self.pipe._pack_latents(latents, self.pipe.transformer_spatial_patch_size,
+                                       self.pipe.transformer_temporal_patch_size)
+
+    def unpack(self, tokens: Tensor, grid: Sequence[int]) -> Tensor:
+        """``pack``'s inverse for the token grid ``(f, h, w)`` (the pipeline's ``_unpack_latents``)."""
+        return self.pipe._unpack_latents(tokens, *grid, self.pipe.transformer_spatial_patch_size,
+                                         self.pipe.transformer_temporal_patch_size)
+
+    def token_grid(self, latents: Tensor) -> tuple[int, int, int]:
+        """The transformer's ``(num_frames, height, width)`` in tokens for latents ``[B, C, f, h, w]``."""
+        f, h, w = latents.shape[-3:]
+        patch, patch_t = self.pipe.transformer_spatial_patch_size, self.pipe.transformer_temporal_patch_size
+        return f // patch_t, h // patch, w // patch
+
+
 @register_model_family("ltx_video")
-class LTXVideoModel(VideoFlowModel):
+class LTXVideoModel(LTXTokenPacking, VideoFlowModel):
     """Adapter over ``diffusers.LTXPipeline`` (LTX-Video T2V).
 
     Args:
@@ -97,27 +123,6 @@ class LTXVideoModel(VideoFlowModel):
     def default_max_sequence_length(self) -> int:
         tokenizer = getattr(self.pipe, "tokenizer", None)
         return min(128, tokenizer.model_max_length) if tokenizer is not None else 128
-
-    def prepare_noise(self, batch, image_size=None, *, generator=None, dtype=None) -> Tensor:
-        """fp32 noise ``[B, C, f, h, w]`` by default, as ``LTXPipeline.prepare_latents`` draws it before packing."""
-        return super().prepare_noise(batch, image_size, generator=generator, dtype=dtype or torch.float32)
-
-    # --- packing --------------------------------------------------------------------------------------------------
-    def pack(self, latents: Tensor) -> Tensor:
-        """``[B, C, f, h, w]`` to the pipeline's tokens ``[B, N, D]`` (``LTXPipeline._pack_latents``)."""
-        return self.pipe._pack_latents(latents, self.pipe.transformer_spatial_patch_size,
-                                       self.pipe.transformer_temporal_patch_size)
-
-    def unpack(self, tokens: Tensor, grid: Sequence[int]) -> Tensor:
-        """``pack``'s inverse for the latent grid ``(f, h, w)`` (``LTXPipeline._unpack_latents``)."""
-        return self.pipe._unpack_latents(tokens, *grid, self.pipe.transformer_spatial_patch_size,
-                                         self.pipe.transformer_temporal_patch_size)
-
-    def token_grid(self, latents: Tensor) -> tuple[int, int, int]:
-        """The transformer's ``(num_frames, height, width)`` in tokens for latents ``[B, C, f, h, w]``."""
-        f, h, w = latents.shape[-3:]
-        patch, patch_t = self.pipe.transformer_spatial_patch_size, self.pipe.transformer_temporal_patch_size
-        return f // patch_t, h // patch, w // patch
 
     # --- text -----------------------------------------------------------------------------------------------------
     @torch.no_grad()
