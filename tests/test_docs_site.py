@@ -4,6 +4,7 @@ resolved, every mkdocstrings directive rendered), as ``make docs`` builds it."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,15 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
     assert all(f"<code>{field}</code>" in api for field in ("step_selection", "objectives", "distributed"))
     assert 'id="flowalign.training.trainer.Trainer._set_up"' not in api and "train_iteration" not in api
     assert (site / "images/default_before.png").is_file() and (site / "results/img").is_dir()
+
+    # The math renders offline: the site carries MathJax itself (docs/hooks/mathjax.py copies it from the
+    # django-static-mathjax package), a page with math loads that copy, and no page loads a script, stylesheet or font
+    # from another host.
+    mathjax = site / "javascripts/mathjax/tex-svg-full.js"
+    assert mathjax.is_file() and mathjax.stat().st_size > 1_000_000
+    flow_grpo = (site / "methods/flow_grpo/index.html").read_text(encoding="utf-8")
+    assert 'class="arithmatex"' in flow_grpo and "\\mathrm{std}_t" in flow_grpo
+    assert 'src="../../javascripts/mathjax/tex-svg-full.js"' in flow_grpo
+    remote = re.compile(r"""<(?:script|link|img)\b[^>]*\b(?:src|href)=["'](?:https?:)?//""", re.I)
+    for page in site.rglob("*.html"):
+        assert not remote.search(page.read_text(encoding="utf-8")), f"{page.relative_to(site)} loads from another host"
