@@ -3,6 +3,7 @@ resolved, every mkdocstrings directive rendered), as ``make docs`` builds it."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -42,3 +43,27 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
     remote = re.compile(r"""<(?:script|link|img)\b[^>]*\b(?:src|href)=["'](?:https?:)?//""", re.I)
     for page in site.rglob("*.html"):
         assert not remote.search(page.read_text(encoding="utf-8")), f"{page.relative_to(site)} loads from another host"
+
+
+    # The API page shows public names only: every object it documents is exported by flowalign or named in the
+    # __all__ of its module or of a package above it (the out-of-process rewards, documented modules of their own
+    # without an __all__, are named by their full paths), with its signature; the members that serve the loader, the
+    # trainer or a family's adapter are left out.
+    import flowalign
+
+    exported = {id(getattr(flowalign, name)) for name in flowalign.__all__}
+    by_path = {"flowalign.remote.client.RemoteReward", "flowalign.remote.judge.VLMJudge",
+               "flowalign.remote.server.ServeRewardConfig", "flowalign.kernels"}
+    for path in re.findall(r'<h2 id="([^"]+)" class="doc doc-heading">', api):
+        if path.split(".")[0] in ("samplers", "kernels"):  # repository folders installed as flowalign.samplers, ...
+            path = f"flowalign.{path}"
+        module_path, _, name = path.rpartition(".")
+        packages = [".".join(module_path.split(".")[:n]) for n in range(1, module_path.count(".") + 2)]
+        named = any(name in getattr(importlib.import_module(package), "__all__", ()) for package in packages)
+        obj = getattr(importlib.import_module(module_path), name) if module_path else None
+        assert path in by_path or named or id(obj) in exported, f"the API page documents {path}, which no __all__ names"
+    for internal in ("TrainConfig.migrate", "TrainConfig.check_batch", "FlowModel.checked_latents",
+                     "FlowModel.run_transformer", "RemoteReward.validate_settings", "VLMJudge.ask", "Registry.closest"):
+        assert not re.search(rf'id="[\w.]*\.{re.escape(internal)}"', api), internal
+    text = re.sub(r"<[^>]+>", "", api)
+    assert "Trainer(config: TrainConfig, *, rewards=None" in text and "Registry(kind: str" in text
