@@ -1,28 +1,40 @@
 """The documentation builds into a site with ``mkdocs build --strict`` (every nav page present, every link and anchor
-resolved, every mkdocstrings directive rendered), as ``make docs`` builds it."""
+resolved, every mkdocstrings directive rendered), as ``make docs`` builds it; the site renders its math with its own
+copy of MathJax and loads nothing from another host; the API page shows public names only; the search index holds
+the pages."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
+def test_the_docs_site_builds_strictly_and_holds_together(tmp_path):
+    # One build (about 10 s) serves every check; the suite's workers would each build it again for separate tests.
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
     run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+    api = (site / "reference/api/index.html").read_text(encoding="utf-8")
+    check_the_pages_and_the_api(site, api)
+    check_the_math_renders_with_the_sites_own_mathjax_and_nothing_comes_from_another_host(site)
+    check_the_api_page_shows_public_names_with_their_signatures(api)
+    check_the_search_index_holds_the_pages(site)
+
+
+def check_the_pages_and_the_api(site: Path, api: str):
     for page in ("index.html", "install/index.html", "guides/training/index.html", "methods/tp_grpo/index.html",
                  "extending/index.html", "reference/config/index.html", "results/default_run/index.html"):
         assert (site / page).is_file(), page
-    api = (site / "reference/api/index.html").read_text(encoding="utf-8")
     assert "<p>::: " not in api, "a mkdocstrings directive was left unrendered"
     assert "Trainer" in api and "register_reward" in api and "sde_step" in api
     # The exported names' Args: and Returns: render as tables (Google style), TrainConfig's fields among them, and
@@ -32,9 +44,10 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
     assert 'id="flowalign.training.trainer.Trainer._set_up"' not in api and "train_iteration" not in api
     assert (site / "images/default_before.png").is_file() and (site / "results/img").is_dir()
 
-    # The math renders offline: the site carries MathJax itself (docs/hooks/mathjax.py copies it from the
-    # django-static-mathjax package), a page with math loads that copy, and no page loads a script, stylesheet or font
-    # from another host.
+
+def check_the_math_renders_with_the_sites_own_mathjax_and_nothing_comes_from_another_host(site: Path):
+    # docs/hooks/mathjax.py copies MathJax from the django-static-mathjax package into the site, a page with math
+    # loads that copy, and no page loads a script, stylesheet, font or image from another host (users may be offline).
     mathjax = site / "javascripts/mathjax/tex-svg-full.js"
     assert mathjax.is_file() and mathjax.stat().st_size > 1_000_000
     flow_grpo = (site / "methods/flow_grpo/index.html").read_text(encoding="utf-8")
@@ -45,10 +58,10 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
         assert not remote.search(page.read_text(encoding="utf-8")), f"{page.relative_to(site)} loads from another host"
 
 
-    # The API page shows public names only: every object it documents is exported by flowalign or named in the
-    # __all__ of its module or of a package above it (the out-of-process rewards, documented modules of their own
-    # without an __all__, are named by their full paths), with its signature; the members that serve the loader, the
-    # trainer or a family's adapter are left out.
+def check_the_api_page_shows_public_names_with_their_signatures(api: str):
+    # Every object the page documents is exported by flowalign or named in the __all__ of its module or of a package
+    # above it (the out-of-process rewards, modules without an __all__, are named by their full paths); the members
+    # that serve the loader, the trainer or a family's adapter are left out.
     import flowalign
 
     exported = {id(getattr(flowalign, name)) for name in flowalign.__all__}
@@ -67,3 +80,9 @@ def test_the_docs_site_builds_strictly_and_renders_the_api(tmp_path):
         assert not re.search(rf'id="[\w.]*\.{re.escape(internal)}"', api), internal
     text = re.sub(r"<[^>]+>", "", api)
     assert "Trainer(config: TrainConfig, *, rewards=None" in text and "Registry(kind: str" in text
+
+
+def check_the_search_index_holds_the_pages(site: Path):
+    # The search box's results come from this index: DiffusionNFT, the default run's method, is found on its page.
+    index = json.loads((site / "search/search_index.json").read_text(encoding="utf-8"))["docs"]
+    assert any(doc["location"].startswith("methods/diffusion_nft/") and "DiffusionNFT" in doc["title"] for doc in index)
