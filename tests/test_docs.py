@@ -153,3 +153,20 @@ def test_the_link_checker_catches_a_broken_link_and_anchor(tmp_path, monkeypatch
     assert [t for _, _, t in found] == ["#some-code-heading", "b.md#title", "b.md#nowhere", "missing.md", "a.md"]
     assert "some-code-heading" in anchors(page)
     assert "nowhere" not in anchors(tmp_path / "b.md")
+
+
+PAPER_AND_CODE = re.compile(r"^\*\*Paper\*\*: (?P<paper>.+?) · \*\*Code\*\*: (?P<code>.+)$")
+ARXIV = re.compile(r"\[arXiv:(\d{4}\.\d{4,5})\]\(https://arxiv\.org/abs/\1\)")
+GITHUB = re.compile(r"\[([\w.-]+/[\w.-]+)\]\(https://github\.com/\1\)")
+
+
+@pytest.mark.parametrize("page", sorted(set((DOCS / "methods").glob("*.md")) - {DOCS / "methods/index.md"}),
+                         ids=relative)
+def test_every_method_page_links_its_paper_and_its_code_first(page):
+    # The line under the title: the arXiv page and the reference repository, each either linked (the link's text is
+    # its target) or said not to exist ("none: ...", "no ...").
+    line = page.read_text(encoding="utf-8").splitlines()[2]
+    match = PAPER_AND_CODE.match(line)
+    assert match, f"{relative(page)}: line 3 is not '**Paper**: ... · **Code**: ...': {line[:80]}"
+    assert ARXIV.search(match["paper"]) or match["paper"].startswith("none"), match["paper"]
+    assert GITHUB.search(match["code"]) or match["code"].startswith(("none", "no ", "this repository")), match["code"]
