@@ -574,6 +574,7 @@ class ContextParallelConfig:
         return self.ulysses * self.ring
 
     def validate(self) -> None:
+        """Each degree >= 1 (the process count and the sequence lengths are checked at start-up)."""
         _at_least("distributed.context_parallel.ulysses", self.ulysses, 1)
         _at_least("distributed.context_parallel.ring", self.ring, 1)
 
@@ -581,6 +582,9 @@ class ContextParallelConfig:
 @dataclass
 class DistributedConfig:
     """How the model is laid out over the processes (``flowalign.training.parallel_engines``)."""
+
+    # a sharded checkpoint resumes at another context-parallel layout as at another process count (DCP reshards)
+    resumable: ClassVar[tuple[str, ...]] = ("context_parallel.ulysses", "context_parallel.ring")
 
     engine: Literal["ddp", "fsdp2"] = option(
         "ddp", "ddp: the whole model on every process, gradients all-reduced; fsdp2: parameters, gradients and "

@@ -1,0 +1,49 @@
+"""A torchrun worker that trains the context-parallel runs of tests/test_context_parallel.py in one launch.
+
+    torchrun --standalone --nproc_per_node N tests/context_parallel_worker.py ROOT OUT NAME [NAME ...]
+
+``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
+(``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
+with ``layout/parallel``: whether diffusers' parallel config is on the transformer. The FSDP2 run ``flux-fsdp2-cp2`` instead trains its two
+iterations with a checkpoint each, then resumes its first checkpoint at the same layout into ``OUT/NAME-resumed``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from context_parallel_runs import one_iteration, trainer_for
+
+
+def main(root: Path, out: Path, names: list[str]) -> None:
+    trainer = None
+    for name in names:
+        trainer = trainer_for(root, name, out / name)
+        if name == "flux-fsdp2-cp2":
+            trainer.train()
+            resumed = trainer_for(root, name, out / f"{name}-resumed",
+                                  **{"train.resume": str(out / name / "checkpoint-000001")})
+            resumed.train()
+            continue
+        figures = one_iteration(trainer)
+        figures["layout/parallel"] = torch.tensor([trainer.model.transformer._parallel_config is not None])
+        if dist.get_rank() == 0:
+            tmp = out / f".tmp-{name}-{os.getpid()}.safetensors"
+            save_file({k: v.contiguous() for k, v in figures.items()}, str(tmp))
+            os.replace(tmp, out / f"{name}.safetensors")
+    # as flowalign.cli.train leaves a multi-process run (tests/video_fsdp2_worker.py)
+    trainer.accelerator.wait_for_everyone()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
