@@ -17,7 +17,7 @@ METHOD = str(REPO / "configs/methods/flow_grpo_fast.yaml")
 
 BASE = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.gradient_checkpointing": "false",
         "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
-        "data.group_size": 2, "sampling.num_steps": 8, "sampling.batch_size": 2, "optim.minibatches": 1,
+        "data.group_size": 2, "sampling.num_steps": 8, "sampling.batch_size": 2, "optim.minibatches": 2,
         "optim.lr": 3e-3, "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false",
         "train.sample_every": 0, "train.checkpoint_every": 1, "sampling.image_size": 32}
 MODELS = {"flux": {"reward.rewards": "[{name: brightness}]"},
@@ -31,6 +31,9 @@ RUNS = {
     "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
     "flux-fsdp2-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
+    # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
+    "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
+    "flux-bf16": ("flux", {"model.mixed_precision": "bf16"}),
 }
 
 
@@ -86,3 +89,14 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` (0 when both are 0)."""
     scale = b.double().norm()
     return float((a.double() - b.double()).norm() / scale) if scale > 0 else float((a - b).abs().max())
+
+
+def weights(figures: dict, prefix: str = "weight/") -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
+
+
+def update_difference(a: dict, b: dict) -> float:
+    """``|w_a - w_b| / |w_b - w_0|`` over the trainable weights after the iteration (``w_0``: before it)."""
+    wa, wb, w0 = weights(a), weights(b), weights(b, "init/")
+    return float(sum((wa[k] - wb[k]).double().pow(2).sum() for k in wb).sqrt()
+                 / sum((wb[k] - w0[k]).double().pow(2).sum() for k in wb).sqrt())

@@ -5,7 +5,8 @@
 ``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
 (``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
 with ``layout/parallel``: whether diffusers' parallel config is on the transformer. The FSDP2 run ``flux-fsdp2-cp2`` instead trains its two
-iterations with a checkpoint each, then resumes its first checkpoint at the same layout into ``OUT/NAME-resumed``.
+iterations with a checkpoint each, then resumes its first checkpoint at the same layout into ``OUT/NAME-resumed``;
+the job ``ring`` runs diffusers' ring attention over the processes (tests/ring_attention.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,22 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from context_parallel_runs import one_iteration, trainer_for
+from ring_attention import ring_check
+
+
+def save(figures: dict[str, torch.Tensor], out: Path, name: str) -> None:
+    """The main process writes ``OUT/NAME.safetensors``."""
+    if dist.get_rank() == 0:
+        tmp = out / f".tmp-{name}-{os.getpid()}.safetensors"
+        save_file({k: v.contiguous() for k, v in figures.items()}, str(tmp))
+        os.replace(tmp, out / f"{name}.safetensors")
 
 
 def main(root: Path, out: Path, names: list[str]) -> None:
-    trainer = None
     for name in names:
+        if name == "ring":
+            save(ring_check(), out, name)
+            continue
         trainer = trainer_for(root, name, out / name)
         if name == "flux-fsdp2-cp2":
             trainer.train()
@@ -33,12 +45,9 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             continue
         figures = one_iteration(trainer)
         figures["layout/parallel"] = torch.tensor([trainer.model.transformer._parallel_config is not None])
-        if dist.get_rank() == 0:
-            tmp = out / f".tmp-{name}-{os.getpid()}.safetensors"
-            save_file({k: v.contiguous() for k, v in figures.items()}, str(tmp))
-            os.replace(tmp, out / f"{name}.safetensors")
+        save(figures, out, name)
     # as flowalign.cli.train leaves a multi-process run (tests/video_fsdp2_worker.py)
-    trainer.accelerator.wait_for_everyone()
+    dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -4,7 +4,8 @@ through diffusers' ``enable_parallelism`` (Ulysses attention), on real torchrun 
 Two launches (tests/context_parallel_worker.py, the runs of tests/context_parallel_runs.py) train: on 2 processes,
 the tiny FLUX and the tiny Wan2.1 with context parallel 2 (data 1 x context 2), the tiny FLUX with data 2 x context 1,
 and the tiny FLUX under FSDP2 with context parallel 2 for two iterations, resumed from its first checkpoint at the
-same layout; on 4 processes, the tiny FLUX with data 2 x context 2. This process trains the one-process runs and
+same layout, then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX with
+data 2 x context 2. This process trains the one-process runs and
 resumes the FSDP2 checkpoint on one process (another layout: DCP reshards). The comparisons' measured figures are in
 docs/guides/distributed.md#context-parallelism-long-sequences.
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from context_parallel_runs import METHOD, RUNS, one_iteration, relative, settings, trainer_for
+from context_parallel_runs import METHOD, one_iteration, relative, settings, trainer_for, update_difference
 from flowalign.config import ConfigError, load_config
 from flowalign.training.config import TrainConfig
 from flowalign.training.context_parallel import check_context_parallel
@@ -28,12 +29,15 @@ from test_fsdp2 import BIN, LORA_FILE, one_world_per_test  # noqa: F401 - a worl
 
 TESTS = Path(__file__).resolve().parent
 OFF = {"distributed.context_parallel.ulysses": 1}
-# The collectives change the order of a few sums (the all-to-all's heads, the gradient's all-reduce): the figures
-# agree to fp32 rounding, which Adam's first step (each update element divided by its own gradient's magnitude)
-# turns into ~1e-7..1e-6 of the update (measured: docs/guides/distributed.md); a real difference (a gradient not
-# reduced over the context group, a sequence attending only to its own shard) is of the order of the update itself.
+# The collectives change the order of a few sums (the all-to-all's heads, the gradient reduction over 2 or 4
+# processes): the rollouts agree to fp32 rounding, the gradient norms to ~1e-7..1e-5 (the second minibatch's gradient
+# is taken at weights that already differ by rounding), and Adam (each update element divided by its own gradient's
+# magnitude) turns that into <= ~1e-4 of the update over the iteration's two steps (measured:
+# docs/guides/distributed.md). The gradient norm is what pins the reduction over the context group: Adam's update is
+# nearly blind to a gradient's scale, a gradient counted twice (or half) is a factor 2 in its norm.
 ROLLOUT_RTOL = 1e-5
-UPDATE_RTOL = 1e-4
+GRAD_NORM_RTOL = 1e-4
+UPDATE_RTOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +66,17 @@ def launch(root: Path, out: Path, nproc: int, names: list[str]) -> None:
 def launched(root, tmp_path_factory):
     """The two launches (module docstring); their figures under the returned folder."""
     out = tmp_path_factory.mktemp("context-parallel-runs")
-    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", "flux-fsdp2-cp2"])
+    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", "flux-fsdp2-cp2", "ring"])
     launch(root, out, 4, ["flux-d2-cp2"])
     return out
-
-
-def weights(figures: dict, prefix: str = "weight/") -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
-
-
-def update_difference(a: dict, b: dict) -> float:
-    """``|w_a - w_b| / |w_b - w_0|`` over the trainable weights after the iteration (``w_0``: before it)."""
-    wa, wb, w0 = weights(a), weights(b), weights(b, "init/")
-    return float(sum((wa[k] - wb[k]).double().pow(2).sum() for k in wb).sqrt()
-                 / sum((wb[k] - w0[k]).double().pow(2).sum() for k in wb).sqrt())
 
 
 def assert_same_iteration(split: dict, whole: dict) -> None:
     assert split["log_probs"].shape == whole["log_probs"].shape
     assert relative(split["log_probs"], whole["log_probs"]) < ROLLOUT_RTOL
     assert relative(split["rewards"], whole["rewards"]) < ROLLOUT_RTOL
-    assert abs(float(split["loss"] - whole["loss"])) < 1e-6
-    assert relative(split["grad_norm"], whole["grad_norm"]) < 1e-4
+    assert relative(split["loss"], whole["loss"]) < GRAD_NORM_RTOL
+    assert relative(split["grad_norm"], whole["grad_norm"]) < GRAD_NORM_RTOL
     assert update_difference(split, whole) < UPDATE_RTOL
 
 
@@ -127,6 +120,17 @@ def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root
     assert float(sum((one[k] - last[k]).double().pow(2).sum() for k in last).sqrt() / step) < UPDATE_RTOL
 
 
+@pytest.mark.slow
+def test_ring_attention_runs_on_gloo_given_an_attention_op_with_its_log_sum_exp(launched):
+    """The gap is the CPU attention backend, not gloo: diffusers' native backend refuses ring attention's
+    ``return_lse``, while diffusers' ring (its all-gather forward, its permute backward, its merge of the chunks) over
+    2 gloo processes with the textbook attention op (tests/ring_attention.py) equals one process's attention, output
+    and gradients, to fp32 rounding (the ring merges in fp32: ``convert_to_fp32``)."""
+    figures = load_file(str(launched / "ring.safetensors"))
+    assert float(figures["ring/native_refused"]) == 1.0
+    assert float(figures["ring/errors"].max()) < 1e-6
+
+
 # ------------------------------------------------------------------------------------- the checks before loading
 def config(root: Path, name: str = "flux-cp2", **extra) -> TrainConfig:
     return load_config(TrainConfig, METHOD, settings(root, name, root / "unused", **extra))
@@ -164,6 +168,15 @@ def test_ring_attention_is_refused_on_cpu(root):
         check_context_parallel(config(root, **{"distributed.context_parallel.ulysses": 1,
                                                "distributed.context_parallel.ring": 2}), 2, "cpu")
     assert caught.value.key == "distributed.context_parallel.ring"
+
+
+def test_ring_attention_on_a_gpu_needs_bf16_or_fp16(root):
+    """On CUDA a ring runs on cuDNN's attention (it returns the log-sum-exp), which computes in bf16 or fp16."""
+    ring = {"distributed.context_parallel.ulysses": 1, "distributed.context_parallel.ring": 2}
+    with pytest.raises(ConfigError, match="model.mixed_precision: bf16") as caught:
+        check_context_parallel(config(root, **ring), 2, "cuda")
+    assert caught.value.key == "distributed.context_parallel.ring"
+    assert check_context_parallel(config(root, **ring, **{"model.mixed_precision": "bf16"}), 2, "cuda").degree == 2
 
 
 def test_ulysses_needs_the_heads_to_divide(root):

@@ -22,8 +22,11 @@ Two things of diffusers 0.42.1 need care:
   ``torch.device("cpu")`` when ``device_type == "cpu"`` (or ``device_count() == 0``).
 * Ring attention asks the attention backend for the log-sum-exp of each chunk (``return_lse=True``); the only backend
   that runs on CPU, ``native`` (``scaled_dot_product_attention``), refuses it, so ``ring > 1`` is refused on CPU before
-  any model loads (the collectives ring attention uses, ``all_gather_tensor`` and ``permute_tensor``, do run on gloo:
-  tests/test_context_parallel.py).
+  any model loads (the collectives ring attention uses, ``all_gather_tensor`` and ``permute_tensor``, do run on gloo,
+  and diffusers' ring over gloo with an attention op that returns it equals one process's attention:
+  tests/ring_attention.py). On CUDA a ring runs on diffusers' ``_native_cudnn`` backend (cuDNN's attention, which
+  returns it, in bf16 or fp16: ``model.mixed_precision`` or ``model.dtype``); unverified until a machine with two
+  GPUs runs ``bench/device_check.sh``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from flowalign.config import ConfigError
 __all__ = ["ContextParallelLayout", "DataParallelView", "check_context_parallel", "enable_context_parallel"]
 
 KEY = "distributed.context_parallel"
+RING_BACKEND = "_native_cudnn"
 
 
 @dataclass(frozen=True)
@@ -133,6 +137,11 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
             f"{KEY}.ring = {settings.ring}: ring attention needs an attention backend that returns the log-sum-exp "
             "(flash, cuDNN), and the only one on CPU (native scaled_dot_product_attention) does not: use "
             f"{KEY}.ulysses on CPU", key=f"{KEY}.ring")
+    if settings.ring > 1 and "bf16" not in (config.model.mixed_precision, config.model.dtype) \
+            and "fp16" not in (config.model.mixed_precision, config.model.dtype):
+        raise ConfigError(
+            f"{KEY}.ring = {settings.ring} runs on cuDNN's attention, which computes in bf16 or fp16: set "
+            "model.mixed_precision: bf16 (or use ulysses)", key=f"{KEY}.ring")
     from flowalign.models.loading import adapter_class
 
     adapter = adapter_class(config.model.path, config.model.family)
@@ -209,5 +218,7 @@ def enable_context_parallel(model, settings, device_type: str) -> None:
                                           mesh=mesh["ring", "ulysses"])
         if device_type == "cpu":
             transformer._resolve_parallel_config = types.MethodType(_resolve_on_cpu, transformer)
+        if settings.ring > 1:  # an attention backend that returns the log-sum-exp (module docstring)
+            transformer.set_attention_backend(RING_BACKEND)
         transformer.enable_parallelism(config=cp_config, cp_plan=plan)
     model.collective_forwards = True
