@@ -14,10 +14,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
+
+from flowalign.cli.train import _leave_process_group
 
 from context_parallel_runs import one_iteration, trainer_for
 from ring_attention import ring_check
@@ -46,12 +49,8 @@ def main(root: Path, out: Path, names: list[str]) -> None:
         figures = one_iteration(trainer)
         figures["layout/parallel"] = torch.tensor([trainer.model.transformer._parallel_config is not None])
         save(figures, out, name)
-    # as flowalign.cli.train leaves a multi-process run (tests/video_fsdp2_worker.py)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # as flowalign.cli.train leaves a multi-process run: wait, tear the group down, exit without meeting gloo's threads
+    _leave_process_group(SimpleNamespace(wait_for_everyone=dist.barrier))
 
 
 if __name__ == "__main__":

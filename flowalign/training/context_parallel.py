@@ -119,8 +119,8 @@ def _read_json(path: Path) -> dict | None:
 
 def check_context_parallel(config, num_processes: int, device_type: str) -> ContextParallelLayout | None:
     """Refuse, before any model loads, a context-parallel config this launch cannot run: the degree must divide the
-    process count, ring attention needs an accelerator, the engine must be one this module supports, the family must
-    have a plan and attention that dispatches through diffusers (``FlowModel.context_parallel_plan``), and every
+    process count, ring attention needs an accelerator and bf16 or fp16 (cuDNN's attention), the family must have a
+    plan and attention that dispatches through diffusers (``FlowModel.context_parallel_plan``), and every
     sequence the plan splits (``FlowModel.context_parallel_lengths``) and the heads (Ulysses) must divide by the
     degree. Returns None when context parallelism is off."""
     settings = config.distributed.context_parallel
@@ -137,8 +137,7 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
             f"{KEY}.ring = {settings.ring}: ring attention needs an attention backend that returns the log-sum-exp "
             "(flash, cuDNN), and the only one on CPU (native scaled_dot_product_attention) does not: use "
             f"{KEY}.ulysses on CPU", key=f"{KEY}.ring")
-    if settings.ring > 1 and "bf16" not in (config.model.mixed_precision, config.model.dtype) \
-            and "fp16" not in (config.model.mixed_precision, config.model.dtype):
+    if settings.ring > 1 and not {config.model.mixed_precision, config.model.dtype} & {"bf16", "fp16"}:
         raise ConfigError(
             f"{KEY}.ring = {settings.ring} runs on cuDNN's attention, which computes in bf16 or fp16: set "
             "model.mixed_precision: bf16 (or use ulysses)", key=f"{KEY}.ring")
@@ -154,9 +153,7 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
     cls = getattr(diffusers, transformer_config.get("_class_name", ""), None)
     plan = adapter.context_parallel_plan(cls) if cls is not None else None
     if plan is None:
-        raise ConfigError(
-            f"{KEY}: the {adapter.family} family has no context-parallel plan ({adapter.context_parallel_refusal}): "
-            f"set {KEY}.ulysses and .ring to 1 for it", key=KEY)
+        raise refusal(adapter)
     heads = transformer_config.get("num_attention_heads")
     if settings.ulysses > 1 and isinstance(heads, int) and heads % settings.ulysses:
         raise ConfigError(f"{KEY}.ulysses = {settings.ulysses} must divide the transformer's {heads} attention heads "
@@ -170,6 +167,12 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
                 + f") does not divide by the context-parallel degree {degree}: change the resolution"
                 + (" or frames" if adapter.modality == "video" else "") + f", or the degree", key=KEY)
     return _layout(num_processes, degree)
+
+
+def refusal(adapter: type) -> ConfigError:
+    """The error for a family without a context-parallel plan, naming it and why."""
+    return ConfigError(f"{KEY}: the {adapter.family} family has no context-parallel plan "
+                       f"({adapter.context_parallel_refusal}): set {KEY}.ulysses and .ring to 1 for it", key=KEY)
 
 
 def _layout(num_processes: int, degree: int) -> ContextParallelLayout:
@@ -214,6 +217,8 @@ def enable_context_parallel(model, settings, device_type: str) -> None:
     mesh = context_mesh(settings, device_type)
     for transformer in [model.transformer] + ([model.reference_transformer] if model.full_finetune else []):
         plan = type(model).context_parallel_plan(type(transformer))
+        if plan is None:  # a model given as an object, or a hub id: the check before loading could not read it
+            raise refusal(type(model))
         cp_config = ContextParallelConfig(ulysses_degree=settings.ulysses, ring_degree=settings.ring,
                                           mesh=mesh["ring", "ulysses"])
         if device_type == "cpu":
