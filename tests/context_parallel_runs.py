@@ -17,7 +17,8 @@ METHOD = str(REPO / "configs/methods/flow_grpo_fast.yaml")
 
 BASE = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.gradient_checkpointing": "false",
         "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
-        "data.group_size": 2, "sampling.num_steps": 8, "sampling.batch_size": 2, "optim.minibatches": 2,
+        "data.group_size": 2, "sampling.num_steps": 6, "sampling.window_last": 3, "sampling.batch_size": 2,
+        "optim.minibatches": 2,
         "optim.lr": 3e-3, "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false",
         "train.sample_every": 0, "train.checkpoint_every": 1, "sampling.image_size": 32}
 MODELS = {"flux": {"reward.rewards": "[{name: brightness}]"},
@@ -26,11 +27,11 @@ ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
 
 # name -> (model, overrides); the context-parallel runs and the runs they equal
 RUNS = {
-    "flux-cp2": ("flux", ULYSSES_2),  # 2 processes: data 1 x context 2
+    # 2 processes, data 1 x context 2: FLUX under FSDP2 (two iterations, checkpointed), Wan2.1 under DDP
+    "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
     "wan-cp2": ("wan", ULYSSES_2),
     "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
-    "flux-fsdp2-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
     # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
     "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
     "flux-bf16": ("flux", {"model.mixed_precision": "bf16"}),
@@ -74,6 +75,7 @@ def one_iteration(trainer) -> dict[str, torch.Tensor]:
     finally:
         hook.remove()
     trainer.iteration += 1
+    trainer.history.append(metrics)
     accelerator = trainer.accelerator  # a context-parallel run's data-parallel view: each sample once
     log_probs = torch.cat([b.transitions.log_prob for b in batches])
     figures = {"log_probs": accelerator.gather(log_probs.to(accelerator.device)).cpu(),

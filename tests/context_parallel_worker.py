@@ -4,9 +4,10 @@
 
 ``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
 (``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
-with ``layout/parallel``: whether diffusers' parallel config is on the transformer. The FSDP2 run ``flux-fsdp2-cp2`` instead trains its two
-iterations with a checkpoint each, then resumes its first checkpoint at the same layout into ``OUT/NAME-resumed``;
-the job ``ring`` runs diffusers' ring attention over the processes (tests/ring_attention.py).
+with ``layout/parallel``: whether diffusers' parallel config is on the transformer. A run of two iterations then saves
+its first checkpoint, trains the second (checkpointed), and is resumed from its first checkpoint at the same layout
+into ``OUT/NAME-resumed``; the job ``ring`` runs diffusers' ring attention over the processes
+(tests/ring_attention.py).
 """
 
 from __future__ import annotations
@@ -40,15 +41,14 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             save(ring_check(), out, name)
             continue
         trainer = trainer_for(root, name, out / name)
-        if name == "flux-fsdp2-cp2":
-            trainer.train()
-            resumed = trainer_for(root, name, out / f"{name}-resumed",
-                                  **{"train.resume": str(out / name / "checkpoint-000001")})
-            resumed.train()
-            continue
         figures = one_iteration(trainer)
         figures["layout/parallel"] = torch.tensor([trainer.model.transformer._parallel_config is not None])
         save(figures, out, name)
+        if trainer.config.train.iterations > 1:  # checkpointed, trained on, and resumed from its first checkpoint
+            trainer.checkpointer.save()
+            trainer.train()
+            trainer_for(root, name, out / f"{name}-resumed",
+                        **{"train.resume": str(out / name / "checkpoint-000001")}).train()
     # as flowalign.cli.train leaves a multi-process run: wait, tear the group down, exit without meeting gloo's threads
     _leave_process_group(SimpleNamespace(wait_for_everyone=dist.barrier))
 

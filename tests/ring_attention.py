@@ -30,7 +30,8 @@ def math_forward_op(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_ca
 
 def math_backward_op(ctx, grad_out, *args, query=None, key=None, value=None, out=None, lse=None, **kwargs):
     """The gradients of one key/value chunk's share of attention, from the whole output and log-sum-exp:
-    ``P = exp(q k^T s - lse)``, ``dV = P^T dO``, ``dS = P (dO v^T - rowsum(dO o))``, ``dQ = dS k s``, ``dK = dS^T q s``."""
+    ``P = exp(q k^T s - lse)``, ``dV = P^T dO``, ``dS = P (dO v^T - rowsum(dO o))``, ``dQ = dS k s``,
+    ``dK = dS^T q s``."""
     s = query.shape[-1] ** -0.5 if ctx.scale is None else ctx.scale
     p = torch.exp(torch.einsum("bqhd,bkhd->bhqk", query, key) * s - lse.permute(0, 2, 1)[..., None])
     grad_value = torch.einsum("bhqk,bqhd->bkhd", p, grad_out)
