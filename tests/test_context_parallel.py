@@ -29,12 +29,14 @@ from test_fsdp2 import BIN, LORA_FILE, one_world_per_test  # noqa: F401 - a worl
 TESTS = Path(__file__).resolve().parent
 OFF = {"distributed.context_parallel.ulysses": 1}
 # The collectives change the order of a few sums (the all-to-all's heads, the gradient reduction over 2 or 4
-# processes): the rollouts agree to fp32 rounding, the gradient norms to ~1e-7..1e-5 (the second minibatch's gradient
-# is taken at weights that already differ by rounding), and Adam (each update element divided by its own gradient's
-# magnitude) turns that into <= ~1e-4 of the update over the iteration's two steps (measured:
+# processes): the rollouts agree to fp32 rounding (<= 1.4e-8 measured), the gradient norms to ~1e-7 (the second
+# minibatch's gradient is taken at weights that already differ by rounding), and Adam (each update element divided by
+# its own gradient's magnitude) turns that into a few 1e-6 of the update over the iteration's two steps (measured:
 # docs/guides/distributed.md). The gradient norm is what pins the reduction over the context group: Adam's update is
 # nearly blind to a gradient's scale, a gradient counted twice (or half) is a factor 2 in its norm.
+# The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5: compared absolutely.
 ROLLOUT_RTOL = 1e-5
+LOSS_ATOL = 1e-7
 GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
 
@@ -74,7 +76,7 @@ def assert_same_iteration(split: dict, whole: dict) -> None:
     assert split["log_probs"].shape == whole["log_probs"].shape
     assert relative(split["log_probs"], whole["log_probs"]) < ROLLOUT_RTOL
     assert relative(split["rewards"], whole["rewards"]) < ROLLOUT_RTOL
-    assert relative(split["loss"], whole["loss"]) < GRAD_NORM_RTOL
+    assert abs(float(split["loss"] - whole["loss"])) < LOSS_ATOL
     assert relative(split["grad_norm"], whole["grad_norm"]) < GRAD_NORM_RTOL
     assert update_difference(split, whole) < UPDATE_RTOL
 
