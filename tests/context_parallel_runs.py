@@ -1,7 +1,7 @@
 """The runs tests/test_context_parallel.py compares, shared with its torchrun worker (tests/context_parallel_worker.py).
 
 A run is a name, a tiny model (``flux``: the tiny FLUX at 32 px; ``wan``: the tiny Wan2.1 T2V, 5 frames at 32 px) and
-overrides; ``one_iteration`` trains it for one iteration and returns what the comparison reads: the rollout's
+overrides (every run with a KL term, so the reference policy's forwards run with the sequence split as well); ``one_iteration`` trains it for one iteration and returns what the comparison reads: the rollout's
 log-probs and rewards of every sample (gathered over the data-parallel processes, in sample order), the loss, the
 gradient norm and the updated trainable weights (all-gathered from FSDP2's shards).
 """
@@ -18,7 +18,7 @@ METHOD = str(REPO / "configs/methods/flow_grpo_fast.yaml")
 BASE = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.gradient_checkpointing": "false",
         "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
         "data.group_size": 2, "sampling.num_steps": 6, "sampling.window_last": 3, "sampling.batch_size": 2,
-        "optim.minibatches": 2,
+        "optim.minibatches": 2, "loss.grpo.beta": 0.04,
         "optim.lr": 3e-3, "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false",
         "train.sample_every": 0, "train.checkpoint_every": 1, "sampling.image_size": 32}
 MODELS = {"flux": {"reward.rewards": "[{name: brightness}]"},
@@ -27,9 +27,10 @@ ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
 
 # name -> (model, overrides); the context-parallel runs and the runs they equal
 RUNS = {
-    # 2 processes, data 1 x context 2: FLUX under FSDP2 (two iterations, checkpointed), Wan2.1 under DDP
+    # 2 processes, data 1 x context 2: FLUX's LoRA under FSDP2 (two iterations, checkpointed), Wan2.1's full fine-tune
+    # under DDP
     "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
-    "wan-cp2": ("wan", ULYSSES_2),
+    "wan-cp2": ("wan", {**ULYSSES_2, "model.finetune": "full"}),  # the KL's reference: the frozen copy, split too
     "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
     # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16

@@ -4,7 +4,7 @@
 
 ``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
 (``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
-with ``layout/parallel``: whether diffusers' parallel config is on the transformer. A run of two iterations then saves
+with ``layout/parallel``: whether diffusers' parallel config is on the transformer (and a full fine-tune's reference). A run of two iterations then saves
 its first checkpoint, trains the second (checkpointed), and is resumed from its first checkpoint at the same layout
 into ``OUT/NAME-resumed``; the job ``ring`` runs diffusers' ring attention over the processes
 (tests/ring_attention.py).
@@ -42,7 +42,9 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             continue
         trainer = trainer_for(root, name, out / name)
         figures = one_iteration(trainer)
-        figures["layout/parallel"] = torch.tensor([trainer.model.transformer._parallel_config is not None])
+        model = trainer.model  # every transformer split, a full fine-tune's reference copy too
+        split = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+        figures["layout/parallel"] = torch.tensor([all(t._parallel_config is not None for t in split)])
         save(figures, out, name)
         if trainer.config.train.iterations > 1:  # checkpointed, trained on, and resumed from its first checkpoint
             trainer.checkpointer.save()
