@@ -14,6 +14,8 @@
 # 7. bench/gpu_scale.py: a Flow-GRPO iteration on an SD3.5-Medium-sized transformer (2.24 B parameters, random
 #    weights, the real VAE architecture) in bf16 at 512 px, LoRA and full fine-tuning: rollout s/image, training
 #    s/transition, peak GPU memory, the rollout's TFLOP/s against the GPU's bf16 peak (at most 8 minutes).
+# 8. bench/context_parallel.py: context parallel 2 (Ulysses, and ring in bf16 on cuDNN's attention) on two GPUs
+#    against one, for the tiny FLUX and Wan2.1 (skipped, saying so, on a machine with one GPU). Unverified so far.
 # ONLY=<part of a stage name> runs just the matching stages (after the install), e.g. ONLY=GPU-scale.
 # Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
 # fails or hangs still leaves the others' results.
@@ -62,3 +64,4 @@ small="data.prompts_per_iteration=2 data.group_size=4 train.eval_at_end=false tr
 stage 180 "resume with EMA on CUDA" bash -c "$PY -m flowalign.cli train $small train.iterations=1 train.out_dir=$resume_run && \
   $PY -m flowalign.cli train $small train.iterations=2 train.resume=latest train.out_dir=$resume_run && \
   ls $resume_run/checkpoint-000002/ema.safetensors"
+stage 300 "context parallel 2 on two GPUs" "$PY" bench/context_parallel.py --out "$OUT/context_parallel.json"

@@ -202,6 +202,39 @@ class FlowModel:
     # The image-to-video families cannot sample without one: prompts without condition images are refused.
     requires_condition_images: bool = False
 
+    # Context parallelism (``distributed.context_parallel``, ``flowalign.training.context_parallel``): why a family
+    # without a plan cannot split its sequence, in the refusal's words.
+    context_parallel_refusal: str = ("neither diffusers nor flowalign has a plan for its transformer, and its "
+                                     "sequence lengths are not wired to the context-parallel checks")
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """How this family's transformer splits and gathers its sequence, in diffusers' plan format
+        (``ContextParallelInput`` / ``ContextParallelOutput`` per submodule, ``ModelMixin.enable_parallelism``'s
+        ``cp_plan``); None: the family cannot run context-parallel (``context_parallel_refusal`` says why).
+
+        Args:
+            transformer_class: the diffusers transformer class of the model (read from its config, no weights).
+
+        Returns:
+            The plan, or None.
+        """
+        return None
+
+    @classmethod
+    def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
+        """The length of every sequence the family's plan splits, at ``config``'s resolution and frames, from the
+        model folder's configs (no weights read): each must divide by the context-parallel degree.
+
+        Args:
+            model_dir: the diffusers model folder.
+            config: the run's ``TrainConfig``.
+
+        Returns:
+            ``{what: tokens}``.
+        """
+        return {}
+
     @classmethod
     def claims(cls, index: dict) -> int:
         """How specifically this adapter claims a pipeline of its ``pipeline_class_name`` whose config

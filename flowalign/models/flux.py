@@ -6,6 +6,8 @@ layout; it packs into FLUX's ``[B, h/2 * w/2, 4C]`` token sequence inside ``velo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -67,6 +69,26 @@ class FluxModel(PackedFlowModel):
     def default_max_sequence_length(self) -> int:
         tokenizer = getattr(self.pipe, "tokenizer_2", None)
         return min(512, tokenizer.model_max_length) if tokenizer is not None else 512
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """diffusers' own plan of the transformer class (``FluxTransformer2DModel._cp_plan``: the image and text
+        tokens and their position ids split on the way in, ``proj_out`` gathered); None for a class without one."""
+        return getattr(transformer_class, "_cp_plan", None)
+
+    @classmethod
+    def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
+        """The packed image tokens ``(H / 2s)(W / 2s)`` and the text tokens (``model.max_sequence_length``, else
+        ``min(512, tokenizer_2.model_max_length)``): the plan splits both."""
+        vae = json.loads((model_dir / "vae" / "config.json").read_text())
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        height, width = as_image_size(config.sampling.image_size, (128 * scale, 128 * scale))  # default_sample_size
+        text = config.model.max_sequence_length
+        if text is None:
+            tokenizer = model_dir / "tokenizer_2" / "tokenizer_config.json"
+            limit = json.loads(tokenizer.read_text()).get("model_max_length", 512) if tokenizer.is_file() else 512
+            text = min(512, int(limit))
+        return {"image token sequence": (height // (2 * scale)) * (width // (2 * scale)), "text token sequence": text}
 
     @property
     def guidance_embeds(self) -> bool:

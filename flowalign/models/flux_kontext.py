@@ -37,6 +37,13 @@ CONDITION_SIZE = "condition_size"
 class FluxKontextModel(FluxModel):
     """Adapter over ``diffusers.FluxKontextPipeline``: FLUX plus one condition image per prompt (module docstring)."""
 
+    context_parallel_refusal = ("its condition image's tokens are appended to the sequence, which the context-parallel "
+                                "checks do not count yet")
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        return None
+
     family = "flux_kontext"
     pipeline_class_name = "FluxKontextPipeline"
     takes_condition_images = True

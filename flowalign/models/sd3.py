@@ -28,6 +28,11 @@ class SD3Model(FlowModel):
     """Adapter over ``diffusers.StableDiffusion3Pipeline``. Latents are ``[B, 16, H/8, W/8]`` as the pipeline's."""
 
     family = "sd3"
+    # A plan in diffusers' format would split SD3's tokens, but its attention processor (JointAttnProcessor2_0) calls
+    # scaled_dot_product_attention itself instead of diffusers' dispatcher, so no Ulysses or ring exchange would run.
+    context_parallel_refusal = ("its joint attention (JointAttnProcessor2_0) calls scaled_dot_product_attention "
+                                "itself, not diffusers' attention dispatcher, so a split sequence would attend only "
+                                "to each process's own tokens")
     pipeline_class_name = "StableDiffusion3Pipeline"
     lora_targets = JOINT_ATTENTION_TARGETS
 

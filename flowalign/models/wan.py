@@ -19,12 +19,14 @@ step the flow's ODE/SDE on the same sigma schedule (``sigmas``), with the shift 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import Tensor
 
-from .base import Cond, guided, register_model_family, require_negative
+from .base import Cond, as_image_size, guided, register_model_family, require_negative
 from .video import VideoFlowModel
 
 # Every attention and MLP projection of a Wan block: self-attention, cross-attention (with the I2V image keys and
@@ -70,6 +72,26 @@ class WanModel(VideoFlowModel):
     def default_max_sequence_length(self) -> int:
         tokenizer = getattr(self.pipe, "tokenizer", None)
         return min(512, tokenizer.model_max_length) if tokenizer is not None else 512
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """diffusers' own plan of ``WanTransformer3DModel`` (the video tokens split at the first block, the rotary
+        embedding's outputs alike, ``proj_out`` gathered; the text is not split); None for another class."""
+        return getattr(transformer_class, "_cp_plan", None)
+
+    @classmethod
+    def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
+        """The video tokens ``(f / p_t)(h / p_h)(w / p_w)`` of ``sampling.num_frames`` frames at
+        ``sampling.image_size``: latent frames ``f = (frames - 1) / t + 1``, latent sides ``H / s``, the transformer's
+        patch ``p``."""
+        vae = json.loads((model_dir / "vae" / "config.json").read_text())
+        transformer = json.loads((model_dir / "transformer" / "config.json").read_text())
+        t, s = int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
+        sample = transformer.get("sample_size")
+        height, width = as_image_size(config.sampling.image_size, (sample * s, sample * s) if sample else (480, 832))
+        frames = config.sampling.num_frames or cls.default_num_frames
+        pt, ph, pw = (int(p) for p in transformer["patch_size"])
+        return {"video token sequence": ((frames - 1) // t + 1) // pt * (height // s // ph) * (width // s // pw)}
 
     @property
     def default_image_size(self) -> tuple[int, int]:

@@ -37,6 +37,12 @@ class WanTI2VModel(WanModel):
     family = "wan22_ti2v"
     pipeline_class_name = "WanPipeline"
     frozen_first_frame = False
+    context_parallel_refusal = ("its per-token timesteps and frozen condition frame are not yet checked under a "
+                                "split sequence")
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        return None
 
     @classmethod
     def claims(cls, index: dict) -> int:

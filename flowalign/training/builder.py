@@ -20,6 +20,7 @@ from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.copies import PolicyCopies
 from flowalign.training.collectives import check_distributed_type, check_ranks_agree
+from flowalign.training.context_parallel import DataParallelView, check_context_parallel, enable_context_parallel
 from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
 
@@ -45,6 +46,9 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
         project_dir=cfg.out_dir)
     check_distributed_type(t.accelerator)
     check_ranks_agree(t.accelerator, to_dict(config))
+    context = check_context_parallel(config, t.accelerator.num_processes, t.accelerator.device.type)
+    if context is not None:  # the batch is split over the data groups; a context group holds the same samples
+        t.accelerator = DataParallelView(t.accelerator, context)
     t.layout = config.check_batch(t.accelerator.num_processes)
     t.out_dir, t.checkpointer = Path(cfg.out_dir), Checkpointer(t)
     t.checkpoint = t.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
@@ -70,6 +74,8 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
         t.engine.check(config)
     torch.manual_seed(cfg.seed)  # the LoRA initialisation, identical on every process and layout
     t.model = load_policy(config, t.accelerator.device, model)
+    if context is not None:  # before the engine wraps or shards it
+        enable_context_parallel(t.model, config.distributed.context_parallel, t.accelerator.device.type)
     for _, _, reward in t.rewards:  # a reward conditioned on the model's text embeddings takes them from it
         bind_reward_model(reward, t.model)
     t.params = t.engine.prepare(t)  # wrapped or sharded before the optimizer is built on them

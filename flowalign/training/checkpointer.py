@@ -20,7 +20,7 @@ from flowalign.training.checkpoint_files import (begin_checkpoint, checkpoint_pa
                                                  load_checkpoint, load_component_tensors, load_copies, load_run_state,
                                                  rng_rekeying, save_process_rng, saved_processes,
                                                  write_checkpoint_files, write_run_files)
-from flowalign.training.collectives import together
+from flowalign.training.collectives import together, world_of
 from flowalign.training.kill_points import kill_point
 from flowalign.training.run_directory import check_new_run, check_out_dir, clear_run, resolve_resume
 
@@ -67,7 +67,7 @@ class Checkpointer:
         trainer = self.trainer
         last = trainer.last_advantages
         state = {"history": trainer.history, "last_advantages": None if last is None else last.tolist(),
-                 "optimizer_steps": trainer.optimizer_steps, "processes": trainer.accelerator.num_processes}
+                 "optimizer_steps": trainer.optimizer_steps, "processes": world_of(trainer.accelerator).num_processes}
         values, _ = self.component_state()
         if values:
             state["components"] = values
@@ -106,7 +106,7 @@ class Checkpointer:
         then does the main process rename it to ``checkpoint-N`` and prune the old ones; they agree again. A
         failure on any process (``together``) ends every process with the error."""
         trainer = self.trainer
-        accelerator, iteration, rank = trainer.accelerator, trainer.iteration, trainer.accelerator.process_index
+        accelerator, iteration, rank = trainer.accelerator, trainer.iteration, world_of(trainer.accelerator).process_index
         final, tmp = checkpoint_paths(trainer.out_dir, iteration)
         what = f"saving {final}"
         with together(accelerator, what):
@@ -151,7 +151,7 @@ class Checkpointer:
         """What ``restore_process_rng`` needs of this run; logs, once, how the RNG streams are re-keyed when the
         checkpoint was saved at another process count."""
         trainer = self.trainer
-        processes, checkpoint = trainer.accelerator.num_processes, Path(checkpoint)
+        processes, checkpoint = world_of(trainer.accelerator).num_processes, Path(checkpoint)
         saved = saved_processes(checkpoint, json.loads((checkpoint / "state.json").read_text()))
         if saved != processes and trainer.is_main:
             logger.warning(rng_rekeying(checkpoint, saved, processes))
@@ -169,13 +169,13 @@ class Checkpointer:
             trainer.engine.load(trainer, checkpoint / "sharded", ema=has_ema)
             if trainer.ema is not None and not has_ema:
                 restart_ema(trainer, checkpoint)
-            state = load_run_state(checkpoint, trainer.accelerator.process_index, **self.rng_layout(checkpoint))
+            state = load_run_state(checkpoint, world_of(trainer.accelerator).process_index, **self.rng_layout(checkpoint))
             trainer.iteration, trainer.history = int(state["iteration"]), state["history"]
             trainer.optimizer_steps = optimizer_steps(state, trainer.config)
             self.load_component_state(checkpoint, state)
             return
         state, ema = load_checkpoint(checkpoint, trainable=trainer.trainable_state(),
-                                     optimizer=_optimizer(trainer.optimizer), rank=trainer.accelerator.process_index,
+                                     optimizer=_optimizer(trainer.optimizer), rank=world_of(trainer.accelerator).process_index,
                                      **self.rng_layout(checkpoint))
         if trainer.ema is not None and ema is not None:  # onto each parameter's device and dtype (CUDA runs)
             trainer.ema.load_state_dict(ema)

@@ -16,10 +16,31 @@ import torch
 
 from flowalign.errors import SetupError
 
-__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "summed",
-           "together"]
+__all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "gather_objects",
+           "summed", "together", "world_of"]
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
+
+
+def world_of(accelerator):
+    """The accelerator of every process: the real one behind a context-parallel run's data-parallel view
+    (``flowalign.training.context_parallel.DataParallelView``), else ``accelerator`` itself."""
+    return getattr(accelerator, "world", accelerator)
+
+
+def gather_objects(accelerator, items: list) -> list:
+    """``items`` of every data-parallel process, concatenated in process order; the processes of a context-parallel
+    group hold the same items, which are taken once (from the group's first process)."""
+    from accelerate.utils import gather_object
+
+    degree = getattr(accelerator, "context_degree", 1)
+    if degree == 1:
+        return gather_object(items)
+    import torch.distributed as dist
+
+    per_process = [None] * world_of(accelerator).num_processes
+    dist.all_gather_object(per_process, list(items))
+    return [item for rank, part in enumerate(per_process) if rank % degree == 0 for item in part]
 
 
 def check_distributed_type(accelerator) -> None:

@@ -555,8 +555,36 @@ class CollapseConfig:
 
 
 @dataclass
+class ContextParallelConfig:
+    """Context parallelism: every sample's token sequence split over a group of ``ulysses * ring`` processes
+    (``flowalign.training.context_parallel``, through diffusers' ``enable_parallelism``). The processes form a
+    2D mesh, data x context: the context-parallel degree divides the process count, the data-parallel degree is the
+    quotient, and the processes of one context group hold the same samples."""
+
+    ulysses: int = option(
+        1, "Ulysses (all-to-all) degree: each process attends over all tokens for num_heads / ulysses heads; the heads "
+           "must divide by it")
+    ring: int = option(
+        1, "ring-attention degree: each process keeps its tokens' queries and attends to the others' keys and "
+           "values in turn (needs an attention backend that returns the log-sum-exp: not on CPU)")
+
+    @property
+    def degree(self) -> int:
+        """The context-parallel degree: how many processes share one sample's sequence (1: off)."""
+        return self.ulysses * self.ring
+
+    def validate(self) -> None:
+        """Each degree >= 1 (the process count and the sequence lengths are checked at start-up)."""
+        _at_least("distributed.context_parallel.ulysses", self.ulysses, 1)
+        _at_least("distributed.context_parallel.ring", self.ring, 1)
+
+
+@dataclass
 class DistributedConfig:
     """How the model is laid out over the processes (``flowalign.training.parallel_engines``)."""
+
+    # a sharded checkpoint resumes at another context-parallel layout as at another process count (DCP reshards)
+    resumable: ClassVar[tuple[str, ...]] = ("context_parallel.ulysses", "context_parallel.ring")
 
     engine: Literal["ddp", "fsdp2"] = option(
         "ddp", "ddp: the whole model on every process, gradients all-reduced; fsdp2: parameters, gradients and "
@@ -564,6 +592,9 @@ class DistributedConfig:
     reshard_after_forward: bool = option(
         True, "fsdp2: free each block's gathered weights after its forward (less memory, one more all-gather in "
               "the backward)")
+    context_parallel: ContextParallelConfig = section(
+        ContextParallelConfig, "context parallelism: each sample's sequence split over ulysses x ring processes "
+                               "(off at 1 x 1)")
 
 
 # ------------------------------------------------------------------------------------------------ the whole config

@@ -16,6 +16,7 @@ import torch
 
 from flowalign.evaluation.before_after import write_before_after
 from flowalign.evaluation.geneval import load_metadata
+from flowalign.training.collectives import gather_objects
 from flowalign.training.run_files import RunFiles
 
 __all__ = ["eval_seed", "evaluate_before_after"]
@@ -35,8 +36,6 @@ def eval_seed(config) -> int:
 
 def evaluate_before_after(trainer) -> dict | None:
     """Run the evaluation (module docstring); returns the report on the main process."""
-    from accelerate.utils import gather_object
-
     from flowalign.evaluation.geneval import summarize
     from flowalign.evaluation.toy_eval import evaluate as evaluate_images
     from flowalign.evaluation.toy_eval import images_per_tag, paired_difference
@@ -61,7 +60,7 @@ def evaluate_before_after(trainer) -> dict | None:
         model.forward_module = wrapped
     if accelerator.num_processes > 1:
         order = lambda r: (r["prompt_id"], r["image_index"])  # noqa: E731 - the one-process row order
-        before, after = (sorted(gather_object(results), key=order) for results in (before, after))
+        before, after = (sorted(gather_objects(accelerator, results), key=order) for results in (before, after))
     report = None
     if trainer.is_main:  # the first batch, the grids' images, is the main process's
         RunFiles(trainer.out_dir).record(*(f"eval/{name}" for name in EVAL_FILES))  # before they are written

@@ -71,8 +71,10 @@ class DDPEngine(Engine):
     name = "ddp"
 
     def prepare(self, trainer) -> list[torch.nn.Parameter]:
+        from flowalign.training.collectives import world_of
+
         model = trainer.model
-        if trainer.accelerator.num_processes > 1:  # wrap before building the optimizer
+        if world_of(trainer.accelerator).num_processes > 1:  # wrap before building the optimizer
             model.forward_module = trainer.accelerator.prepare(model.transformer)
         return [p for p in (model.forward_module or model.transformer).parameters() if p.requires_grad]
 

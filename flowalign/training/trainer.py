@@ -39,7 +39,7 @@ from flowalign.training.config import TrainConfig
 from flowalign.training.contexts import credit_context, iteration_context, objective_context, rollout_context
 from flowalign.training.copies import sampling_weights
 from flowalign.training.divergence import check_finite
-from flowalign.training.collectives import agreed, summed
+from flowalign.training.collectives import agreed, summed, world_of
 from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.minibatches import minibatch_units
 from flowalign.training.nfe import iteration_nfe, objective_nfe
@@ -228,7 +228,7 @@ class Trainer:
                     share = items[m * len(items) // shares:(m + 1) * len(items) // shares]
                     work += [(name, unit, len(share)) for unit in share]
                 for n, (name, unit, count) in enumerate(work):
-                    sync = n == len(work) - 1 or self.accelerator.num_processes == 1
+                    sync = n == len(work) - 1 or world_of(self.accelerator).num_processes == 1
                     with nullcontext() if sync else self.accelerator.no_sync(module):
                         loss, stats = (self.micro_batch_loss(batches[unit[0]], unit[1]) if name is None
                                        else self.objective_loss(name, unit))

@@ -1,0 +1,105 @@
+"""The runs tests/test_context_parallel.py compares, shared with its torchrun worker (tests/context_parallel_worker.py).
+
+A run is a name, a tiny model (``flux``: the tiny FLUX at 32 px; ``wan``: the tiny Wan2.1 T2V, 5 frames at 32 px) and
+overrides (every run with a KL term, so the reference policy's forwards run with the sequence split as well); ``one_iteration`` trains it for one iteration and returns what the comparison reads: the rollout's
+log-probs and rewards of every sample (gathered over the data-parallel processes, in sample order), the loss, the
+gradient norm and the updated trainable weights (all-gathered from FSDP2's shards).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+METHOD = str(REPO / "configs/methods/flow_grpo_fast.yaml")
+
+BASE = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.gradient_checkpointing": "false",
+        "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"), "data.prompts_per_iteration": 2,
+        "data.group_size": 2, "sampling.num_steps": 6, "sampling.window_last": 3, "sampling.batch_size": 2,
+        "optim.minibatches": 2, "loss.grpo.beta": 0.04,
+        "optim.lr": 3e-3, "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false",
+        "train.sample_every": 0, "train.checkpoint_every": 1, "sampling.image_size": 32}
+MODELS = {"flux": {"reward.rewards": "[{name: brightness}]"},
+          "wan": {"reward.rewards": "[{name: video_brightness}]", "sampling.num_frames": 5}}
+ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
+
+# name -> (model, overrides); the context-parallel runs and the runs they equal
+RUNS = {
+    # 2 processes, data 1 x context 2: FLUX's LoRA under FSDP2 (two iterations, checkpointed), Wan2.1's full fine-tune
+    # under DDP
+    "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
+    "wan-cp2": ("wan", {**ULYSSES_2, "model.finetune": "full"}),  # the KL's reference: the frozen copy, split too
+    "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
+    "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
+    # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
+    "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
+    "flux-bf16": ("flux", {"model.mixed_precision": "bf16"}),
+}
+
+
+def settings(root: Path, name: str, out: Path, **extra) -> list[str]:
+    """The dotted overrides of run ``name`` (``root`` holds the tiny models), into ``out``."""
+    model, overrides = RUNS[name]
+    values = {**BASE, **MODELS[model], "model.path": str(root / model), **overrides, "train.out_dir": str(out),
+              **extra}
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def trainer_for(root: Path, name: str, out: Path, **extra):
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    return Trainer(load_config(TrainConfig, METHOD, settings(root, name, out, **extra)))
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def first_block(transformer: torch.nn.Module) -> torch.nn.Module:
+    return (getattr(transformer, "transformer_blocks", None) or transformer.blocks)[0]
+
+
+def one_iteration(trainer) -> dict[str, torch.Tensor]:
+    """Train ``trainer``'s next iteration; its figures (module docstring), the same on every process, and
+    ``layout/block_tokens``: the image or video tokens the transformer's first block returned in this process's first
+    forward."""
+    before = {f"init/{k}": full(v).detach().cpu().clone() for k, v in trainer.trainable_state().items()}
+    seen = []
+    hook = first_block(trainer.model.transformer).register_forward_hook(  # its output: after the plan's split
+        lambda module, args, output: seen.append((output[-1] if isinstance(output, tuple) else output).shape[1]))
+    try:
+        metrics, _, batches, scores = trainer.train_iteration(trainer.iteration)
+    finally:
+        hook.remove()
+    trainer.iteration += 1
+    trainer.history.append(metrics)
+    accelerator = trainer.accelerator  # a context-parallel run's data-parallel view: each sample once
+    log_probs = torch.cat([b.transitions.log_prob for b in batches])
+    figures = {"log_probs": accelerator.gather(log_probs.to(accelerator.device)).cpu(),
+               "rewards": accelerator.gather(scores.combined.to(accelerator.device)).cpu(),
+               "loss": torch.tensor([metrics["loss"]]), "grad_norm": torch.tensor([metrics["grad_norm"]]),
+               "first_ratio_max": torch.tensor([metrics["first_ratio_max"]]), **before,
+               "layout/block_tokens": torch.tensor(seen[:1])}
+    figures.update({f"weight/{k}": full(v).detach().cpu() for k, v in trainer.trainable_state().items()})
+    return figures
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (0 when both are 0)."""
+    scale = b.double().norm()
+    return float((a.double() - b.double()).norm() / scale) if scale > 0 else float((a - b).abs().max())
+
+
+def weights(figures: dict, prefix: str = "weight/") -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in figures.items() if k.startswith(prefix)}
+
+
+def update_difference(a: dict, b: dict) -> float:
+    """``|w_a - w_b| / |w_b - w_0|`` over the trainable weights after the iteration (``w_0``: before it)."""
+    wa, wb, w0 = weights(a), weights(b), weights(b, "init/")
+    return float(sum((wa[k] - wb[k]).double().pow(2).sum() for k in wb).sqrt()
+                 / sum((wb[k] - w0[k]).double().pow(2).sum() for k in wb).sqrt())

@@ -1,0 +1,59 @@
+"""A torchrun worker that trains the context-parallel runs of tests/test_context_parallel.py in one launch.
+
+    torchrun --standalone --nproc_per_node N tests/context_parallel_worker.py ROOT OUT NAME [NAME ...]
+
+``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
+(``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
+with ``layout/parallel``: whether diffusers' parallel config is on the transformer (and a full fine-tune's reference). A run of two iterations then saves
+its first checkpoint, trains the second (checkpointed), and is resumed from its first checkpoint at the same layout
+into ``OUT/NAME-resumed``; the job ``ring`` runs diffusers' ring attention over the processes
+(tests/ring_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from flowalign.cli.train import _leave_process_group
+
+from context_parallel_runs import one_iteration, trainer_for
+from ring_attention import ring_check
+
+
+def save(figures: dict[str, torch.Tensor], out: Path, name: str) -> None:
+    """The main process writes ``OUT/NAME.safetensors``."""
+    if dist.get_rank() == 0:
+        tmp = out / f".tmp-{name}-{os.getpid()}.safetensors"
+        save_file({k: v.contiguous() for k, v in figures.items()}, str(tmp))
+        os.replace(tmp, out / f"{name}.safetensors")
+
+
+def main(root: Path, out: Path, names: list[str]) -> None:
+    for name in names:
+        if name == "ring":
+            save(ring_check(), out, name)
+            continue
+        trainer = trainer_for(root, name, out / name)
+        figures = one_iteration(trainer)
+        model = trainer.model  # every transformer split, a full fine-tune's reference copy too
+        split = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+        figures["layout/parallel"] = torch.tensor([all(t._parallel_config is not None for t in split)])
+        save(figures, out, name)
+        if trainer.config.train.iterations > 1:  # checkpointed, trained on, and resumed from its first checkpoint
+            trainer.checkpointer.save()
+            trainer.train()
+            trainer_for(root, name, out / f"{name}-resumed",
+                        **{"train.resume": str(out / name / "checkpoint-000001")}).train()
+    # as flowalign.cli.train leaves a multi-process run: wait, tear the group down, exit without meeting gloo's threads
+    _leave_process_group(SimpleNamespace(wait_for_everyone=dist.barrier))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])

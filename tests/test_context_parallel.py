@@ -1,0 +1,212 @@
+"""Context parallelism (``distributed.context_parallel``): each sample's sequence split over a group of processes
+through diffusers' ``enable_parallelism`` (Ulysses attention), on real torchrun processes with gloo on CPU.
+
+Two launches (tests/context_parallel_worker.py, the runs of tests/context_parallel_runs.py) train: on 2 processes
+(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, and a
+resume of the first checkpoint at the same layout) and the tiny Wan2.1's full fine-tune under DDP; the tiny FLUX as data 2 x context 1 under DDP;
+then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
+context 2 under DDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
+(another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
+
+The config checks (before any model loads) run without processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from context_parallel_runs import METHOD, one_iteration, relative, settings, trainer_for, update_difference
+from flowalign.config import ConfigError, load_config
+from flowalign.training.config import TrainConfig
+from flowalign.training.context_parallel import check_context_parallel
+from test_fsdp2 import BIN, LORA_FILE, one_world_per_test  # noqa: F401 - a world of one per test
+
+TESTS = Path(__file__).resolve().parent
+OFF = {"distributed.context_parallel.ulysses": 1}
+# The collectives change the order of a few sums (the all-to-all's heads, the gradient reduction over 2 or 4
+# processes): the rollouts agree to fp32 rounding (<= 1.4e-8 measured), the gradient norms to ~1e-7 (the second
+# minibatch's gradient is taken at weights that already differ by rounding), and Adam (each update element divided by
+# its own gradient's magnitude) turns that into a few 1e-6 of the update over the iteration's two steps (measured:
+# docs/guides/distributed.md). The gradient norm is what pins the reduction over the context group: Adam's update is
+# nearly blind to a gradient's scale, a gradient counted twice (or half) is a factor 2 in its norm.
+# The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5..1e-4: compared absolutely.
+ROLLOUT_RTOL = 1e-5
+LOSS_ATOL = 1e-7
+GRAD_NORM_RTOL = 1e-4
+UPDATE_RTOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The tiny FLUX and the tiny Wan2.1 T2V, saved."""
+    from conftest import WORDS
+    from flowalign.models.tiny import tiny_flux_pipeline
+    from video_families import tiny_video_pipeline
+
+    path = tmp_path_factory.mktemp("context-parallel")
+    tiny_flux_pipeline(WORDS, seed=0).save_pretrained(path / "flux")
+    tiny_video_pipeline("wan").save_pretrained(path / "wan")
+    return path
+
+
+def launch(root: Path, out: Path, nproc: int, names: list[str]) -> None:
+    done = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc),
+         str(TESTS / "context_parallel_worker.py"), str(root), str(out), *names],
+        cwd=TESTS, env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True,
+        text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def launched(root, tmp_path_factory):
+    """The two launches (module docstring); their figures under the returned folder."""
+    out = tmp_path_factory.mktemp("context-parallel-runs")
+    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", "ring"])
+    launch(root, out, 4, ["flux-d2-cp2"])
+    return out
+
+
+def assert_same_iteration(split: dict, whole: dict) -> None:
+    assert split["log_probs"].shape == whole["log_probs"].shape
+    assert relative(split["log_probs"], whole["log_probs"]) < ROLLOUT_RTOL
+    assert relative(split["rewards"], whole["rewards"]) < ROLLOUT_RTOL
+    assert abs(float(split["loss"] - whole["loss"])) < LOSS_ATOL
+    assert relative(split["grad_norm"], whole["grad_norm"]) < GRAD_NORM_RTOL
+    assert update_difference(split, whole) < UPDATE_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flux-cp2", "wan-cp2"])
+def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launched, tmp_path):
+    """One training iteration with the sequence split over 2 processes equals the same iteration on one process (FLUX's
+    LoRA under FSDP2, Wan2.1's full fine-tune, its reference copy split too, under DDP): the rollout's log-probs, the
+    rewards, the loss, the gradient norm and the updated weights; the first ratio is exactly 1 (the
+    rollout and the training forward run the same layout), and each process's blocks saw half the tokens."""
+    split = load_file(str(launched / f"{name}.safetensors"))
+    whole = one_iteration(trainer_for(root, name, tmp_path / "one", **OFF))
+    assert bool(split["layout/parallel"]) and int(split["layout/block_tokens"]) * 2 == int(whole["layout/block_tokens"])
+    assert float(split["first_ratio_max"]) == 1.0 and float(whole["first_ratio_max"]) == 1.0
+    assert_same_iteration(split, whole)
+
+
+@pytest.mark.slow
+def test_data_2_x_context_2_on_4_processes_equals_data_2(launched):
+    """4 processes as 2 data groups of 2 context processes train as 2 data-parallel processes: each data group takes
+    its half of the batch with its keyed noise, and the gradient reduction counts each context group once."""
+    four, two = (load_file(str(launched / f"{name}.safetensors")) for name in ("flux-d2-cp2", "flux-d2"))
+    assert int(four["layout/block_tokens"]) * 2 == int(two["layout/block_tokens"])
+    assert float(four["first_ratio_max"]) == 1.0
+    assert_same_iteration(four, two)
+
+
+@pytest.mark.slow
+def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root, launched, tmp_path):
+    """FSDP2 with context parallel 2 on 2 processes: resuming the first checkpoint at the same layout gives bitwise
+    the uninterrupted run's second checkpoint; resumed on one process without context parallelism (DCP reshards the
+    2-process shards), the second iteration agrees with it to the collectives' rounding."""
+    run = launched / "flux-cp2"
+    last = load_file(str(run / "checkpoint-000002" / LORA_FILE))
+    resumed = load_file(str(launched / "flux-cp2-resumed" / "checkpoint-000002" / LORA_FILE))
+    assert last.keys() == resumed.keys() and all(torch.equal(last[k], resumed[k]) for k in last)
+    first = load_file(str(run / "checkpoint-000001" / LORA_FILE))
+    trainer_for(root, "flux-cp2", tmp_path / "one", **OFF,
+                **{"train.resume": str(run / "checkpoint-000001")}).train()
+    one = load_file(str(tmp_path / "one" / "checkpoint-000002" / LORA_FILE))
+    step = sum((last[k] - first[k]).double().pow(2).sum() for k in last).sqrt()
+    assert float(sum((one[k] - last[k]).double().pow(2).sum() for k in last).sqrt() / step) < UPDATE_RTOL
+
+
+@pytest.mark.slow
+def test_ring_attention_runs_on_gloo_given_an_attention_op_with_its_log_sum_exp(launched):
+    """The gap is the CPU attention backend, not gloo: diffusers' native backend refuses ring attention's
+    ``return_lse``, while diffusers' ring (its all-gather forward, its permute backward, its merge of the chunks) over
+    2 gloo processes with the textbook attention op (tests/ring_attention.py) equals one process's attention, output
+    and gradients, to fp32 rounding (the ring merges in fp32: ``convert_to_fp32``)."""
+    figures = load_file(str(launched / "ring.safetensors"))
+    assert float(figures["ring/native_refused"]) == 1.0
+    assert float(figures["ring/errors"].max()) < 1e-6
+
+
+# ------------------------------------------------------------------------------------- the checks before loading
+def config(root: Path, name: str = "flux-cp2", **extra) -> TrainConfig:
+    return load_config(TrainConfig, METHOD, settings(root, name, root / "unused", **extra))
+
+
+def test_degrees_are_at_least_one(root):
+    with pytest.raises(ConfigError, match="distributed.context_parallel.ring must be >= 1") as caught:
+        config(root, **{"distributed.context_parallel.ring": 0})
+    assert caught.value.key == "distributed.context_parallel.ring"
+    assert config(root).distributed.context_parallel.degree == 2
+    assert config(root, **{"distributed.context_parallel.ring": 2}).distributed.context_parallel.degree == 4
+
+
+def test_the_degree_must_divide_the_process_count(root):
+    with pytest.raises(ConfigError, match="must divide the 3 processes") as caught:
+        check_context_parallel(config(root), 3, "cpu")
+    assert caught.value.key == "distributed.context_parallel.ulysses"
+    layout = check_context_parallel(config(root), 4, "cpu")
+    assert (layout.degree, layout.data_degree) == (2, 2)
+    assert check_context_parallel(config(root, **OFF), 3, "cpu") is None
+
+
+def test_a_launch_on_fewer_processes_than_the_degree_stops_before_the_model_loads(root, tmp_path):
+    """Through the trainer: one process, ulysses 2 (the model path does not exist: nothing is loaded)."""
+    from flowalign.training.trainer import Trainer
+
+    cfg = config(root, **{"train.out_dir": str(tmp_path / "run")})
+    with pytest.raises(ConfigError, match="must divide the 1 processes"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_ring_attention_is_refused_on_cpu(root):
+    with pytest.raises(ConfigError, match="log-sum-exp") as caught:
+        check_context_parallel(config(root, **{"distributed.context_parallel.ulysses": 1,
+                                               "distributed.context_parallel.ring": 2}), 2, "cpu")
+    assert caught.value.key == "distributed.context_parallel.ring"
+
+
+def test_ring_attention_on_a_gpu_needs_bf16_or_fp16(root):
+    """On CUDA a ring runs on cuDNN's attention (it returns the log-sum-exp), which computes in bf16 or fp16."""
+    ring = {"distributed.context_parallel.ulysses": 1, "distributed.context_parallel.ring": 2}
+    with pytest.raises(ConfigError, match="model.mixed_precision: bf16") as caught:
+        check_context_parallel(config(root, **ring), 2, "cuda")
+    assert caught.value.key == "distributed.context_parallel.ring"
+    assert check_context_parallel(config(root, **ring, **{"model.mixed_precision": "bf16"}), 2, "cuda").degree == 2
+
+
+def test_ulysses_needs_the_heads_to_divide(root):
+    """The tiny FLUX has 2 attention heads: Ulysses 4 cannot give each process a share."""
+    with pytest.raises(ConfigError, match="2 attention heads"):
+        check_context_parallel(config(root, **{"distributed.context_parallel.ulysses": 4}), 4, "cpu")
+
+
+@pytest.mark.parametrize("name, extra, what", [
+    ("flux-cp2", {"sampling.image_size": 36}, "image token sequence of 81 tokens"),
+    ("flux-cp2", {"model.max_sequence_length": 11}, "text token sequence of 11 tokens"),
+    ("wan-cp2", {"sampling.image_size": 24, "sampling.num_frames": 1}, "video token sequence of 9 tokens"),
+])
+def test_every_split_sequence_must_divide_by_the_degree(root, name, extra, what):
+    """FLUX splits its packed image tokens (36 px: 18 x 18 latents of the tiny VAE, 9 x 9 packed tokens) and its
+    text tokens; Wan its video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches)."""
+    with pytest.raises(ConfigError, match=what):
+        check_context_parallel(config(root, name, **extra), 2, "cpu")
+    assert check_context_parallel(config(root, name), 2, "cpu").degree == 2
+
+
+def test_a_family_without_a_plan_is_refused_naming_it(root, tmp_path):
+    """SD3's joint attention calls scaled_dot_product_attention itself (no dispatcher, so no Ulysses or ring
+    exchange): a plan cannot fix it, and the config says so before the model loads."""
+    from conftest import WORDS
+    from flowalign.models.tiny import tiny_sd3_pipeline
+
+    tiny_sd3_pipeline(WORDS, seed=0).save_pretrained(tmp_path / "sd3")
+    cfg = config(root, **{"model.path": str(tmp_path / "sd3")})
+    with pytest.raises(ConfigError, match="the sd3 family has no context-parallel plan .*JointAttnProcessor2_0"):
+        check_context_parallel(cfg, 2, "cpu")
