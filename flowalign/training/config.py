@@ -564,6 +564,31 @@ class DistributedConfig:
     reshard_after_forward: bool = option(
         True, "fsdp2: free each block's gathered weights after its forward (less memory, one more all-gather in "
               "the backward)")
+    activation_checkpointing: int = option(
+        0, "selective activation checkpointing: recompute the activations of every N-th transformer block in the "
+           "backward instead of keeping them (1 = every block, 2 = every other block, ...); 0 = off. Either engine; "
+           "model.gradient_checkpointing is the same as 1 through diffusers")
+    cpu_offload: bool = option(
+        False, "fsdp2: keep the parameter, gradient and optimizer-state shards (and a full fine-tune's reference "
+               "copy) in CPU memory, moved to the device block by block for each forward and backward; the optimizer "
+               "steps on the CPU (FSDP2's CPUOffloadPolicy)")
+    replicate: int = option(
+        1, "fsdp2: HSDP, hybrid sharding: the processes form replicate x (processes / replicate) groups; each group "
+           "of consecutive processes holds one sharded copy (set to the node count: shard within a node, replicate "
+           "across nodes) and gradients are all-reduced across the copies; 1 = shard over all processes")
+
+    def validate(self) -> None:
+        _at_least("distributed.activation_checkpointing", self.activation_checkpointing, 0)
+        _at_least("distributed.replicate", self.replicate, 1)
+        for key, on in (("cpu_offload", self.cpu_offload), ("replicate", self.replicate > 1)):
+            _check(self.engine == "fsdp2" or not on, f"distributed.{key}",
+                   f"= {getattr(self, key)!r} is a setting of FSDP2: set distributed.engine: fsdp2, or drop it")
+
+    def check_processes(self, num_processes: int) -> None:
+        """The process count divides into the HSDP groups (``replicate``), checked once the count is known."""
+        _check(num_processes % self.replicate == 0, "distributed.replicate",
+               f"= {self.replicate} does not divide the {num_processes} processes: HSDP needs replicate x shard = "
+               "the process count (set it to the node count)")
 
 
 # ------------------------------------------------------------------------------------------------ the whole config
@@ -722,4 +747,8 @@ class TrainConfig:
             "optim.warmup_iterations",
             f"= {self.optim.warmup_iterations} exceeds train.iterations = {self.train.iterations}",
         )
+        _check(not (self.model.gradient_checkpointing and self.distributed.activation_checkpointing),
+               "distributed.activation_checkpointing",
+               f"= {self.distributed.activation_checkpointing} with model.gradient_checkpointing = true: both "
+               "checkpoint the transformer's blocks; keep one (model.gradient_checkpointing is every block)")
         self.check_batch(1)

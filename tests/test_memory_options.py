@@ -1,0 +1,81 @@
+"""Memory that scales (``flowalign.memory``, ``distributed.*``): selective activation checkpointing per block, FSDP2's
+CPU offload of parameters, gradients and optimizer state, a full fine-tune's reference copy sharded and offloaded, and
+HSDP (replicate x shard). Each trains the tiny SD3 to the same weights as the plain run: in this process (one
+process; FSDP2 over a world of one) and in one ``torchrun`` launch of 4 CPU processes on gloo
+(tests/memory_options_worker.py), where HSDP's 2 x 2 mesh is compared with FSDP2 over the 4."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowalign.config import ConfigError, load_config
+from flowalign.memory.checkpointing import checkpointed_blocks
+from flowalign.training.config import TrainConfig
+
+from test_fsdp2 import BIN, one_world_per_test, relative_difference, settings, train_here  # noqa: F401
+from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
+
+TESTS = Path(__file__).resolve().parent
+ONE = {"train.iterations": 1, "optim.minibatches": 1}
+
+
+def trained(run: Path, finetune: str) -> dict[str, torch.Tensor]:
+    checkpoint = run / "checkpoint-000001"
+    if finetune == "lora":
+        return load_file(str(checkpoint / "lora/pytorch_lora_weights.safetensors"))
+    return load_file(str(checkpoint / "transformer/diffusion_pytorch_model.safetensors"))
+
+
+def assert_bitwise(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+
+def test_checkpointed_blocks_are_every_nth():
+    assert checkpointed_blocks(5, 1) == [0, 1, 2, 3, 4]
+    assert checkpointed_blocks(5, 2) == [0, 2, 4]
+    assert checkpointed_blocks(5, 0) == []
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_activation_checkpointing_trains_bitwise_the_plain_run(finetune, tiny_model, tmp_path):
+    """Every block and every other block recomputed in the backward: the same weights, bit for bit, under DDP (one
+    process) and FSDP2 (a world of one)."""
+    extra = {**ONE, "model.finetune": finetune, "distributed.engine": "ddp"}
+    plain = train_here(tiny_model, tmp_path / "plain", **extra)
+    for every in (1, 2):
+        run = tmp_path / f"every{every}"
+        history = train_here(tiny_model, run, **extra, **{"distributed.activation_checkpointing": every})
+        assert [m["loss"] for m in history] == [m["loss"] for m in plain]
+        assert_bitwise(trained(run, finetune), trained(tmp_path / "plain", finetune))
+
+
+def test_cpu_offload_and_the_offloaded_reference_train_bitwise_the_plain_fsdp2_run(tiny_model, tmp_path):
+    extra = {**ONE, "model.finetune": "full"}
+    train_here(tiny_model, tmp_path / "plain", **extra)
+    train_here(tiny_model, tmp_path / "offload", **extra, **{"distributed.cpu_offload": "true"})
+    train_here(tiny_model, tmp_path / "reference", **extra, **{"model.reference_offload": "true",
+                                                                "distributed.activation_checkpointing": 1})
+    for run in ("offload", "reference"):
+        assert_bitwise(trained(tmp_path / run, "full"), trained(tmp_path / "plain", "full"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ({"distributed.cpu_offload": "true"}, "distributed.cpu_offload"),
+    ({"distributed.replicate": 2}, "distributed.replicate"),
+    ({"distributed.activation_checkpointing": -1}, "distributed.activation_checkpointing"),
+    ({"distributed.activation_checkpointing": 1, "model.gradient_checkpointing": "true"},
+     "distributed.activation_checkpointing"),
+])
+def test_memory_options_refuse_what_they_cannot_do_naming_the_key(override, key, tmp_path):
+    values = {"distributed.engine": "ddp", **override}
+    with pytest.raises(ConfigError) as error:
+        load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
+    assert error.value.key == key
