@@ -79,3 +79,27 @@ def test_memory_options_refuse_what_they_cannot_do_naming_the_key(override, key,
     with pytest.raises(ConfigError) as error:
         load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()])
     assert error.value.key == key
+
+
+def test_four_processes_hsdp_and_offload_train_as_fsdp2_over_four(tiny_model, tmp_path):
+    """One launch of 4 CPU processes (gloo): a full fine-tune under FSDP2 over the 4, HSDP on a 2 x 2 mesh
+    (``distributed.replicate: 2``: shard over 2, replicate twice) and FSDP2 with CPU offload and the reference
+    offloaded. Offload is bitwise the plain run; HSDP reduces the gradients in another order (reduce-scatter within a
+    copy, then all-reduce across the copies), so it agrees to that rounding."""
+    common = "model.finetune:full,train.iterations:1,optim.minibatches:1,data.prompts_per_iteration:4"
+    runs = {"plain": common, "hsdp": common + ",distributed.replicate:2",
+            "offload": common + ",distributed.cpu_offload:true,model.reference_offload:true"}
+    log = tmp_path / "torchrun.log"
+    with open(log, "w") as output:
+        done = subprocess.run(
+            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", str(TESTS / "memory_options_worker.py"),
+             str(tiny_model), str(tmp_path), *(f"{name}={values}" for name, values in runs.items())],
+            env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, stdout=output, stderr=output,
+            timeout=600)
+    assert done.returncode == 0, log.read_text()[-3000:]
+    plain = trained(tmp_path / "plain", "full")
+    assert_bitwise(trained(tmp_path / "offload", "full"), plain)
+    base = load_file(str(tiny_model / "transformer/diffusion_pytorch_model.safetensors"))
+    difference = relative_difference(trained(tmp_path / "hsdp", "full"), plain, base)
+    print(f"HSDP 2 x 2 against FSDP2 over 4: relative difference {difference:.2e} of the update")
+    assert difference < 1e-4
