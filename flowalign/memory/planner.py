@@ -39,7 +39,8 @@ from flowalign.config import ConfigError
 from flowalign.memory.activations import ActivationProfile, saved_activations
 from flowalign.memory.published import ModelSpec, model_spec
 
-__all__ = ["GIB", "HEADROOM", "Layout", "MemoryPlan", "Verdict", "model_counts", "plan", "plan_config", "verdict"]
+__all__ = ["GIB", "HEADROOM", "Layout", "MemoryPlan", "Verdict", "describe", "layout_from_config", "model_counts", "plan",
+           "plan_config", "verdict"]
 
 GIB = 1024 ** 3
 HEADROOM = 0.10  # of each GPU's memory, kept free (module docstring)
@@ -67,7 +68,8 @@ class Layout:
     checkpoint_every: int = 0  # 1 = every block (model.gradient_checkpointing)
     cpu_offload: bool = False
     reference_offload: bool = False
-    micro_batch: int = 1  # samples per training forward (CFG doubled already)
+    micro_batch: int = 1  # samples per training forward, times cfg_passes
+    cfg_passes: int = 1  # 2 when the training forward runs classifier-free guidance (batched)
     height: int = 512
     width: int = 512
     num_frames: int | None = None
@@ -86,7 +88,7 @@ class Layout:
 class ModelCounts:
     """Exact parameter counts from the meta-device build."""
 
-    parameters: int  # every transformer weight (both experts)
+    parameters: int  # every transformer weight (both experts), the LoRA's included
     trained: int  # trained parameters (the LoRA, or every weight)
     lora: int
     largest_block: int
@@ -120,7 +122,7 @@ class Verdict:
     fits: bool
     capacity: int
     plan: MemoryPlan
-    change: dict[str, object] | None = None  # the smallest change that fits (None: it fits, or nothing does)
+    change: list[str] | None = None  # the overrides of the smallest change that fits (None: it fits, or none does)
     changed: MemoryPlan | None = None
 
 
@@ -129,16 +131,37 @@ def _meta_transformer(config: dict):
 
     cls = getattr(diffusers, config.get("_class_name", ""), None)
     if cls is None:
-        raise ConfigError(f"the transformer class {config.get('_class_name')!r} is not in diffusers", key="model.path")
+        raise ConfigError(f"model.path: the transformer class {config.get('_class_name')!r} is not in diffusers",
+                          key="model.path")
     with torch.device("meta"):
         return cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
 
 
-def model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
-    """Build every transformer of ``spec`` on the meta device, attach the LoRA (the layout's targets, or the
-    family's) to the trained experts, and count."""
-    from peft import LoraConfig
+def lora_parameters(transformer: torch.nn.Module, targets: list[str], rank: int) -> int:
+    """The parameters a peft LoRA of ``rank`` on ``targets`` adds to ``transformer``: ``rank x (in + out)`` for every
+    ``nn.Linear`` whose name is a target or ends with ``.target`` (peft's matching of ``target_modules``); counted
+    without building the adapter (peft on a 14 B meta model takes seconds)."""
+    total = 0
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            total += rank * (module.in_features + module.out_features)
+    return total
 
+
+_COUNTS: dict[tuple, "ModelCounts"] = {}
+
+
+def model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
+    """Build every transformer of ``spec`` on the meta device and count, with the LoRA (the layout's targets, or the
+    family's) on the trained experts (once per process for each model and adapter)."""
+    key = (spec.name, str(spec.directory), layout.finetune, layout.lora_rank, tuple(layout.lora_targets or ()),
+           tuple(layout.lora_experts or ()))
+    if key not in _COUNTS:
+        _COUNTS[key] = _model_counts(spec, layout)
+    return _COUNTS[key]
+
+
+def _model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
     from flowalign.models.base import MODEL_FAMILIES
     from flowalign.training.parallel_engines import transformer_blocks
 
@@ -157,11 +180,9 @@ def model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
         largest = max([largest] + [sum(p.numel() for p in block.parameters()) for block in blocks])
         parameters += sum(p.numel() for p in transformer.parameters())
         if layout.finetune == "lora" and name in trained_names:
-            transformer.add_adapter(LoraConfig(r=layout.lora_rank, lora_alpha=2 * layout.lora_rank,
-                                               target_modules=targets))
-            lora += sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+            lora += lora_parameters(transformer, targets, layout.lora_rank)
     trained = lora if layout.finetune == "lora" else parameters
-    return ModelCounts(parameters, trained, lora, largest, kinds, width, sum(spec.frozen.values()))
+    return ModelCounts(parameters + lora, trained, lora, largest, kinds, width, sum(spec.frozen.values()))
 
 
 def _calibration_model(spec: ModelSpec, layout: Layout):
@@ -178,7 +199,8 @@ def _calibration_model(spec: ModelSpec, layout: Layout):
     else:
         builder = getattr(tiny, f"tiny_{spec.family}_pipeline", None)
         if builder is None:
-            raise ConfigError(f"= {spec.family!r} has no small model to measure activations on", key="model.family")
+            raise ConfigError(f"model.family = {spec.family!r} has no small model to measure activations on",
+                              key="model.family")
         model = MODEL_FAMILIES.get(spec.family)(builder(["a", "red", "circle"]), **options)
     if layout.finetune == "lora":
         model.add_lora(rank=layout.lora_rank, target_modules=layout.lora_targets)
@@ -200,13 +222,28 @@ def measured_profile(model, batch: int, size: int, num_frames: int | None = None
     return saved_activations(model, x, torch.tensor(0.5), cond)
 
 
+_CALIBRATIONS: dict[tuple, ActivationProfile] = {}
+
+
+def _calibrated(spec: ModelSpec, finetune: str, rank: int, targets: tuple[str, ...], video: bool, size: int
+                ) -> ActivationProfile:
+    """The small model's measured profile, once per process for each model and what trains (a few seconds each)."""
+    key = (spec.name, str(spec.directory), spec.family, finetune, rank, targets, video, size)
+    if key not in _CALIBRATIONS:
+        layout = Layout(finetune=finetune, lora_rank=rank, lora_targets=list(targets) or None,
+                        num_frames=CALIBRATION_FRAMES if video else None)
+        model = _calibration_model(spec, layout)
+        _CALIBRATIONS[key] = measured_profile(model, 1, size)
+    return _CALIBRATIONS[key]
+
+
 def activations(spec: ModelSpec, layout: Layout, counts: ModelCounts) -> tuple[int, int, int]:
     """``(plain, checkpointed, text tokens)``: the activation bytes of one micro-batch per process without and with
     checkpointing (every ``layout.checkpoint_every``-th block, or every block when that is 0), the rule's text tokens."""
-    model = _calibration_model(spec, layout)
     frames = layout.num_frames
     size = min(CALIBRATION_SIZE, layout.height, layout.width)
-    measured = measured_profile(model, 1, size, frames)
+    measured = _calibrated(spec, layout.finetune, layout.lora_rank, tuple(layout.lora_targets or ()), frames is not None,
+                           size)
     ran = [b for b in measured.blocks if b.tokens]
     image = spec.image_tokens(size, size, CALIBRATION_FRAMES if frames else None) if spec.directory is not None else 0
     text = layout.text_tokens or spec.geometry.get("text_tokens") or max(ran[0].tokens - image, 0)
@@ -242,7 +279,7 @@ def plan(spec: ModelSpec, layout: Layout, *, counts: ModelCounts | None = None,
     offloaded = {"parameters", "gradients", "optimizer state", "LoRA"} if layout.cpu_offload else set()
     if layout.reference_offload or layout.cpu_offload:
         offloaded.add("reference copy")
-    result = MemoryPlan(layout, "", activations_plain=plain, activations_checkpointed=checkpointed)
+    result = MemoryPlan(layout, spec.name, activations_plain=plain, activations_checkpointed=checkpointed)
     for part, value in parts.items():
         (result.host if part in offloaded else result.device)[part] = math.ceil(value)
     if layout.engine == "fsdp2":
@@ -252,26 +289,30 @@ def plan(spec: ModelSpec, layout: Layout, *, counts: ModelCounts | None = None,
     return result
 
 
-def _candidates(layout: Layout, options: dict) -> list[tuple[str, dict]]:
-    """The changes the verdict tries, cheapest first (module docstring)."""
+def _candidates(layout: Layout, max_gpus_per_node: int = 8) -> list[tuple[str, dict]]:
+    """The changes the verdict tries, cheapest first (module docstring), each with the override that makes it."""
     changes = []
     if not layout.checkpoint_every:
-        changes.append(("distributed.activation_checkpointing", {"checkpoint_every": 1}))
+        changes.append(("distributed.activation_checkpointing=1", {"checkpoint_every": 1}))
     if layout.engine != "fsdp2":
-        changes.append(("distributed.engine", {"engine": "fsdp2"}))
-    if layout.micro_batch > 1:
-        changes.append(("sampling.batch_size", {"micro_batch": max(1, layout.micro_batch // 2)}))
+        changes.append(("distributed.engine=fsdp2", {"engine": "fsdp2"}))
+    samples = layout.micro_batch // layout.cfg_passes
+    while samples > 1:
+        samples //= 2
+        changes.append((f"sampling.batch_size={samples}", {"micro_batch": samples * layout.cfg_passes}))
     for degree in (2, 4, 8):
-        if degree > layout.context_parallel and degree <= layout.processes:
-            changes.append(("context parallel", {"context_parallel": degree}))
+        if layout.context_parallel < degree <= layout.processes and layout.processes % degree == 0:
+            changes.append((f"--context-parallel {degree}", {"context_parallel": degree}))
             break
     if not layout.cpu_offload:
-        changes.append(("distributed.cpu_offload", {"cpu_offload": True, "engine": "fsdp2"}))
+        changes.append(("distributed.cpu_offload=true" + ("" if layout.engine == "fsdp2" else
+                                                           " distributed.engine=fsdp2"),
+                        {"cpu_offload": True, "engine": "fsdp2"}))
     for gpus in (2 * layout.gpus, 4 * layout.gpus):
-        if gpus <= options.get("max_gpus_per_node", 8):
-            changes.append(("--gpus", {"gpus": gpus}))
+        if gpus <= max_gpus_per_node:
+            changes.append((f"--gpus {gpus}", {"gpus": gpus}))
     for nodes in (2 * layout.nodes, 4 * layout.nodes):
-        changes.append(("--nodes", {"nodes": nodes}))
+        changes.append((f"--nodes {nodes}", {"nodes": nodes}))
     return changes
 
 
@@ -289,18 +330,17 @@ def verdict(spec: ModelSpec, layout: Layout, gpu_memory_gib: float, **options) -
 
     capacity = int(gpu_memory_gib * GIB * (1 - HEADROOM))
     current = at(layout)
-    current.model = spec.name
     if current.total <= capacity:
         return Verdict(True, capacity, current)
-    candidates = _candidates(layout, options)
-    for key, change in candidates:
+    candidates = _candidates(layout, **options)
+    for override, change in candidates:
         candidate = at(replace(layout, **change))
         if candidate.total <= capacity:
-            return Verdict(False, capacity, current, {key: change}, candidate)
-    combined, applied = layout, {}
-    for key, change in candidates:
+            return Verdict(False, capacity, current, [override], candidate)
+    combined, applied = layout, []
+    for override, change in candidates:
         combined = replace(combined, **change)
-        applied[key] = change
+        applied.append(override)
         candidate = at(combined)
         if candidate.total <= capacity:
             return Verdict(False, capacity, current, applied, candidate)
@@ -311,7 +351,8 @@ def layout_from_config(config, gpus: int, nodes: int = 1, context_parallel: int 
                        spec: ModelSpec | None = None) -> Layout:
     """The planner's layout of a ``TrainConfig`` at ``gpus`` per node on ``nodes`` nodes: the resolution and frames
     are ``sampling.image_size`` and ``sampling.num_frames`` (the published ones when null), the micro-batch
-    ``sampling.batch_size``, doubled when the training forward runs classifier-free guidance."""
+    of a rollout chunk (``sampling.batch_size``, or the whole local batch; ``check_batch`` at the data-parallel
+    process count: the processes over the context parallel degree), doubled when the training forward runs classifier-free guidance."""
     from flowalign.models.base import MODEL_FAMILIES
 
     model, sampling, dist = config.model, config.sampling, config.distributed
@@ -323,6 +364,7 @@ def layout_from_config(config, gpus: int, nodes: int = 1, context_parallel: int 
     video = getattr(adapter, "modality", "image") == "video"
     frames = (sampling.num_frames or published.get("num_frames") or 5) if video else None
     cfg = sampling.guidance_scale > 1.0 and not _guidance_embedded(spec)
+    samples = config.check_batch(max(1, gpus * nodes // context_parallel)).rollout_batch_size
     return Layout(
         gpus=gpus, nodes=nodes, engine=dist.engine, replicate=dist.replicate, context_parallel=context_parallel,
         finetune=model.finetune, dtype=model.dtype,
@@ -330,7 +372,7 @@ def layout_from_config(config, gpus: int, nodes: int = 1, context_parallel: int 
         lora_rank=model.lora_rank, lora_targets=model.lora_targets, lora_experts=model.lora_experts,
         checkpoint_every=1 if model.gradient_checkpointing else dist.activation_checkpointing,
         cpu_offload=dist.cpu_offload, reference_offload=model.reference_offload,
-        micro_batch=sampling.batch_size * (2 if cfg else 1), height=height, width=width, num_frames=frames,
+        micro_batch=samples * (2 if cfg else 1), cfg_passes=2 if cfg else 1, height=height, width=width, num_frames=frames,
         text_tokens=model.max_sequence_length)
 
 
@@ -342,15 +384,60 @@ def plan_config(config, *, gpus: int, gpu_memory_gib: float, nodes: int = 1, con
     """``flowalign plan``'s work: the verdict for a ``TrainConfig`` (bad numbers refused first, naming them)."""
     for name, value in (("--gpus", gpus), ("--nodes", nodes), ("--context-parallel", context_parallel)):
         if not isinstance(value, int) or value < 1:
-            raise ConfigError(f"must be a positive whole number, got {value!r}", key=name)
+            raise ConfigError(f"{name} must be a positive whole number, got {value!r}", key=name)
     if not gpu_memory_gib > 0 or not math.isfinite(gpu_memory_gib):
-        raise ConfigError(f"must be a positive number of GiB, got {gpu_memory_gib!r}", key="--gpu-memory")
+        raise ConfigError(f"--gpu-memory must be a positive number of GiB, got {gpu_memory_gib!r}", key="--gpu-memory")
     spec = model_spec(config.model.path, config.model.family)
     processes = gpus * nodes
     if processes % config.distributed.replicate:
-        raise ConfigError(f"= {config.distributed.replicate} does not divide the {processes} processes",
+        raise ConfigError(f"distributed.replicate = {config.distributed.replicate} does not divide the {processes} "
+                          "processes",
                           key="distributed.replicate")
     if processes % context_parallel:
-        raise ConfigError(f"= {context_parallel} does not divide the {processes} processes", key="--context-parallel")
+        raise ConfigError(f"--context-parallel = {context_parallel} does not divide the {processes} processes",
+                          key="--context-parallel")
     layout = layout_from_config(config, gpus, nodes, context_parallel, spec)
     return verdict(spec, layout, gpu_memory_gib)
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:8.1f}"
+
+
+def describe(result: Verdict) -> str:
+    """The table and the verdict ``flowalign plan`` prints."""
+    plan_, layout = result.plan, result.plan.layout
+    engine = layout.engine if layout.replicate == 1 else f"fsdp2 (HSDP {layout.replicate} x {layout.shards})"
+    what = f"LoRA r{layout.lora_rank}" if layout.finetune == "lora" else "full fine-tune"
+    frames = f", {layout.num_frames} frames" if layout.num_frames else ""
+    lines = [f"{plan_.model}: {what}, {engine} over {layout.processes} processes ({layout.gpus} GPUs x "
+             f"{layout.nodes} node{'s' if layout.nodes > 1 else ''}), {layout.height}x{layout.width}{frames}, micro-batch {layout.micro_batch} "
+             f"(samples x CFG passes), {layout.compute} compute, context parallel {layout.context_parallel}",
+             f"{'per process':42s} {'GPU GiB':>8s} {'host GiB':>8s}"]
+    for part in ("parameters", "gradients", "optimizer state", "reference copy", "LoRA", "gathered blocks",
+                 "text encoders and VAE"):
+        if (part in plan_.device or part in plan_.host) and not (
+                part == ("reference copy" if layout.finetune == "lora" else "LoRA")):
+            on_host = part in plan_.host
+            lines.append(f"{part:42s} {_gib(plan_.device.get(part, 0)) if not on_host else '       -'} "
+                         f"{_gib(plan_.host[part]) if on_host else '       -'}")
+    every = layout.checkpoint_every or 1
+    checkpointing = "every block" if every == 1 else f"every {every}th block"
+    marks = ("  <- this run", "") if not layout.checkpoint_every else ("", "  <- this run")
+    lines.append(f"{'activations, no checkpointing':42s} {_gib(plan_.activations_plain)}{marks[0]}")
+    lines.append(f"{'activations, checkpointing ' + checkpointing:42s} {_gib(plan_.activations_checkpointed)}"
+                 f"{marks[1]}")
+    lines.append(f"{'total':42s} {_gib(plan_.total)} {_gib(plan_.host_total)}")
+    lines.append(f"capacity: {result.capacity / (1 - HEADROOM) / GIB:.0f} GiB less {HEADROOM:.0%} headroom = "
+                 f"{result.capacity / GIB:.1f} GiB per GPU")
+    if result.fits:
+        lines.append(f"verdict: fits ({plan_.total / GIB:.1f} of {result.capacity / GIB:.1f} GiB)")
+    elif result.change:
+        lines.append(f"verdict: does not fit ({plan_.total / GIB:.1f} GiB > {result.capacity / GIB:.1f} GiB); the "
+                     f"smallest change that fits: {' '.join(result.change)} -> {result.changed.total / GIB:.1f} GiB "
+                     "per GPU")
+    else:
+        lines.append(f"verdict: does not fit ({plan_.total / GIB:.1f} GiB > {result.capacity / GIB:.1f} GiB), and no "
+                     "change tried fits (checkpointing, FSDP2, a micro-batch of 1, context parallelism, CPU offload, "
+                     "4x the GPUs per node up to 8, 4x the nodes)")
+    return "\n".join(lines)

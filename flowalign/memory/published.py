@@ -78,7 +78,8 @@ def _safetensors_parameters(folder: Path) -> int:
         with open(file, "rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             if length > 100_000_000:
-                raise ConfigError(f"{file}: a safetensors header of {length} bytes is not plausible", key="model.path")
+                raise ConfigError(f"model.path: {file} has a safetensors header of {length} bytes, which is not "
+                                  "plausible", key="model.path")
             header = json.loads(handle.read(length))
         total += sum(math.prod(entry["shape"]) for name, entry in header.items() if name != "__metadata__")
     return total
@@ -103,7 +104,8 @@ def _local_spec(directory: Path, family: str | None) -> ModelSpec:
         if config_file.is_file():
             transformers[name] = json.loads(config_file.read_text())
     if not transformers:
-        raise ConfigError(f"{directory} has no transformer/config.json to build the model from", key="model.path")
+        raise ConfigError(f"model.path: {directory} has no transformer/config.json to build the model from",
+                          key="model.path")
     index = json.loads((directory / "model_index.json").read_text())
     frozen = {name: _safetensors_parameters(directory / name) for name in sorted(index)
               if (name.startswith("text_encoder") or name in ("vae", "image_encoder")) and (directory / name).is_dir()}
@@ -137,14 +139,14 @@ def model_spec(path: str, family: str | None = None) -> ModelSpec:
     if path in models:
         spec = models[path]
         if family is not None and family != spec.family:
-            raise ConfigError(f"= {family!r}, but {path} is a {spec.family!r} model", key="model.family")
+            raise ConfigError(f"model.family = {family!r}, but {path} is a {spec.family!r} model", key="model.family")
         return spec
     directory = Path(path)
     if directory.is_dir() and (directory / "model_index.json").is_file():
         try:
             return _local_spec(directory, family)
         except ValueError as error:  # the loader's own words for an unsupported pipeline or family
-            raise ConfigError(str(error), key="model.family") from None
+            raise ConfigError(f"model.family: {error}", key="model.family") from None
     known = sorted(name for name in models if "/" in name)
-    raise ConfigError(f"= {path!r} is neither a local model directory (with model_index.json) nor a model whose "
+    raise ConfigError(f"model.path = {path!r} is neither a local model directory (with model_index.json) nor a model whose "
                       f"config ships with flowalign (configs/published): {', '.join(known)}", key="model.path")
