@@ -24,7 +24,8 @@ With ``distributed.cpu_offload`` (or ``model.reference_offload`` for the referen
 memory instead. The verdict compares the total with the GPU's memory less a headroom (``HEADROOM``: the CUDA
 context, the caching allocator's fragmentation and the collectives' buffers), and otherwise names the smallest change
 that fits, trying one change at a time in this order, then the same changes together: activation checkpointing,
-FSDP2, a smaller micro-batch, context parallelism, CPU offload, more GPUs.
+FSDP2, a smaller micro-batch, context parallelism, CPU offload, more GPUs per node, more nodes; a set of changes
+that fits is then pruned, last to first, of every change the rest fit without (the cheaper ones stay).
 """
 
 from __future__ import annotations
@@ -337,13 +338,21 @@ def verdict(spec: ModelSpec, layout: Layout, gpu_memory_gib: float, **options) -
         candidate = at(replace(layout, **change))
         if candidate.total <= capacity:
             return Verdict(False, capacity, current, [override], candidate)
-    combined, applied = layout, []
-    for override, change in candidates:
-        combined = replace(combined, **change)
-        applied.append(override)
-        candidate = at(combined)
-        if candidate.total <= capacity:
-            return Verdict(False, capacity, current, applied, candidate)
+    def replay(chosen: list[tuple[str, dict]]) -> MemoryPlan:
+        combined = layout
+        for _, change in chosen:
+            combined = replace(combined, **change)
+        return at(combined)
+
+    for count in range(2, len(candidates) + 1):
+        chosen = candidates[:count]
+        if replay(chosen).total <= capacity:  # then drop, last to first, each change the others fit without
+            for entry in reversed(list(chosen)):
+                fewer = [other for other in chosen if other is not entry]
+                if fewer and replay(fewer).total <= capacity:
+                    chosen = fewer
+            overrides = list(dict.fromkeys(override for override, _ in chosen))
+            return Verdict(False, capacity, current, overrides, replay(chosen))
     return Verdict(False, capacity, current)
 
 
@@ -410,7 +419,8 @@ def describe(result: Verdict) -> str:
     engine = layout.engine if layout.replicate == 1 else f"fsdp2 (HSDP {layout.replicate} x {layout.shards})"
     what = f"LoRA r{layout.lora_rank}" if layout.finetune == "lora" else "full fine-tune"
     frames = f", {layout.num_frames} frames" if layout.num_frames else ""
-    lines = [f"{plan_.model}: {what}, {engine} over {layout.processes} processes ({layout.gpus} GPUs x "
+    plural = "es" if layout.processes > 1 else ""
+    lines = [f"{plan_.model}: {what}, {engine} over {layout.processes} process{plural} ({layout.gpus} GPUs x "
              f"{layout.nodes} node{'s' if layout.nodes > 1 else ''}), {layout.height}x{layout.width}{frames}, micro-batch {layout.micro_batch} "
              f"(samples x CFG passes), {layout.compute} compute, context parallel {layout.context_parallel}",
              f"{'per process':42s} {'GPU GiB':>8s} {'host GiB':>8s}"]
