@@ -14,6 +14,10 @@
 # 7. bench/gpu_scale.py: a Flow-GRPO iteration on an SD3.5-Medium-sized transformer (2.24 B parameters, random
 #    weights, the real VAE architecture) in bf16 at 512 px, LoRA and full fine-tuning: rollout s/image, training
 #    s/transition, peak GPU memory, the rollout's TFLOP/s against the GPU's bf16 peak (at most 8 minutes).
+# 8. bench/memory_check.py: a LoRA step of a Wan2.1-14B-sized transformer (random weights, the shipped published
+#    config) under FSDP2 with every block checkpointed, at 1280x720 and 81 frames, one sample: peak GPU memory
+#    against flowalign plan's prediction (memory.json). Needs about 80 GB: on a smaller GPU it runs out of memory,
+#    which the log shows. (Context parallel 2 is the other engineer's stage, for machines with two GPUs.)
 # ONLY=<part of a stage name> runs just the matching stages (after the install), e.g. ONLY=GPU-scale.
 # Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
 # fails or hangs still leaves the others' results.
@@ -62,3 +66,5 @@ small="data.prompts_per_iteration=2 data.group_size=4 train.eval_at_end=false tr
 stage 180 "resume with EMA on CUDA" bash -c "$PY -m flowalign.cli train $small train.iterations=1 train.out_dir=$resume_run && \
   $PY -m flowalign.cli train $small train.iterations=2 train.resume=latest train.out_dir=$resume_run && \
   ls $resume_run/checkpoint-000002/ema.safetensors"
+stage "${MEMORY_LIMIT:-300}" "memory plan against FSDP2 + activation checkpointing, Wan2.1-14B-sized, 720p 81 frames" \
+  "$PY" bench/memory_check.py --out "$OUT/memory.json"

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["ActivationProfile", "BlockActivations", "LivePeak", "saved_activations"]
 
@@ -198,6 +199,7 @@ class LivePeak(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for value in torch.utils._pytree.tree_leaves(out):
-            if isinstance(value, torch.Tensor) and not value.is_meta:
+            # a wrapper subclass (a DTensor) owns no storage: its local tensors come through here themselves
+            if isinstance(value, torch.Tensor) and not value.is_meta and not is_traceable_wrapper_subclass(value):
                 self._track(value)
         return out

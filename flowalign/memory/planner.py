@@ -11,8 +11,9 @@ FSDP2, ``processes / distributed.replicate`` under HSDP, 1 under DDP, where ever
   second copy of the gradients in its all-reduce buckets with more than one process;
 * the reference copy: a full fine-tune's frozen base in ``model.dtype``, ``/ W`` (sharded like the policy);
 * the LoRA: its fp32 weights, ``/ W``;
-* gathered blocks: FSDP2 all-gathers one block at a time and prefetches the next: the two largest blocks in the
-  compute dtype;
+* gathered blocks: FSDP2 all-gathers one block at a time and prefetches the next, and keeps the root unit (the
+  parameters outside the blocks) gathered through the forward and backward: the two largest blocks and the root in
+  the compute dtype;
 * frozen components: the text encoders and the VAE in ``model.dtype``, whole on every process;
 * activations: what one training forward of a micro-batch (``sampling.batch_size`` samples, twice that when the
   training forward runs classifier-free guidance) keeps for the backward, at the configured resolution and frames
@@ -93,6 +94,7 @@ class ModelCounts:
     trained: int  # trained parameters (the LoRA, or every weight)
     lora: int
     largest_block: int
+    root: int  # the parameters outside the blocks (the root FSDP unit: embeddings, output layer)
     block_kinds: list[str]  # the classes of one forward's blocks (the first expert's)
     width: int
     frozen: int
@@ -169,7 +171,7 @@ def _model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
     targets = list(layout.lora_targets or MODEL_FAMILIES.get(spec.family).lora_targets)
     experts = {"high": "transformer", "low": "transformer_2"}
     trained_names = ([experts[e] for e in layout.lora_experts] if layout.lora_experts else list(spec.transformers))
-    parameters = lora = largest = 0
+    parameters = lora = largest = root = 0
     kinds: list[str] = []
     width = 0
     for name, config in spec.transformers.items():
@@ -178,12 +180,15 @@ def _model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
         if name == "transformer":
             kinds = [type(block).__name__ for block in blocks]
             width = config.get("num_attention_heads", 1) * config.get("attention_head_dim", 1)
-        largest = max([largest] + [sum(p.numel() for p in block.parameters()) for block in blocks])
-        parameters += sum(p.numel() for p in transformer.parameters())
+        sizes = [sum(p.numel() for p in block.parameters()) for block in blocks]
+        largest = max([largest, *sizes])
+        whole = sum(p.numel() for p in transformer.parameters())
+        root = max(root, whole - sum(sizes))
+        parameters += whole
         if layout.finetune == "lora" and name in trained_names:
             lora += lora_parameters(transformer, targets, layout.lora_rank)
     trained = lora if layout.finetune == "lora" else parameters
-    return ModelCounts(parameters + lora, trained, lora, largest, kinds, width, sum(spec.frozen.values()))
+    return ModelCounts(parameters + lora, trained, lora, largest, root, kinds, width, sum(spec.frozen.values()))
 
 
 def _calibration_model(spec: ModelSpec, layout: Layout):
@@ -284,7 +289,7 @@ def plan(spec: ModelSpec, layout: Layout, *, counts: ModelCounts | None = None,
     for part, value in parts.items():
         (result.host if part in offloaded else result.device)[part] = math.ceil(value)
     if layout.engine == "fsdp2":
-        result.device["gathered blocks"] = 2 * counts.largest_block * compute
+        result.device["gathered blocks"] = (2 * counts.largest_block + counts.root) * compute
     result.device["text encoders and VAE"] = counts.frozen * base
     result.device["activations"] = checkpointed if layout.checkpoint_every else plain
     return result
