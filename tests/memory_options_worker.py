@@ -8,12 +8,10 @@ into ``OUT/NAME``, one after another in the same processes: starting the process
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
+from flowalign.cli.train import _leave_process_group
 from test_fsdp2 import settings
 
 
@@ -28,11 +26,7 @@ def main(model: Path, out: Path, runs: list[str]) -> None:
         extra = dict(item.split(":", 1) for item in overrides.split(",") if item)
         trainer = Trainer(load_config(TrainConfig, None, settings(model, out / name, **extra)))
         trainer.train()
-    trainer.accelerator.wait_for_everyone()  # as flowalign.cli.train leaves a multi-process run
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _leave_process_group(trainer.accelerator)  # as flowalign train leaves a multi-process run
 
 
 if __name__ == "__main__":

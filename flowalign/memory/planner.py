@@ -41,8 +41,8 @@ from flowalign.config import ConfigError
 from flowalign.memory.activations import ActivationProfile, saved_activations
 from flowalign.memory.published import ModelSpec, model_spec
 
-__all__ = ["GIB", "HEADROOM", "Layout", "MemoryPlan", "Verdict", "describe", "layout_from_config", "model_counts", "plan",
-           "plan_config", "verdict"]
+__all__ = ["GIB", "HEADROOM", "Layout", "MemoryPlan", "Verdict", "describe", "layout_from_config", "lora_parameters",
+           "model_counts", "plan", "plan_config", "verdict"]
 
 GIB = 1024 ** 3
 HEADROOM = 0.10  # of each GPU's memory, kept free (module docstring)
@@ -245,11 +245,12 @@ def _calibrated(spec: ModelSpec, finetune: str, rank: int, targets: tuple[str, .
 
 def activations(spec: ModelSpec, layout: Layout, counts: ModelCounts) -> tuple[int, int, int]:
     """``(plain, checkpointed, text tokens)``: the activation bytes of one micro-batch per process without and with
-    checkpointing (every ``layout.checkpoint_every``-th block, or every block when that is 0), the rule's text tokens."""
+    checkpointing (every ``layout.checkpoint_every``-th block, or every block when that is 0), and the rule's text
+    tokens."""
     frames = layout.num_frames
     size = min(CALIBRATION_SIZE, layout.height, layout.width)
-    measured = _calibrated(spec, layout.finetune, layout.lora_rank, tuple(layout.lora_targets or ()), frames is not None,
-                           size)
+    measured = _calibrated(spec, layout.finetune, layout.lora_rank, tuple(layout.lora_targets or ()),
+                           frames is not None, size)
     ran = [b for b in measured.blocks if b.tokens]
     image = spec.image_tokens(size, size, CALIBRATION_FRAMES if frames else None) if spec.directory is not None else 0
     text = layout.text_tokens or spec.geometry.get("text_tokens") or max(ran[0].tokens - image, 0)
@@ -366,7 +367,8 @@ def layout_from_config(config, gpus: int, nodes: int = 1, context_parallel: int 
     """The planner's layout of a ``TrainConfig`` at ``gpus`` per node on ``nodes`` nodes: the resolution and frames
     are ``sampling.image_size`` and ``sampling.num_frames`` (the published ones when null), the micro-batch
     of a rollout chunk (``sampling.batch_size``, or the whole local batch; ``check_batch`` at the data-parallel
-    process count: the processes over the context parallel degree), doubled when the training forward runs classifier-free guidance."""
+    process count: the processes over the context parallel degree), doubled when the training forward runs
+    classifier-free guidance."""
     from flowalign.models.base import MODEL_FAMILIES
 
     model, sampling, dist = config.model, config.sampling, config.distributed
@@ -386,7 +388,8 @@ def layout_from_config(config, gpus: int, nodes: int = 1, context_parallel: int 
         lora_rank=model.lora_rank, lora_targets=model.lora_targets, lora_experts=model.lora_experts,
         checkpoint_every=1 if model.gradient_checkpointing else dist.activation_checkpointing,
         cpu_offload=dist.cpu_offload, reference_offload=model.reference_offload,
-        micro_batch=samples * (2 if cfg else 1), cfg_passes=2 if cfg else 1, height=height, width=width, num_frames=frames,
+        micro_batch=samples * (2 if cfg else 1), cfg_passes=2 if cfg else 1, height=height, width=width,
+        num_frames=frames,
         text_tokens=model.max_sequence_length)
 
 
@@ -426,7 +429,8 @@ def describe(result: Verdict) -> str:
     frames = f", {layout.num_frames} frames" if layout.num_frames else ""
     plural = "es" if layout.processes > 1 else ""
     lines = [f"{plan_.model}: {what}, {engine} over {layout.processes} process{plural} ({layout.gpus} GPUs x "
-             f"{layout.nodes} node{'s' if layout.nodes > 1 else ''}), {layout.height}x{layout.width}{frames}, micro-batch {layout.micro_batch} "
+             f"{layout.nodes} node{'s' if layout.nodes > 1 else ''}), {layout.height}x{layout.width}{frames}, "
+             f"micro-batch {layout.micro_batch} "
              f"(samples x CFG passes), {layout.compute} compute, context parallel {layout.context_parallel}",
              f"{'per process':42s} {'GPU GiB':>8s} {'host GiB':>8s}"]
     for part in ("parameters", "gradients", "optimizer state", "reference copy", "LoRA", "gathered blocks",

@@ -148,5 +148,5 @@ def model_spec(path: str, family: str | None = None) -> ModelSpec:
         except ValueError as error:  # the loader's own words for an unsupported pipeline or family
             raise ConfigError(f"model.family: {error}", key="model.family") from None
     known = sorted(name for name in models if "/" in name)
-    raise ConfigError(f"model.path = {path!r} is neither a local model directory (with model_index.json) nor a model whose "
-                      f"config ships with flowalign (configs/published): {', '.join(known)}", key="model.path")
+    raise ConfigError(f"model.path = {path!r} is neither a local model directory (with model_index.json) nor a model "
+                      f"whose config ships with flowalign (configs/published): {', '.join(known)}", key="model.path")

@@ -77,7 +77,8 @@ class ModelConfig:
         "lora", "what trains: a LoRA adapter on frozen weights, or every transformer weight (full: fp32 master "
         "weights, a frozen copy of the base as the reference policy)")
     reference_offload: bool = option(False, "full fine-tuning: keep the frozen reference copy on the CPU between "
-                                            "reference passes (moved to the device for each)")
+                                            "reference passes (moved to the device for each); under FSDP2 its shards "
+                                            "stay in CPU memory (FSDP2's CPU offload)")
     lora_rank: int = option(8, "LoRA rank")
     lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")

@@ -20,7 +20,10 @@ through ``torch.distributed.checkpoint`` into ``sharded/`` (every process writes
 process count: a run saved on 2 processes resumes on 1 or 4 with the same weights. The main process also writes the
 diffusers-format weights (``lora/`` or ``transformer/``) from the all-gathered state. With one process FSDP2 still
 runs, over a world of one (a single-rank process group), so a sharded run's files and code path are the same at every
-scale. Every forward pass is a collective: the processes must run the same number of them, which the trainer's
+scale. ``distributed.cpu_offload`` keeps the shards (and the optimizer step) in CPU memory, as
+``model.reference_offload`` does for the reference copy alone (FSDP2's ``CPUOffloadPolicy``);
+``distributed.replicate: R`` is HSDP, a 2D mesh of R copies each sharded over the processes / R consecutive ranks
+(``data_mesh``). Every forward pass is a collective: the processes must run the same number of them, which the trainer's
 layout guarantees for rollouts and training and ``collective_forwards`` asks of the evaluation.
 
 DeepSpeed is not an engine: FSDP2 is the supported sharded engine (it is PyTorch's own, it runs and is tested on CPU
@@ -36,7 +39,8 @@ import torch
 from flowalign.errors import SetupError
 from flowalign.registry import Registry
 
-__all__ = ["DDPEngine", "ENGINES", "Engine", "FSDP2Engine", "build_engine", "transformer_blocks"]
+__all__ = ["DDPEngine", "ENGINES", "Engine", "FSDP2Engine", "build_engine", "cpu_offload_policy", "data_mesh",
+           "transformer_blocks"]
 
 ENGINES: Registry = Registry("distributed engine")
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
