@@ -23,7 +23,8 @@ from test_fsdp2 import BIN, one_world_per_test, relative_difference, settings, t
 from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
 
 TESTS = Path(__file__).resolve().parent
-ONE = {"train.iterations": 1, "optim.minibatches": 1, "sampling.num_steps": 6, "sampling.window_last": 3}
+ONE = {"train.iterations": 1, "optim.minibatches": 1, "sampling.num_steps": 6, "sampling.window_last": 3,
+       "data.group_size": 2}
 
 
 def trained(run: Path, finetune: str) -> dict[str, torch.Tensor]:

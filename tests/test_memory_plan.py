@@ -5,6 +5,10 @@ step (forward, backward, AdamW); the verdict names the smallest change; bad inpu
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,3 +167,19 @@ def test_a_published_model_and_a_contradicting_family_are_refused():
     with pytest.raises(ConfigError) as error:
         model_spec("Qwen/Qwen-Image", "flux")
     assert error.value.key == "model.family"
+
+
+def test_the_device_checks_memory_stage_runs_on_a_cpu(tmp_path):
+    """bench/memory_check.py (bench/device_check.sh's memory stage) on the toy Wan transformer at 32 px and 5 frames:
+    FSDP2 over a world of one, every block checkpointed, one LoRA step; its plan is within 25% of the measured peak
+    at this size (15 MB), where FSDP2's own buffers weigh most. The 14B run is the GPU's."""
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench/memory_check.py"), "--model", str(REPO / "assets/toy-wan"),
+                           "--height", "32", "--width", "32", "--frames", "5", "--text-tokens", "16",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    print(f"toy Wan on a CPU: planned {result['predicted_gib'] * 1024:.1f} MiB, measured "
+          f"{result['measured_gib'] * 1024:.1f} MiB, {result['relative_error']:+.1%}")
+    assert result["device"] == "cpu" and abs(result["relative_error"]) < 0.25
