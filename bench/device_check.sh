@@ -16,6 +16,10 @@
 #    s/transition, peak GPU memory, the rollout's TFLOP/s against the GPU's bf16 peak (at most 8 minutes).
 # 8. bench/context_parallel.py: context parallel 2 (Ulysses, and ring in bf16 on cuDNN's attention) on two GPUs
 #    against one, for the tiny FLUX and Wan2.1 (skipped, saying so, on a machine with one GPU). Unverified so far.
+# 9. bench/memory_check.py: a LoRA step of a Wan2.1-14B-sized transformer (random weights, the shipped published
+#    config) under FSDP2 with every block checkpointed, at 1280x720 and 81 frames, one sample: peak GPU memory
+#    against flowalign plan's prediction (memory.json). Needs about 80 GB: on a smaller GPU it runs out of memory,
+#    which the log shows. (Stage 8 is context parallel 2, for machines with two GPUs.)
 # ONLY=<part of a stage name> runs just the matching stages (after the install), e.g. ONLY=GPU-scale.
 # Everything goes to $OUT: all.log and the benchmarks' JSON files. Each stage has its own time limit, so one that
 # fails or hangs still leaves the others' results.
@@ -65,3 +69,5 @@ stage 180 "resume with EMA on CUDA" bash -c "$PY -m flowalign.cli train $small t
   $PY -m flowalign.cli train $small train.iterations=2 train.resume=latest train.out_dir=$resume_run && \
   ls $resume_run/checkpoint-000002/ema.safetensors"
 stage 300 "context parallel 2 on two GPUs" "$PY" bench/context_parallel.py --out "$OUT/context_parallel.json"
+stage "${MEMORY_LIMIT:-300}" "memory plan against FSDP2 + activation checkpointing, Wan2.1-14B-sized, 720p 81 frames" \
+  "$PY" bench/memory_check.py --out "$OUT/memory.json"

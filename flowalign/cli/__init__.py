@@ -32,6 +32,8 @@ Commands (modules of this package):
   reward (``serve``).
 * ``flowalign eval toy|toy-video|geneval|hpd``: GenEval on the toy world, the toy video verifier, GenEval, HPD v2
   (``eval``).
+* ``flowalign plan [CONFIG] --gpus N --gpu-memory GiB [--nodes K]``: per-process memory of a training config and
+  whether it fits, before any weight loads (``plan``).
 * ``flowalign toy pretrain|pretrain-video|segmenter``, ``flowalign export CHECKPOINT --out DIR`` (``tools``). ``sample`` and every
   ``eval`` command take ``--lora DIR [--weights ema|last]``.
 """
@@ -89,6 +91,7 @@ def _group(commands, name: str, help: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from .eval import add_eval_commands
+    from .plan import add_plan
     from .prep import add_calibrate, add_fit_manifold, add_prep_commands, add_registers_train, add_train_discriminator
     from .sample import add_sample
     from .serve import add_serve_reward
@@ -109,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample(commands)
     add_serve_reward(commands)
     add_export(commands)
+    add_plan(commands)
     add_registers_train(_group(commands, "registers", "deprecated: use `flowalign prep registers`"))
     reward = _group(commands, "reward", "deprecated: use `flowalign prep fit-manifold|train-discriminator`")
     add_train_discriminator(reward)

@@ -13,6 +13,7 @@ import torch
 
 from flowalign.config import to_dict
 from flowalign.errors import SetupError
+from flowalign.memory.checkpointing import checkpoint_blocks
 from flowalign.models import FlowModel, load_flow_model
 from flowalign.rewards import bind_reward_model, build_reward, is_groupwise
 from flowalign.samplers import noise_schedule
@@ -49,6 +50,7 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     context = check_context_parallel(config, t.accelerator.num_processes, t.accelerator.device.type)
     if context is not None:  # the batch is split over the data groups; a context group holds the same samples
         t.accelerator = DataParallelView(t.accelerator, context)
+    config.distributed.check_processes(t.accelerator.num_processes)
     t.layout = config.check_batch(t.accelerator.num_processes)
     t.out_dir, t.checkpointer = Path(cfg.out_dir), Checkpointer(t)
     t.checkpoint = t.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
@@ -240,13 +242,15 @@ def load_policy(config, device, model: FlowModel | None = None) -> FlowModel:
         model.transformer.enable_gradient_checkpointing()
     if cfg.finetune == "full":
         model.make_full_finetune(offload=cfg.reference_offload)
-        return model
-    if not model.has_lora:
-        model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
-    model.freeze_base()
-    for param in model.transformer.parameters():
-        if param.requires_grad:  # LoRA weights train in fp32 whatever the base dtype
-            param.data = param.data.float()
+    else:
+        if not model.has_lora:
+            model.add_lora(rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets)
+        model.freeze_base()
+        for param in model.transformer.parameters():
+            if param.requires_grad:  # LoRA weights train in fp32 whatever the base dtype
+                param.data = param.data.float()
+    if config.distributed.activation_checkpointing:  # after the reference copy: it runs without gradients
+        checkpoint_blocks(model.transformer, config.distributed.activation_checkpointing)
     return model
 
 

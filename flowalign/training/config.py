@@ -77,7 +77,8 @@ class ModelConfig:
         "lora", "what trains: a LoRA adapter on frozen weights, or every transformer weight (full: fp32 master "
         "weights, a frozen copy of the base as the reference policy)")
     reference_offload: bool = option(False, "full fine-tuning: keep the frozen reference copy on the CPU between "
-                                            "reference passes (moved to the device for each)")
+                                            "reference passes (moved to the device for each); under FSDP2 its shards "
+                                            "stay in CPU memory (FSDP2's CPU offload)")
     lora_rank: int = option(8, "LoRA rank")
     lora_alpha: float = option(16.0, "LoRA alpha (the update is scaled by alpha / rank)")
     lora_targets: list[str] | None = option(None, "module names LoRA wraps; null = the model family's defaults")
@@ -595,6 +596,31 @@ class DistributedConfig:
     context_parallel: ContextParallelConfig = section(
         ContextParallelConfig, "context parallelism: each sample's sequence split over ulysses x ring processes "
                                "(off at 1 x 1)")
+    activation_checkpointing: int = option(
+        0, "selective activation checkpointing: recompute the activations of every N-th transformer block in the "
+           "backward instead of keeping them (1 = every block, 2 = every other block, ...); 0 = off. Either engine; "
+           "model.gradient_checkpointing is the same as 1 through diffusers")
+    cpu_offload: bool = option(
+        False, "fsdp2: keep the parameter, gradient and optimizer-state shards (and a full fine-tune's reference "
+               "copy) in CPU memory, moved to the device block by block for each forward and backward; the optimizer "
+               "steps on the CPU (FSDP2's CPUOffloadPolicy)")
+    replicate: int = option(
+        1, "fsdp2: HSDP, hybrid sharding: the processes form replicate x (processes / replicate) groups; each group "
+           "of consecutive processes holds one sharded copy (set to the node count: shard within a node, replicate "
+           "across nodes) and gradients are all-reduced across the copies; 1 = shard over all processes")
+
+    def validate(self) -> None:
+        _at_least("distributed.activation_checkpointing", self.activation_checkpointing, 0)
+        _at_least("distributed.replicate", self.replicate, 1)
+        for key, on in (("cpu_offload", self.cpu_offload), ("replicate", self.replicate > 1)):
+            _check(self.engine == "fsdp2" or not on, f"distributed.{key}",
+                   f"= {getattr(self, key)!r} is a setting of FSDP2: set distributed.engine: fsdp2, or drop it")
+
+    def check_processes(self, num_processes: int) -> None:
+        """The process count divides into the HSDP groups (``replicate``), checked once the count is known."""
+        _check(num_processes % self.replicate == 0, "distributed.replicate",
+               f"= {self.replicate} does not divide the {num_processes} processes: HSDP needs replicate x shard = "
+               "the process count (set it to the node count)")
 
 
 # ------------------------------------------------------------------------------------------------ the whole config
@@ -753,4 +779,8 @@ class TrainConfig:
             "optim.warmup_iterations",
             f"= {self.optim.warmup_iterations} exceeds train.iterations = {self.train.iterations}",
         )
+        _check(not (self.model.gradient_checkpointing and self.distributed.activation_checkpointing),
+               "distributed.activation_checkpointing",
+               f"= {self.distributed.activation_checkpointing} with model.gradient_checkpointing = true: both "
+               "checkpoint the transformer's blocks; keep one (model.gradient_checkpointing is every block)")
         self.check_batch(1)

@@ -20,7 +20,10 @@ through ``torch.distributed.checkpoint`` into ``sharded/`` (every process writes
 process count: a run saved on 2 processes resumes on 1 or 4 with the same weights. The main process also writes the
 diffusers-format weights (``lora/`` or ``transformer/``) from the all-gathered state. With one process FSDP2 still
 runs, over a world of one (a single-rank process group), so a sharded run's files and code path are the same at every
-scale. Every forward pass is a collective: the processes must run the same number of them, which the trainer's
+scale. ``distributed.cpu_offload`` keeps the shards (and the optimizer step) in CPU memory, as
+``model.reference_offload`` does for the reference copy alone (FSDP2's ``CPUOffloadPolicy``);
+``distributed.replicate: R`` is HSDP, a 2D mesh of R copies each sharded over the processes / R consecutive ranks
+(``data_mesh``). Every forward pass is a collective: the processes must run the same number of them, which the trainer's
 layout guarantees for rollouts and training and ``collective_forwards`` asks of the evaluation.
 
 DeepSpeed is not an engine: FSDP2 is the supported sharded engine (it is PyTorch's own, it runs and is tested on CPU
@@ -36,7 +39,8 @@ import torch
 from flowalign.errors import SetupError
 from flowalign.registry import Registry
 
-__all__ = ["DDPEngine", "ENGINES", "Engine", "FSDP2Engine", "build_engine", "transformer_blocks"]
+__all__ = ["DDPEngine", "ENGINES", "Engine", "FSDP2Engine", "build_engine", "cpu_offload_policy", "data_mesh",
+           "transformer_blocks"]
 
 ENGINES: Registry = Registry("distributed engine")
 MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -131,6 +135,27 @@ def ensure_process_group(accelerator) -> None:
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
+def data_mesh(device_type: str, world_size: int, replicate: int = 1):
+    """The device mesh FSDP2 shards over: 1D over the processes, or with ``replicate > 1`` HSDP's 2D mesh
+    ``(replicate, world_size / replicate)`` named ``("replicate", "shard")``: consecutive ranks shard one copy (the
+    processes of a node, under torchrun's numbering), and the copies are replicas whose gradients are all-reduced."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicate == 1:
+        return init_device_mesh(device_type, (world_size,))
+    if world_size % replicate:
+        raise SetupError(f"distributed.replicate = {replicate} does not divide the {world_size} processes")
+    return init_device_mesh(device_type, (replicate, world_size // replicate), mesh_dim_names=("replicate", "shard"))
+
+
+def cpu_offload_policy(device: torch.device):
+    """FSDP2's ``CPUOffloadPolicy``: shards in CPU memory, copied to ``device`` for each unit's compute; pinned host
+    memory only where there is an accelerator to copy to (pinning needs one)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device.type != "cpu")
+
+
 @ENGINES.register("fsdp2")
 class FSDP2Engine(Engine):
     """FSDP2 sharding per transformer block, DCP checkpoints (module docstring)."""
@@ -152,29 +177,31 @@ class FSDP2Engine(Engine):
                 "are fp32")
 
     def prepare(self, trainer) -> list[torch.nn.Parameter]:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         import torch.distributed as dist
 
         accelerator, model = trainer.accelerator, trainer.model
+        settings = trainer.config.distributed
         ensure_process_group(accelerator)
-        mesh = init_device_mesh(accelerator.device.type, (dist.get_world_size(),))
+        mesh = data_mesh(accelerator.device.type, dist.get_world_size(), settings.replicate)
         policy = MixedPrecisionPolicy(param_dtype=MIXED_PRECISION_DTYPES.get(trainer.config.model.mixed_precision),
                                       reduce_dtype=torch.float32)
-        reshard = trainer.config.distributed.reshard_after_forward
         modules = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
         for module in modules:
+            offload = settings.cpu_offload or (model.reference_offload and module is model.reference_transformer)
             if model.reference_offload and module is model.reference_transformer:
-                module.to(accelerator.device)  # sharded: each process holds only its shard of the reference
+                module.to(accelerator.device)  # sharded (and offloaded by FSDP2): the moves are FSDP2's
             blocks = transformer_blocks(module)
             if not blocks:
                 raise SetupError(f"distributed.engine = fsdp2: {type(module).__name__} has no nn.ModuleList of "
                                  "blocks to shard; use distributed.engine: ddp for this model")
+            layout = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=settings.reshard_after_forward,
+                          offload_policy=cpu_offload_policy(accelerator.device) if offload else OffloadPolicy())
             for block in blocks:
-                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-            fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-        model.reference_offload = False  # the reference is sharded instead of moved
+                fully_shard(block, **layout)
+            fully_shard(module, **layout)
+        model.reference_offload = False  # the reference is sharded (and offloaded by FSDP2) instead of moved
         model.collective_forwards = True  # every process must run the same number of forwards (evaluation)
         return [p for p in model.transformer.parameters() if p.requires_grad]
 
