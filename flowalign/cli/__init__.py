@@ -39,10 +39,11 @@ Commands (modules of this package):
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Sequence
+
+from flowalign.console import show_library_logs
 
 __all__ = ["CommandError", "build_parser", "json_object", "main", "parse_command", "sigma_band"]
 
@@ -114,27 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_discriminator(reward)
     add_fit_manifold(reward)
     return parser
-
-
-class _StdoutLines(logging.Handler):
-    """Log records as bare message lines on the current ``sys.stdout`` (looked up per record, so a redirected or
-    captured stdout is honoured): the library's progress lines, which it logs, print as they did when it printed."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging's contract: report through handleError, never raise
-            self.handleError(record)
-
-
-def show_library_logs() -> None:
-    """Show the ``flowalign`` loggers' INFO and above on stdout (once per process; a level already set is kept)."""
-    logger = logging.getLogger("flowalign")
-    if not any(isinstance(handler, _StdoutLines) for handler in logger.handlers):
-        logger.addHandler(_StdoutLines())
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:

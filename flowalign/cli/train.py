@@ -25,6 +25,7 @@ DEFAULT_RUN = "configs/default.yaml"  # relative to the working directory, like 
 
 def _run_train(config, args: argparse.Namespace) -> None:
     from flowalign.config import set_keys
+    from flowalign.training.evaluation import eval_images_per_tag
     from flowalign.training.toy_defaults import check_world_is_named
     from flowalign.training.trainer import Trainer
 
@@ -33,6 +34,8 @@ def _run_train(config, args: argparse.Namespace) -> None:
     path, overrides = config_and_overrides(args.items, DEFAULT_RUN)
     overrides += getattr(args, "flag_overrides", None) or []  # --reward.rewards VALUE, --resume
     check_world_is_named(config, set_keys(type(config), path, overrides), path)  # before anything loads
+    # the final evaluation's size follows the run (flowalign.training.evaluation): a long command-line run's is full
+    config.train.eval_images_per_tag = eval_images_per_tag(config, command_line=True)
     trainer = Trainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
     # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish, and the exit status says so (128 + signal)

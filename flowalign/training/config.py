@@ -461,10 +461,12 @@ class RunConfig:
     checkpoint_every: int = option(50, "save a checkpoint every this many iterations; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
     eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
-    eval_images_per_tag: int = option(
-        528,
+    eval_images_per_tag: int | None = option(
+        None,
         "images per tag in the final evaluation, split evenly over the tag's prompts (GenEval's overall is the "
-        "unweighted mean of tags, so equal tag sizes minimise its standard error)",
+        "unweighted mean of tags, so equal tag sizes minimise its standard error); null = by the run: 528 for a run "
+        "of at least 50 iterations started from the command line (the default run's), 24 for a shorter one or a run "
+        "started from Python",
     )
     eval_images_per_prompt: int | None = option(
         None, "images per prompt in the final evaluation instead of train.eval_images_per_tag; null = per tag"
