@@ -4,43 +4,21 @@ before/after report, the summary of paths, ``train()``'s result, and the library
 import json
 import logging
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from flowalign.config import load_config
-from flowalign.models.tiny import tiny_sd3_pipeline
-from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
 from flowalign.training.evaluation import (FULL_PER_TAG, SMALL_PER_TAG, estimated_seconds, eval_images_per_tag,
                                            score_with_rewards)
-from flowalign.training.trainer import Trainer
+from short_runs import REPO, finish_short_run, save_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    train, test = split_prompts()
-    words = sorted({w for e in train + test for w in e["prompt"].split()})
-    path = tmp_path_factory.mktemp("model") / "tiny-sd3"
-    tiny_sd3_pipeline(words, seed=0).save_pretrained(path)
-    return path
-
-
-def short_run(model: Path, out: Path, **extra) -> list[str]:
-    values = {
-        "model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8,
-        "reward.rewards": "[{name: brightness}]",
-        "data.train_prompts": str(REPO / "assets/prompts/train.jsonl"),
-        "data.eval_prompts": str(REPO / "assets/prompts/test.jsonl"),
-        "data.prompts_per_iteration": 2, "data.group_size": 2, "sampling.num_steps": 4, "sampling.batch_size": 4, "sampling.window_size": "null",
-        "sampling.window_start": "fixed", "sampling.window_last": "null", "sampling.image_size": 32,
-        "train.iterations": 1, "train.tracker": "none", "train.sample_every": 0, "train.out_dir": str(out),
-        "train.eval_images_per_prompt": 1, "train.eval_steps": 2, **extra,
-    }
-    return [f"{k}={v}" for k, v in values.items()]
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny-sd3")
 
 
 def unconfigured_logging(monkeypatch):
@@ -55,7 +33,7 @@ def unconfigured_logging(monkeypatch):
 def test_a_run_from_python_shows_its_end_and_returns_the_evaluation(tiny_model, tmp_path, capsys, monkeypatch):
     unconfigured_logging(monkeypatch)
     out = tmp_path / "run"
-    result = Trainer(load_config(TrainConfig, None, short_run(tiny_model, out))).train()
+    result = finish_short_run(tiny_model, out)
     shown = capsys.readouterr().out
     # the announcement: the image count and an estimated time, before the (stderr) progress bar
     assert "evaluating 66 held-out images before and 66 after training (66 prompts of " in shown
@@ -124,8 +102,8 @@ def test_eval_toy_on_a_checkpoint_reproduces_the_runs_own_evaluation_next_to_it(
     from flowalign.cli import main
 
     out = tmp_path / "run"
-    Trainer(load_config(TrainConfig, None, short_run(tiny_model, out, **{
-        "train.eval_images_per_prompt": "null", "train.eval_images_per_tag": 2, "train.eval_seed": 7}))).train()
+    finish_short_run(tiny_model, out, **{"train.eval_images_per_prompt": "null", "train.eval_images_per_tag": 2,
+                                         "train.eval_seed": 7})
     run = json.loads((out / "eval" / "before_after.json").read_text())
     checkpoint = out / "checkpoint-000001"
     assert main(["eval", "toy", "--lora", str(checkpoint)]) == 0  # nothing but the checkpoint
