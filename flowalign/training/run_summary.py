@@ -47,7 +47,7 @@ def tracker_command(tracker: str, folder: Path) -> str:
     """The command that opens a tracker's logs."""
     if tracker == "tensorboard":
         return f"tensorboard --logdir {folder}"
-    return f"wandb sync {folder / 'wandb'}  (only for an offline run; an online one is on wandb.ai)"
+    return f"wandb sync {folder / 'wandb'}/offline-run-*  (an offline run; an online one is on its wandb page)"
 
 
 def log_run_summary(paths: dict[str, Path], tracker: str) -> None:

@@ -108,7 +108,7 @@ class Trainer:
             log.close()
         if cfg.eval_at_end and self.iteration == cfg.iterations and not self.stop_requested:
             evaluation = evaluate_before_after(self)
-        log.end()
+        log.end(evaluation)
         paths = run_paths(self.out_dir, cfg.tracker) if self.is_main else {}
         if self.is_main and self.iteration == cfg.iterations:
             log_run_summary(paths, cfg.tracker)
