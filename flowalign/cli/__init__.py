@@ -43,7 +43,7 @@ import os
 import sys
 from typing import Sequence
 
-from flowalign.console import show_library_logs
+from flowalign.console import command_line_session, show_library_logs
 
 __all__ = ["CommandError", "build_parser", "json_object", "main", "parse_command", "sigma_band"]
 
@@ -88,8 +88,12 @@ def _group(commands, name: str, help: str):
     return parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. The generated options of a configurable command are added only when ``argv`` names
+    it (all of them when ``argv`` is None): building them imports the command's settings module (and torch), and
+    ``flowalign --help`` needs none of them."""
     from .eval import add_eval_commands
+    from .options import add_command_flags
     from .prep import add_calibrate, add_fit_manifold, add_prep_commands, add_registers_train, add_train_discriminator
     from .sample import add_sample
     from .serve import add_serve_reward
@@ -114,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     reward = _group(commands, "reward", "deprecated: use `flowalign prep fit-manifold|train-discriminator`")
     add_train_discriminator(reward)
     add_fit_manifold(reward)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' own output too: diffusers' and transformers' loading bars and "
+                        "deprecation warnings")
+    add_command_flags(parser, argv)
     return parser
 
 
@@ -140,7 +148,7 @@ def parse_command(argv: Sequence[str]):
     tools: what ``flowalign ARGV`` would run with). Bad input raises ``SystemExit(2)`` or ``ConfigError``."""
     from .options import load_from_args
 
-    args = _parse(build_parser(), list(argv))
+    args = _parse(build_parser(list(argv)), list(argv))
     return args, load_from_args(args.command_spec, args)
 
 
@@ -156,13 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = _parse(parser, argv)
     show_library_logs()
     from flowalign.errors import RunStopped, SetupError
 
     try:
-        args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
+        with command_line_session(verbose=args.verbose):
+            args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
     except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
     except RunStopped as stopped:  # a clean stop during the work: its message is the whole line

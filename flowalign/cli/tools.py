@@ -63,7 +63,7 @@ def add_toy_segmenter(group) -> None:
 
 
 def add_export(commands) -> None:
-    from flowalign.export import WEIGHTS
+    from flowalign.lora_loading import WEIGHTS
 
     parser = commands.add_parser(
         "export",
