@@ -51,7 +51,12 @@ def test_wandb_offline_gets_the_images_in_the_runs_own_folder_with_its_names(tin
     trainer = Trainer(load_config(TrainConfig, None, short_run(tiny_model, out, **{
         "train.tracker": "wandb", "train.sample_every": 1, "train.project": "toy-project",
         "train.run_name": "first-try", "train.wandb_entity": "my-team"})))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        import wandb
+
+        wandb.teardown()  # wandb keeps its settings (the run folder among them) in a process-wide singleton
     assert not (tmp_path / "wandb").exists()
     [run_folder] = (out / "flowalign" / "wandb").glob("offline-run-*")
     images = run_folder / "files" / "media" / "images"
