@@ -906,9 +906,43 @@ def _entry_text(entry: HelpEntry) -> str:
     if entry.kind == "component":
         return f"{indent}  [{entry.key}] {entry.help}".rstrip()
     default = "(required)" if entry.required else entry.default
-    return f"{indent}  {entry.key} = {default!r}  ({entry.type})  {entry.help}".rstrip()
+    note = f" [{entry.note}]" if entry.note else ""
+    return f"{indent}  {entry.key} = {default!r}{note}  ({entry.type})  {entry.help}".rstrip()
 
 
-def format_help(cls: type, prefix: str = "") -> str:
-    """One line per dotted key: type, default and help string (for ``flowalign train --help-config``)."""
-    return "\n".join(_entry_text(entry) for entry in help_entries(cls, prefix))
+def format_help(cls: type, prefix: str = "", *, values: Mapping[str, Any] | None = None) -> str:
+    """One line per dotted key: type, default and help string (for ``flowalign train --help-config``); with
+    ``values`` (``flat_values`` of a loaded config) each key it holds shows its value, and its default where the two
+    differ."""
+    entries = list(help_entries(cls, prefix))
+    if values is not None:
+        entries = [dataclasses.replace(entry, default=values[entry.key], required=False,
+                                       note="" if values[entry.key] == entry.default else
+                                       f"default: {entry.default!r}")
+                   if entry.kind == "key" and entry.key in values else entry for entry in entries]
+    return "\n".join(_entry_text(entry) for entry in entries)
+
+
+def flat_values(config: Any) -> dict[str, Any]:
+    """A loaded config's values by dotted key (``model.path``, ``loss.grpo.clip_range``; a list as one value)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, Mapping):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(to_dict(config), "")
+    return out
+
+
+def changed_settings(config: Any, base: Any) -> list[str]:
+    """The settings of ``config`` that differ from ``base`` (the schema's defaults), one ``key = value  (default:
+    ...)`` line each in field order; a component ``base`` has and ``config`` does not is one ``section.name: off``."""
+    now, before = flat_values(config), flat_values(base)
+    lines = [f"{key} = {value!r}" + (f"  (default: {before[key]!r})" if key in before else "")
+             for key, value in now.items() if key not in before or before[key] != value]
+    dropped = {".".join(key.split(".")[:2]) for key in before if key not in now}
+    return lines + [f"{component}: off" for component in sorted(dropped)]

@@ -30,9 +30,10 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads when a model does: the command line's --help reads WEIGHTS from here
+    import torch
 
 __all__ = ["DEFAULT_MODEL", "LORA_FILE", "WEIGHTS", "LoraSource", "apply_lora", "base_model_path", "load_model",
            "resolve_lora", "resolve_model_path"]
@@ -251,6 +252,8 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
         model.transformer.unload_lora()  # leave the model as it was
         raise ValueError(f"{lora.describe()} does not fit {what}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
                          f"wrong shapes {wrong[:3]} (was it trained on another base model? pass that one as --model)")
+    import torch
+
     with torch.no_grad():
         for name, param in params.items():
             param.data = param.data.float()  # LoRA weights live in fp32 whatever the base dtype, as in the trainer
@@ -259,6 +262,8 @@ def apply_lora(model, lora: LoraSource, *, model_name: str | None = None) -> Non
 
 def _check_lora_folder(model, lora: LoraSource, what: str) -> None:
     """Every transformer LoRA layer of the folder names a linear module of ``model`` with matching sizes."""
+    import torch
+
     from safetensors import safe_open
 
     modules = dict(getattr(model.transformer, "high", model.transformer).named_modules())  # Wan2.2: the experts

@@ -176,7 +176,7 @@ def test_no_option_is_declared_twice():
         seen.add(path)
         options = [o for a in parser._actions for o in a.option_strings]
         assert len(options) == len(set(options)), path
-        expected = {"-h", "--help", "--help-config", *command.all_flags()}
+        expected = {"-h", "--help", "--help-config", "--print-config", *command.all_flags()}
         assert set(options) == expected, (path, set(options) ^ expected)
         schema = command.option_schema() or command.schema()
         for flag in command.all_flags().values():  # each option sets a key of the schema
@@ -187,8 +187,9 @@ def test_no_option_is_declared_twice():
             ("toy", "segmenter"), ("train",), ("calibrate",), ("registers", "train")} <= seen
     for source in (REPO / "flowalign" / "cli").glob("*.py"):
         declared = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", source.read_text())
-        allowed = {"tools.py": {"--out", "--weights", "--merge", "--model", "--dtype", "--device"},
-                   "options.py": {"--help-config"},
+        allowed = {"tools.py": {"--out", "--weights", "--merge", "--model", "--dtype", "--device", "--push-to-hub",
+                                "--private", "--license"},
+                   "options.py": {"--help-config", "--print-config"},
                    "reference.py": {"--check"}}.get(source.name, set())  # python -m flowalign.cli.reference
         assert set(declared) <= allowed, (source.name, declared)
 

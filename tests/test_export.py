@@ -394,5 +394,5 @@ def test_export_never_writes_into_an_existing_output(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert cli.main(["export", str(checkpoint), "--out", str(empty), "--weights", "last"]) == 0
-    assert sorted(p.name for p in empty.iterdir()) == ["flowalign_export.json", LORA_FILE]
+    assert sorted(p.name for p in empty.iterdir()) == ["README.md", "flowalign_export.json", LORA_FILE]
     assert not list(tmp_path.glob(".tmp-*"))

@@ -38,7 +38,8 @@ def test_a_new_run_never_writes_into_a_directory_holding_a_run(tiny_model, tmp_p
         make_trainer(tmp_path / "no-model", run, **{"data.group_size": 2})
     message = str(refused.value)
     assert str(run) in message
-    assert all(way in message for way in ("--resume latest", "train.out_dir", "train.overwrite=true"))
+    assert all(way in message for way in ('config.train.resume = "latest"', "config.train.out_dir",
+                                          "config.train.overwrite = True"))  # from Python: in Python's words
     assert _snapshot(run) == before
     # 2. resuming continues the same run
     history = make_trainer(tiny_model, run, **{"train.iterations": 2, "train.resume": "latest"}).train()

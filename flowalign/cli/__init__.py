@@ -41,10 +41,11 @@ Commands (modules of this package):
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from typing import Sequence
+
+from flowalign.console import command_line_session, show_library_logs
 
 __all__ = ["CommandError", "build_parser", "json_object", "main", "parse_command", "sigma_band"]
 
@@ -89,9 +90,13 @@ def _group(commands, name: str, help: str):
     return parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND", required=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. The generated options of a configurable command are added only when ``argv`` names
+    it (all of them when ``argv`` is None): building them imports the command's settings module (and torch), and
+    ``flowalign --help`` needs none of them."""
     from .eval import add_eval_commands
     from .plan import add_plan
+    from .options import add_command_flags
     from .prep import add_calibrate, add_fit_manifold, add_prep_commands, add_registers_train, add_train_discriminator
     from .sample import add_sample
     from .serve import add_serve_reward
@@ -117,28 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     reward = _group(commands, "reward", "deprecated: use `flowalign prep fit-manifold|train-discriminator`")
     add_train_discriminator(reward)
     add_fit_manifold(reward)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show the libraries' own output too: diffusers' and transformers' loading bars and "
+                        "deprecation warnings")
+    add_command_flags(parser, argv)
     return parser
-
-
-class _StdoutLines(logging.Handler):
-    """Log records as bare message lines on the current ``sys.stdout`` (looked up per record, so a redirected or
-    captured stdout is honoured): the library's progress lines, which it logs, print as they did when it printed."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            sys.stdout.write(self.format(record) + "\n")
-            sys.stdout.flush()
-        except Exception:  # noqa: BLE001 - logging's contract: report through handleError, never raise
-            self.handleError(record)
-
-
-def show_library_logs() -> None:
-    """Show the ``flowalign`` loggers' INFO and above on stdout (once per process; a level already set is kept)."""
-    logger = logging.getLogger("flowalign")
-    if not any(isinstance(handler, _StdoutLines) for handler in logger.handlers):
-        logger.addHandler(_StdoutLines())
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
 
 
 def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
@@ -164,7 +152,7 @@ def parse_command(argv: Sequence[str]):
     tools: what ``flowalign ARGV`` would run with). Bad input raises ``SystemExit(2)`` or ``ConfigError``."""
     from .options import load_from_args
 
-    args = _parse(build_parser(), list(argv))
+    args = _parse(build_parser(list(argv)), list(argv))
     return args, load_from_args(args.command_spec, args)
 
 
@@ -180,13 +168,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = _parse(parser, sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = _parse(parser, argv)
     show_library_logs()
     from flowalign.errors import RunStopped, SetupError
 
     try:
-        args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
+        with command_line_session(verbose=args.verbose):
+            args.handler(args)  # each handler marks its own set-up: a SetupError, or setup_phase()
     except (CommandError, SetupError) as error:
         parser.exit(2, f"{PROG}: error: {error}\n")
     except RunStopped as stopped:  # a clean stop during the work: its message is the whole line

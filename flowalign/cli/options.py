@@ -275,10 +275,33 @@ def add_config_command(commands, name: str, command: ConfigCommand, *, help: str
                                  "--help-config lists every key.")
     parser.add_argument("items", nargs="*", metavar="CONFIG|KEY=VALUE",
                         help="a YAML config (may name a 'base:'), then dotted key=value overrides")
-    parser.add_argument("--help-config", action="store_true", help="print every config key with its help and exit")
-    add_flags(parser, command.all_flags())
-    parser.set_defaults(handler=_handler(command), command_spec=command, command_name=name)
+    parser.add_argument("--help-config", action="store_true", help="print every config key with its help and exit "
+                        "(with a CONFIG or overrides: with the values they give)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config (YAML) and exit")
+    # its generated options are added when the command line names it (add_command_flags): resolving a schema imports
+    # its module (and torch), which `flowalign --help` and the other commands never need
+    parser.set_defaults(handler=_handler(command), command_spec=command, command_name=name, flags_added=False)
     return parser
+
+
+def add_command_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> None:
+    """Add the generated options of the configurable commands under ``parser`` that the command line ``argv`` names
+    (its leading words, e.g. ``eval toy``), or of every one when ``argv`` is None (the reference pages, tests)."""
+    words = None if argv is None else [token for token in argv if not token.startswith("-")]
+
+    def walk(sub: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, (*path, name))
+        command = sub.get_default("command_spec")
+        if command is None or sub.get_default("flags_added") or (words is not None and
+                                                                  tuple(words[:len(path)]) != path):
+            return
+        add_flags(sub, command.all_flags())
+        sub.set_defaults(flags_added=True)
+
+    walk(parser, ())
 
 
 def load_from_args(command: ConfigCommand, args: argparse.Namespace) -> Any:
@@ -302,11 +325,35 @@ def _handler(command: ConfigCommand) -> Callable[[argparse.Namespace], None]:
         from flowalign.config import format_help
 
         if args.help_config:
-            print(format_help(command.schema()))
+            print(format_help(command.schema(), values=_given_values(command, args)))
             return
-        command.run(load_from_args(command, args), args)
+        config = load_from_args(command, args)
+        if args.print_config:
+            print(config_yaml(config), end="")
+            return
+        command.run(config, args)
 
     return handle
+
+
+def _given_values(command: ConfigCommand, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The dotted values of the config the command line gives (a CONFIG, overrides, or the command's default run),
+    for ``--help-config``; None when it gives none (the schema's defaults are shown)."""
+    from flowalign.config import flat_values
+
+    given = (args.items or getattr(args, "flag_overrides", None)
+             or (command.default_config is not None and Path(command.default_config).is_file()))
+    return flat_values(load_from_args(command, args)) if given else None
+
+
+def config_yaml(config: Any) -> str:
+    """The resolved config as the YAML a run saves (``flowalign.config.save_config``): ``--print-config``."""
+    import yaml
+
+    from flowalign.config import to_saved_dict
+
+    text = yaml.safe_dump(to_saved_dict(config), sort_keys=False, default_flow_style=None)
+    return f"# fully resolved {type(config).__name__}\n{text}"
 
 
 # ------------------------------------------------------------------------------------------------ loading

@@ -63,7 +63,7 @@ def add_toy_segmenter(group) -> None:
 
 
 def add_export(commands) -> None:
-    from flowalign.export import WEIGHTS
+    from flowalign.lora_loading import WEIGHTS
 
     parser = commands.add_parser(
         "export",
@@ -82,6 +82,12 @@ def add_export(commands) -> None:
     parser.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                         help="dtype of the base weights (default: the checkpoint's model.dtype)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--push-to-hub", default=None, metavar="REPO_ID",
+                        help="then upload the export to this Hugging Face Hub model repository (OWNER/NAME; created "
+                        "when missing) through huggingface_hub (its token: HF_TOKEN or `hf auth login`)")
+    parser.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    parser.add_argument("--license", default=None, metavar="ID",
+                        help="the model card's license (default: the base model card's, else 'other')")
     parser.set_defaults(handler=_run_export)
 
 
@@ -90,14 +96,22 @@ def _run_export(args: argparse.Namespace) -> None:
     from flowalign.errors import SetupError, setup_phase
     from flowalign.export import export_lora
 
+    from flowalign.hub import check_repo_id, push_to_hub
+
+    if args.private and not args.push_to_hub:
+        raise SetupError("--private makes the repository of --push-to-hub private: give --push-to-hub OWNER/NAME")
     try:
         with setup_phase():  # reading the checkpoint, loading the model: every failure is the input's
+            repo_id = check_repo_id(args.push_to_hub) if args.push_to_hub else None
             out = export_lora(args.checkpoint, args.out, weights=args.weights, merge=args.merge, model=args.model,
-                              dtype=args.dtype, device=resolve_device(args.device))
+                              dtype=args.dtype, device=resolve_device(args.device), repo_id=repo_id,
+                              license=args.license)
     except FileExistsError as error:
         raise SetupError(str(error)) from None
     kind = "pipeline with the LoRA merged" if args.merge else "diffusers LoRA folder"
-    print(f"wrote {out} ({kind})")
+    print(f"wrote {out} ({kind}, with its model card README.md)")
+    if repo_id:
+        print(f"pushed {out} to {push_to_hub(out, repo_id, private=args.private)}")
 
 
 # add_registers_train moved to flowalign.cli.prep in 0.2: the old name works for one release, with a warning.

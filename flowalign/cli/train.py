@@ -20,11 +20,14 @@ from .options import ConfigCommand, add_config_command
 
 __all__ = ["DEFAULT_RUN", "add_train"]
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_RUN = "configs/default.yaml"  # relative to the working directory, like the toy world's assets/
 
 
 def _run_train(config, args: argparse.Namespace) -> None:
     from flowalign.config import set_keys
+    from flowalign.training.evaluation import eval_images_per_tag
     from flowalign.training.toy_defaults import check_world_is_named
     from flowalign.training.trainer import Trainer
 
@@ -33,10 +36,24 @@ def _run_train(config, args: argparse.Namespace) -> None:
     path, overrides = config_and_overrides(args.items, DEFAULT_RUN)
     overrides += getattr(args, "flag_overrides", None) or []  # --reward.rewards VALUE, --resume
     check_world_is_named(config, set_keys(type(config), path, overrides), path)  # before anything loads
+    # the final evaluation's size follows the run (flowalign.training.evaluation): a long command-line run's is full
+    config.train.eval_images_per_tag = eval_images_per_tag(config, command_line=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # one process says it
+        _show_changed_settings(config, path)
     trainer = Trainer(config)  # set-up: its mistakes are SetupErrors (exit 2)
     trainer.train()  # a failure from here on is no user error: it keeps its traceback
     # stopped by SIGINT/SIGTERM, checkpoint saved: the run did not finish, and the exit status says so (128 + signal)
     _leave_process_group(trainer.accelerator, 0 if trainer.stop_signal is None else 128 + trainer.stop_signal)
+
+
+def _show_changed_settings(config, path: str | None) -> None:
+    """Log the settings that differ from ``TrainConfig``'s defaults (Flow-GRPO-Fast's), before anything loads."""
+    from flowalign.config import changed_settings, load_config
+
+    lines = changed_settings(config, load_config(type(config), None, []))
+    source = f"{path} and the command line" if path else "the command line"
+    logger.info("%s", "\n".join([f"settings from {source} that differ from the defaults ({len(lines)}; all of them: "
+                                  "--print-config):", *(f"  {line}" for line in lines)]))
 
 
 def _leave_process_group(accelerator, status: int = 0) -> None:

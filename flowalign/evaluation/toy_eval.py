@@ -52,6 +52,7 @@ __all__ = [
     "images_per_tag",
     "paired_difference",
     "run_eval",
+    "run_evaluation_settings",
     "sample_seed",
 ]
 
@@ -119,6 +120,10 @@ class SamplingRun:
         return None if self.lora is None else resolve_lora(self.lora, self.lora_weights)
 
 
+# flowalign eval toy's settings when no training checkpoint gives its run's (run_evaluation_settings)
+COMMAND_DEFAULTS = {"steps": 10, "seed": 0, "images_per_prompt": 4, "out_dir": "outputs/eval-toy"}
+
+
 @dataclass(kw_only=True)
 class EvalConfig(SamplingRun):
     """Settings of one toy evaluation (``flowalign eval toy``).
@@ -127,23 +132,70 @@ class EvalConfig(SamplingRun):
     ``images_per_prompt`` by a tag-balanced allocation (``images_per_tag``). ``lora`` (a checkpoint with
     ``lora_weights`` ema/last, or a LoRA folder; ``flowalign.lora_loading``) is evaluated on ``model``, which defaults
     to the checkpoint's base model, else ``assets/toy-sd3``.
+
+    With ``--lora CHECKPOINT`` (a training run's checkpoint) every setting left unset is the run's own final
+    evaluation's, read from the checkpoint's ``config.yaml`` (``run_evaluation_settings``): the command then
+    reproduces the run's "after" column, and writes next to the checkpoint.
     """
 
     model: str | None = option(None, "diffusers pipeline directory (default: a --lora checkpoint's model, else "
                                "assets/toy-sd3)")
-    prompts: str | None = option(None, "GenEval metadata jsonl (default: assets/prompts/test.jsonl)")
+    prompts: str | None = option(None, "GenEval metadata jsonl (default: a --lora checkpoint's data.eval_prompts, else "
+                                 "assets/prompts/test.jsonl)")
     images_per_tag: int | None = option(None, "tag-balanced: this many images per tag, split evenly over its prompts "
                                         "(replaces images_per_prompt; equal tag sizes minimise the standard error of "
-                                        "GenEval's overall)")
-    steps: int = redefault(SamplingRun, "steps", 10)
+                                        "GenEval's overall; default: a --lora checkpoint's final evaluation's)")
+    images_per_prompt: int | None = option(None, "images per prompt (default: a --lora checkpoint's final "
+                                           "evaluation's, else 4)")
+    steps: int | None = option(None, "ODE steps (default: a --lora checkpoint's train.eval_steps, else 10)")
+    seed: int | None = option(None, "noise seed (default: a --lora checkpoint's evaluation seed, train.eval_seed or "
+                              "train.seed + 10000, else 0)")
+    resolution: int | None = option(None, "image size (default: a --lora checkpoint's sampling.image_size, else the "
+                                    "model's)")
     batch_size: int = redefault(SamplingRun, "batch_size", 64)
-    out_dir: str = redefault(SamplingRun, "out_dir", "outputs/eval-toy")
+    out_dir: str | None = option(None, "output directory (default: next to a --lora checkpoint, "
+                                 "<run>/eval-<checkpoint>, else outputs/eval-toy)", flag="out")
 
     def validate(self) -> None:
-        super().validate()
+        """Check what is set (an unset setting is filled by ``run_evaluation_settings``)."""
+        from dataclasses import replace
+
+        SamplingRun.validate(replace(self, **{key: value for key, value in COMMAND_DEFAULTS.items()
+                                              if getattr(self, key) is None}))
         if self.images_per_tag is not None and (not _is_int(self.images_per_tag) or self.images_per_tag < 1):
             raise ConfigError(f"images_per_tag must be an integer >= 1 (or None), got {self.images_per_tag!r}",
                               key="images_per_tag")
+
+
+def run_evaluation_settings(config: EvalConfig, lora=None) -> EvalConfig:
+    """``config`` with every unset setting filled: from a training checkpoint's run (``lora``, a ``LoraSource`` of
+    kind ``checkpoint``), its final evaluation's (``train.eval_steps``, the evaluation seed, its images per tag or per
+    prompt, ``data.eval_prompts``, ``sampling.image_size``; the output folder ``<run>/eval-<checkpoint>``); without
+    one, the command's own defaults (10 steps, 4 images per prompt, seed 0, ``outputs/eval-toy``)."""
+    from dataclasses import replace
+
+    from flowalign.training.evaluation import SMALL_PER_TAG
+
+    run = (lora.config or {}) if lora is not None and lora.kind == "checkpoint" else None
+    if run is None:
+        return replace(config, **{key: value for key, value in COMMAND_DEFAULTS.items()
+                                  if getattr(config, key) is None})
+    train, data, sampling = (dict(run.get(key) or {}) for key in ("train", "data", "sampling"))
+    counts = {"images_per_prompt": config.images_per_prompt or 4}
+    if config.images_per_prompt is None and config.images_per_tag is None:  # the run's allocation
+        if train.get("eval_images_per_prompt"):
+            counts = {"images_per_prompt": train["eval_images_per_prompt"]}
+        else:  # a command-line run records the size it chose; null: a run from Python, the small evaluation
+            counts["images_per_tag"] = train.get("eval_images_per_tag") or SMALL_PER_TAG
+    eval_seed = train.get("eval_seed")
+    return replace(
+        config, **counts,
+        steps=config.steps if config.steps is not None else train.get("eval_steps", 10),
+        seed=config.seed if config.seed is not None else (
+            eval_seed if eval_seed is not None else int(train.get("seed", 0)) + 10_000),
+        prompts=config.prompts or data.get("eval_prompts"),
+        resolution=config.resolution if config.resolution is not None else sampling.get("image_size"),
+        out_dir=config.out_dir or str(lora.path.parent / f"eval-{lora.path.name}"))
 
 
 def _is_int(value: Any) -> bool:
@@ -486,10 +538,11 @@ def run_eval(config: EvalConfig) -> dict:
     from flowalign.lora_loading import base_model_path, load_model
 
     with setup_phase():  # the user's mistakes, up to a loaded model, are reported as such (exit 2 on the CLI)
+        lora = config.lora_source()
+        config = run_evaluation_settings(config, lora)  # a checkpoint's run: its own final evaluation's settings
         config.validate()
         outputs = OutputFolder(Path(config.out_dir), TOY_EVAL_OUTPUTS, "flowalign eval toy")
         replacing = outputs.check(overwrite=config.overwrite)
-        lora = config.lora_source()
         prompts_path = Path(config.prompts) if config.prompts is not None else default_prompts_path()
         if not prompts_path.is_file():
             raise FileNotFoundError(f"prompt file {str(prompts_path)!r} does not exist")

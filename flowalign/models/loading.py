@@ -132,8 +132,14 @@ def load_flow_model(
         if MODEL_FAMILIES.get(family) is not adapter:  # an unknown family: a ValueError with a did-you-mean
             raise ValueError(f"model {path_or_id!r} is a {class_name}, not a {family!r} model")
     import diffusers
+    from diffusers.utils import deprecation_utils
+
+    from flowalign.console import loading_quietly
 
     pipeline_class = getattr(diffusers, class_name)
-    pipe = pipeline_class.from_pretrained(path_or_id, torch_dtype=resolve_dtype(dtype), **pipeline_kwargs)
+    # the weights' dtype under the name this diffusers takes: `dtype` where `torch_dtype` is deprecated (0.42 on)
+    dtype_key = "dtype" if hasattr(deprecation_utils, "_resolve_dtype") else "torch_dtype"
+    with loading_quietly():
+        pipe = pipeline_class.from_pretrained(path_or_id, **{dtype_key: resolve_dtype(dtype)}, **pipeline_kwargs)
     pipe.set_progress_bar_config(disable=True)
     return adapter(pipe.to(device), max_sequence_length=max_sequence_length, **(adapter_options or {}))

@@ -45,7 +45,10 @@ class RunLog:
             trim_metrics(trainer.out_dir / "metrics.jsonl", trainer.iteration)
             self.tracked = TrackedFolder(self.files, trainer.out_dir / TRACKER_FOLDER)
         if self.tracking:
-            trainer.accelerator.init_trackers(TRACKER_FOLDER, config=flat_config(to_dict(cfg)))
+            from flowalign.training.tracker_media import tracker_init
+
+            name, init_kwargs = tracker_init(cfg.train, trainer.out_dir / TRACKER_FOLDER)
+            trainer.accelerator.init_trackers(name, config=flat_config(to_dict(cfg)), init_kwargs=init_kwargs)
             self.record_tracker_files()
         self.bar = tqdm(total=cfg.train.iterations, initial=trainer.iteration, desc="train",
                         disable=not trainer.is_main, dynamic_ncols=True)
@@ -81,6 +84,11 @@ class RunLog:
             return
         self.files.record(name)
         save_grid(scores.images[:16], captions, self.trainer.out_dir / name, columns=8)
+        if self.tracking:
+            from flowalign.training.tracker_media import log_image
+
+            log_image(self.trainer.accelerator, "samples", self.trainer.out_dir / name, iteration)
+            self.record_tracker_files()
 
     def save_sample_videos(self, iteration: int, videos, captions: list[str]) -> None:
         """``samples/iteration-NNNNNN.mp4`` (the videos ``[N, F, 3, H, W]`` tiled per frame, at ``train.video_fps``,
@@ -113,10 +121,29 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
 
-    def end(self) -> None:
+    def end(self, evaluation: dict | None = None) -> None:
+        """End the tracker, after giving it the final evaluation (``evaluation``: the before/after report, on the
+        main process) at the last iteration's step: its two grids and its table."""
         if self.tracking:
+            if evaluation is not None and self.trainer.is_main:
+                self.log_evaluation(evaluation)
             self.trainer.accelerator.end_training()
             self.record_tracker_files()
+
+    def log_evaluation(self, report: dict) -> None:
+        from flowalign.training.tracker_media import log_image, log_table
+
+        accelerator, folder = self.trainer.accelerator, self.trainer.out_dir / "eval"
+        step = max(0, self.trainer.iteration - 1)
+        for name in ("grid_before", "grid_after"):
+            if (folder / f"{name}.png").is_file():
+                log_image(accelerator, f"eval/{name}", folder / f"{name}.png", step)
+        rows = [[tag, e["mean_a"], e["mean_b"], e["diff"], e["se"], e["z"]]
+                for tag, e in [*report["paired"]["tags"].items(), ("overall", report["paired"]["overall"])]]
+        rows += [[f"reward/{name}", e["overall"]["mean_a"], e["overall"]["mean_b"], e["overall"]["diff"],
+                  e["overall"]["se"], e["overall"]["z"]] for name, e in (report.get("rewards") or {}).items()]
+        log_table(accelerator, "eval/before_after", (folder / "before_after.md").read_text(),
+                  ["tag", "before", "after", "paired gain", "SE", "z"], rows, step)
 
 
 def collapse_postfix(metrics: dict[str, float]) -> dict[str, str]:

@@ -21,6 +21,7 @@ micro-batches. Splitting by steps rather than samples keeps the updates independ
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
@@ -449,7 +450,7 @@ class RunConfig:
     resumable: ClassVar[tuple[str, ...]] = (
         "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
         "eval_images_per_prompt", "eval_steps", "eval_seed", "keep_checkpoints", "checkpoint_every", "out_dir",
-        "overwrite", "restart_ema", "video_fps", "strip_frames")
+        "overwrite", "restart_ema", "video_fps", "strip_frames", "project", "run_name", "wandb_entity")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
@@ -462,10 +463,12 @@ class RunConfig:
     checkpoint_every: int = option(50, "save a checkpoint every this many iterations; 0 = only at the end")
     keep_checkpoints: int = option(2, "how many of the latest checkpoints to keep")
     eval_at_end: bool = option(True, "evaluate on data.eval_prompts after training")
-    eval_images_per_tag: int = option(
-        528,
+    eval_images_per_tag: int | None = option(
+        None,
         "images per tag in the final evaluation, split evenly over the tag's prompts (GenEval's overall is the "
-        "unweighted mean of tags, so equal tag sizes minimise its standard error)",
+        "unweighted mean of tags, so equal tag sizes minimise its standard error); null = by the run: 528 for a run "
+        "of at least 50 iterations started from the command line (the default run's), 24 for a shorter one or a run "
+        "started from Python",
     )
     eval_images_per_prompt: int | None = option(
         None, "images per prompt in the final evaluation instead of train.eval_images_per_tag; null = per tag"
@@ -475,7 +478,13 @@ class RunConfig:
         None, "seed of the final evaluation's samples; null = train.seed + 10000. With train.resume pointing at a "
         "finished run's last checkpoint, only the evaluation runs: a re-reading on other seeds"
     )
-    tracker: Literal["tensorboard", "wandb", "none"] = option("tensorboard", "where metrics are logged")
+    tracker: Literal["tensorboard", "wandb", "none"] = option(
+        "tensorboard", "where metrics, sample grids and the before/after evaluation are logged")
+    project: str = option("flowalign", "the tracker's project (wandb's project)")
+    run_name: str | None = option(None, "the run's name in the tracker: wandb's run name; TensorBoard's events go to "
+                                  "<train.out_dir>/flowalign/<run_name>; null = the tracker's own")
+    wandb_entity: str | None = option(None, "wandb's entity (a user or team) the run is logged under; null = the "
+                                      "logged-in user's default")
     resume: str | None = option(None, "checkpoint directory to resume from (or latest: train.out_dir's newest); its "
                                 "config must match this one")
     overwrite: bool = option(
@@ -511,6 +520,9 @@ class RunConfig:
                 check_fps(self.video_fps, "train.video_fps")
             except ValueError as error:
                 raise ConfigError(str(error), key="train.video_fps") from None
+        _check(self.run_name is None or (bool(re.fullmatch(r"[\w.-]+", self.run_name))
+                                         and self.run_name not in (".", "..")), "train.run_name",
+               f"= {self.run_name!r} names a folder of the run's tracker: letters, digits, '_', '-' and '.' only")
         packages = TRACKER_PACKAGES.get(self.tracker, ())
         _check(not packages or any(_installed(p) for p in packages), "train.tracker",
                f"= {self.tracker!r} needs the {packages[0] if packages else ''} package, which is not installed: "

@@ -3,14 +3,25 @@ EMA when on) on identical captions and seeds, with the paired gain, its standard
 judged by the toy video world's verifier instead (``flowalign.evaluation.toy_video_eval.evaluate_videos``), with the
 same paired statistics; its grids show each clip's frames side by side.
 
-With several processes each one samples its share of the evaluation's batches (whole batches, so every image is
-computed exactly as on one process) through the unwrapped transformer, whose forward has no collectives; the main
-process gathers the verdicts and writes ``eval/before_after.md`` / ``.json`` and the two grids.
+The same images are scored by the run's own rewards (every image reward of ``reward.rewards``, or the callables
+given to the trainer; a latent reward is left out, the evaluation has no latents), each with the same paired
+statistics: ``before_after.md``'s second table and ``before_after.json``'s ``rewards``.
+
+Its size follows the run (``eval_images_per_tag``): ``train.eval_images_per_tag`` when set; else a run of at least
+``SHORT_RUN`` iterations started from the command line gets the full evaluation (``FULL_PER_TAG`` images per tag:
+the default run's), and a shorter run, or any run started from Python, the small one (``SMALL_PER_TAG``).
+
+Before it starts, one log line gives the number of images and an estimated time (from the run's own rollout speed),
+then a progress bar counts them. With several processes each one samples its share of the evaluation's batches
+(whole batches, so every image is computed exactly as on one process) through the unwrapped transformer, whose
+forward has no collectives; the main process gathers the verdicts and writes ``eval/before_after.md`` / ``.json``
+and the two grids.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -19,19 +30,87 @@ from flowalign.evaluation.geneval import load_metadata
 from flowalign.training.collectives import gather_objects
 from flowalign.training.run_files import RunFiles
 
-__all__ = ["eval_seed", "evaluate_before_after"]
+__all__ = ["FULL_PER_TAG", "SHORT_RUN", "SMALL_PER_TAG", "estimated_seconds", "eval_images_per_tag", "eval_seed",
+           "evaluate_before_after", "score_with_rewards"]
 
 logger = logging.getLogger(__name__)
 
 # What write_before_after writes into its folder (the run's eval/).
 EVAL_FILES = ("before_after.md", "before_after.json", "grid_before.png", "grid_after.png")
 
+FULL_PER_TAG = 528  # the default run's evaluation: 3,168 images per model on the toy test set's 6 tags
+SMALL_PER_TAG = 24  # a short run's, or a run from Python: 164 images per model on the toy test set
+SHORT_RUN = 50  # iterations: a command-line run shorter than this gets the small evaluation
+REWARD_BATCH = 64  # images per call of a reward during the evaluation
 
-@torch.no_grad()
+
 def eval_seed(config) -> int:
     """The final evaluation's sample seed: ``train.eval_seed``, else ``train.seed + 10000``."""
     seed = config.train.eval_seed
     return config.train.seed + 10_000 if seed is None else seed
+
+
+def eval_images_per_tag(config, *, command_line: bool = False) -> int:
+    """Images per tag of the run's final evaluation (module docstring): ``train.eval_images_per_tag`` when set, else
+    ``FULL_PER_TAG`` for a command-line run of at least ``SHORT_RUN`` iterations, else ``SMALL_PER_TAG``."""
+    chosen = config.train.eval_images_per_tag
+    if chosen is not None:
+        return chosen
+    return FULL_PER_TAG if command_line and config.train.iterations >= SHORT_RUN else SMALL_PER_TAG
+
+
+def estimated_seconds(history: list[dict], samples_per_iteration: int, rollout_steps: int, images: int,
+                      steps: int) -> float | None:
+    """Seconds to sample ``images`` images of ``steps`` ODE steps each at the run's own rollout speed (the mean
+    seconds per image per step of its rollouts: ``time/rollout`` over ``samples_per_iteration * rollout_steps``);
+    None for a run without rollouts (objective-only, or no iteration run in this process)."""
+    times = [m["time/rollout"] for m in history if "time/rollout" in m]
+    if not times or samples_per_iteration < 1 or rollout_steps < 1:
+        return None
+    per_image_step = sum(times) / (len(times) * samples_per_iteration * rollout_steps)
+    return per_image_step * images * steps
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "time unknown (this run has no rollout to time)"
+    if seconds < 90:
+        return f"about {max(1, round(seconds))} s"
+    return f"about {math.ceil(seconds / 60)} min"
+
+
+@torch.no_grad()
+def score_with_rewards(rewards, results: list[dict], images, metadata: list[dict]) -> list[str]:
+    """Score the evaluation's images with the run's rewards: each result gets ``reward/<name>`` (NaN where a reward
+    found a sample invalid). A latent reward is left out. Returns the names scored."""
+    from flowalign.rewards import reads_latents, score_all
+
+    rewards = [spec for spec in rewards if not reads_latents(spec[2])]
+    if not rewards or not results:
+        return [spec[0] for spec in rewards]
+    for start in range(0, len(results), REWARD_BATCH):
+        rows = results[start:start + REWARD_BATCH]
+        entries = [metadata[r["prompt_id"]] for r in rows]
+        scores = score_all(rewards, images[start:start + REWARD_BATCH].float(), [e["prompt"] for e in entries],
+                           entries, group_ids=torch.tensor([r["prompt_id"] for r in rows]))
+        for name, row in zip(scores.names, scores.raw.cpu()):
+            for result, value in zip(rows, row.tolist()):
+                result[f"reward/{name}"] = value if math.isfinite(value) else math.nan  # invalid for this reward
+    return [spec[0] for spec in rewards]
+
+
+def paired_rewards(before: list[dict], after: list[dict], names: list[str]) -> dict[str, dict]:
+    """Each reward's paired statistics (``toy_eval.paired_difference`` on ``reward/<name>``) over the samples that
+    both of its scores found valid."""
+    from flowalign.evaluation.toy_eval import paired_difference
+
+    out = {}
+    for name in names:
+        key = f"reward/{name}"
+        kept = [(a, b) for a, b in zip(before, after) if not (math.isnan(a[key]) or math.isnan(b[key]))]
+        if kept:
+            out[name] = paired_difference([a for a, _ in kept], [b for _, b in kept], score=key)
+    return out
 
 
 def evaluate_before_after(trainer) -> dict | None:
@@ -43,10 +122,16 @@ def evaluate_before_after(trainer) -> dict | None:
 
     cfg, accelerator, model = trainer.config, trainer.accelerator, trainer.model
     metadata = load_metadata(cfg.data.eval_prompts)
-    counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, cfg.train.eval_images_per_tag)
+    counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, eval_images_per_tag(cfg))
     shard = (accelerator.process_index, accelerator.num_processes)
     kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg),
-                  image_size=cfg.sampling.image_size, shard=shard)
+                  image_size=cfg.sampling.image_size, shard=shard, progress=trainer.is_main)
+    total = counts * len(metadata) if isinstance(counts, int) else sum(counts)
+    if trainer.is_main:
+        seconds = estimated_seconds(trainer.history, trainer.layout.samples_per_process, cfg.sampling.num_steps,
+                                    2 * math.ceil(total / accelerator.num_processes), cfg.train.eval_steps)
+        logger.info("evaluating %d held-out images before and %d after training (%d prompts of %s, %d ODE steps): "
+                    "%s", total, total, len(metadata), cfg.data.eval_prompts, cfg.train.eval_steps, _duration(seconds))
     # a video model: the toy video world's verifier (toy_video_eval), else toy GenEval
     evaluate = evaluate_videos if getattr(model, "modality", "image") == "video" else evaluate_images
     model.transformer.eval()
@@ -58,6 +143,8 @@ def evaluate_before_after(trainer) -> dict | None:
             after, _, after_images = evaluate(model, metadata, **kwargs)
     finally:
         model.forward_module = wrapped
+    names = score_with_rewards(trainer.rewards, before, before_images, metadata)
+    score_with_rewards(trainer.rewards, after, after_images, metadata)
     if accelerator.num_processes > 1:
         order = lambda r: (r["prompt_id"], r["image_index"])  # noqa: E731 - the one-process row order
         before, after = (sorted(gather_objects(accelerator, results), key=order) for results in (before, after))
@@ -66,8 +153,6 @@ def evaluate_before_after(trainer) -> dict | None:
         RunFiles(trainer.out_dir).record(*(f"eval/{name}" for name in EVAL_FILES))  # before they are written
         report = write_before_after(trainer.out_dir / "eval", before, after, summarize(before), summarize(after),
                                     paired_difference(before, after), before_images, after_images,
-                                    seed=eval_seed(cfg))
+                                    seed=eval_seed(cfg), rewards=paired_rewards(before, after, names))
     accelerator.wait_for_everyone()
     return report
-
-

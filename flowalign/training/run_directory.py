@@ -97,10 +97,16 @@ def check_out_dir(directory: str | Path) -> None:
 
 
 def _occupied(directory: Path) -> SetupError:
-    return SetupError(
-        f"{directory} already holds a training run (config.yaml, metrics.jsonl or checkpoints): a new run would mix "
-        "its files with that one. Either continue it with --resume latest (train.resume=latest), write the new run "
-        "elsewhere with train.out_dir=DIR, or replace it with train.overwrite=true (deletes that run's files)")
+    from flowalign.console import callers_words
+
+    ways = callers_words(
+        "Either continue it with --resume latest (train.resume=latest), write the new run elsewhere with "
+        "train.out_dir=DIR, or replace it with train.overwrite=true (deletes that run's files)",
+        "Either continue it with config.train.resume = \"latest\", write the new run elsewhere with "
+        "config.train.out_dir = \"DIR\", or replace it with config.train.overwrite = True (deletes that run's files); "
+        "then build the Trainer again")
+    return SetupError(f"{directory} already holds a training run (config.yaml, metrics.jsonl or checkpoints): a new "
+                      f"run would mix its files with that one. {ways}")
 
 
 def check_new_run(directory: str | Path, *, overwrite: bool) -> bool:
