@@ -195,3 +195,15 @@ def test_the_device_checks_memory_stage_runs_on_a_cpu(tmp_path):
     print(f"toy Wan on a CPU: planned {result['predicted_gib'] * 1024:.1f} MiB, measured "
           f"{result['measured_gib'] * 1024:.1f} MiB, {result['relative_error']:+.1%}")
     assert result["device"] == "cpu" and abs(result["relative_error"]) < 0.25
+
+
+def test_a_local_model_is_planned_at_its_own_default_size():
+    """With ``sampling.image_size`` null, a local model is planned at the size its pipeline samples by default (the
+    transformer's ``sample_size`` in latent pixels times the VAE's factor): the toy SD3's 32 px, as the adapter's
+    ``default_image_size`` says, not a published model's 512."""
+    from flowalign.memory.planner import layout_from_config
+
+    assert model_spec(TOY).published == {"height": 32, "width": 32} == dict(
+        zip(("height", "width"), load_flow_model(TOY).default_image_size))
+    layout = layout_from_config(load_config(TrainConfig, str(REPO / "configs/default.yaml"), []), gpus=1)
+    assert (layout.height, layout.width) == (32, 32)

@@ -118,8 +118,12 @@ def _local_spec(directory: Path, family: str | None) -> ModelSpec:
     geometry = {"vae_spatial": spatial, "vae_temporal": temporal,
                 "patch": PACKED_FAMILIES.get(family, patch), "patch_t": patch_t or 1, "text_tokens": None,
                 "condition_images": 1 if getattr(adapter, "takes_condition_images", False) else 0}
+    # the pipeline's default size where the transformer's config states it (latent pixels x the VAE's factor), as the
+    # adapters' default_image_size reads it: the toy models' 32 px, not a published model's
+    sample_size = config.get("sample_size")
+    published = {"height": sample_size * spatial, "width": sample_size * spatial} if isinstance(sample_size, int) else {}
     return ModelSpec(name=directory.name, family=family, transformers=transformers, frozen=frozen, geometry=geometry,
-                     source=f"{directory}'s config files", directory=directory)
+                     published=published, source=f"{directory}'s config files", directory=directory)
 
 
 def _families():
