@@ -7,7 +7,7 @@ rules. Plain ODE sampling (``none``, T NFEs) is the reference. RGS needs a gradi
 copied into the results) or a differentiable image reward (``--rgs-reward toy_geneval_soft``, with ``--rgs-gradient
 full|x0``), and is skipped without one.
 
-Writes JSON (``--out``), a markdown table (same name, ``.md``) and a PNG plot (``.png``; drawn with PIL), and prints
+Writes JSON (``--out``), a markdown table (same name, ``.md``) and a PNG plot (``.png``; drawn with matplotlib), and prints
 the table. The targets of issue 7 are checked and reported, met or not:
 
 * DTS* or FK reaches best-of-N's accuracy at <= 1/2 of its NFEs;

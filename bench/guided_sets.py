@@ -17,7 +17,7 @@ sampling's (best-of-N at ``N = K``), with its SE. The Pareto check: where SatisD
 overlap, is SatisDive's upper envelope (worst reward against diversity, piecewise linear) above every FK point?
 
 Writes JSON (``--out``), a markdown table (``.md``) and a PNG scatter of worst-candidate reward against diversity
-(``.png``; PIL).
+(``.png``; matplotlib).
 
     python bench/guided_sets.py --max-prompts 66 --repeats 2        # 132 sets, 528 images per row
     python bench/guided_sets.py --max-prompts 2 --repeats 1 --steps 3 --fk-budget 12 --bon-budgets 12 \

@@ -40,12 +40,20 @@ CURVES = ("reward", HELD_OUT, "collapse/saturated_frac", "collapse/diversity")
 COLORS = {"plain": (214, 39, 40), "kl": (255, 127, 14), "gardo": (31, 119, 180)}
 SMOOTH = 5
 # curve -> (PNG name suffix, axis label); hacking.png is the held-out verifier
-PLOTS = {HELD_OUT: ("", "held-out exact verifier (toy_geneval, binary) on the training samples"),
+PLOTS = {HELD_OUT: ("", "held-out exact verifier (toy_geneval, binary)\non the training samples"),
          "reward": ("_proxy", "proxy reward"),
          "collapse/diversity": ("_diversity", "within-group diversity (toy_scene)"),
          "collapse/saturated_frac": ("_saturated", "saturated pixel fraction")}
 COMMON = ["train.tracker=none", "train.sample_every=0", "train.checkpoint_every=0", "train.eval_at_end=false",
           "collapse.held_out=toy_geneval"]
+
+
+def plot(curves: dict[str, dict[str, list[float]]], out: Path) -> None:
+    """The four PNGs (``PLOTS``) of ``curves`` (run -> curve -> values per iteration) into ``out``."""
+    for key, (suffix, label) in PLOTS.items():
+        line_plot({name: list(enumerate(smooth(curve[key]))) for name, curve in curves.items()},
+                  out / f"hacking{suffix}.png", x_label="iteration",
+                  y_label=label, title=f"trailing mean of {SMOOTH} iterations", colors=COLORS)
 
 
 def run_config(name: str, proxy: str, kl_beta: float) -> tuple[list[str], list[str]]:
@@ -115,10 +123,7 @@ def main() -> None:
     (out / "hacking.json").write_text(json.dumps({"settings": vars(args), "curves": curves}, indent=1))
     text = table(curves)
     (out / "hacking.md").write_text(text + "\n")
-    for key, (suffix, label) in PLOTS.items():
-        line_plot({name: list(enumerate(smooth(curve[key]))) for name, curve in curves.items()},
-                  out / f"hacking{suffix}.png", x_label="iteration",
-                  y_label=f"{label}, trailing mean of {SMOOTH} iterations", colors=COLORS)
+    plot(curves, out)
     print(text)
 
 

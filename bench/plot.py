@@ -1,49 +1,52 @@
-"""One line plot for the benchmarks, drawn with PIL alone (no plotting library in the dependencies).
+"""One line plot for the benchmarks, drawn with matplotlib (the ``bench`` extra: ``pip install -e ".[bench]"``).
 
 ``line_plot(series, path, x_label=..., y_label=...)``: ``series`` maps a name to its points ``(x, y)`` or
-``(x, y, label)``; each series is a polyline in x order with its points marked (and labelled), in ``colors[name]``.
+``(x, y, label)``; each series is a polyline in x order with its points marked (and labelled), in ``colors[name]``
+(RGB, 0-255). The axes get matplotlib's own ticks, a grid and a legend; the PNG is written atomically.
+
+Re-draw the recorded plots from their JSON, without re-running a benchmark: ``python bench/redraw_plots.py``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from flowalign.outputs import write_atomically
+
 
 def line_plot(series: dict[str, list[tuple]], path: Path, *, x_label: str, y_label: str,
               colors: dict[str, tuple[int, int, int]], x_range: tuple[float, float] | None = None,
-              y_range: tuple[float, float] | None = None, width: int = 680, height: int = 440) -> None:
-    from PIL import Image, ImageDraw
+              y_range: tuple[float, float] | None = None, width: int = 680, height: int = 440,
+              title: str | None = None) -> None:
+    import matplotlib
 
-    image = Image.new("RGB", (width, height), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    left, right, top, bottom = 60, width - 120, 20, height - 50
-    xs = [p[0] for points in series.values() for p in points]
-    ys = [p[1] for points in series.values() for p in points]
-    x_lo, x_hi = x_range or (min(xs) - 0.05 * (max(xs) - min(xs) or 1), max(xs) + 0.05 * (max(xs) - min(xs) or 1))
-    y_lo, y_hi = y_range or (min(ys) - 0.05 * (max(ys) - min(ys) or 1), max(ys) + 0.05 * (max(ys) - min(ys) or 1))
+    matplotlib.use("Agg")  # no display: the benchmarks run headless
+    import matplotlib.pyplot as plt
 
-    def at(x, y):
-        return (left + (x - x_lo) / (x_hi - x_lo) * (right - left), bottom - (y - y_lo) / (y_hi - y_lo) * (bottom - top))
-
-    draw.rectangle([left, top, right, bottom], outline=(0, 0, 0))
-    for i in range(5):
-        y = y_lo + i * (y_hi - y_lo) / 4
-        draw.text((5, at(x_lo, y)[1] - 6), f"{y:.2f}", fill=(0, 0, 0))
-        x = x_lo + i * (x_hi - x_lo) / 4
-        draw.text((at(x, y_lo)[0] - 12, bottom + 5), f"{x:.2f}" if x_hi - x_lo < 10 else f"{x:.0f}", fill=(0, 0, 0))
-    draw.text(((left + right) / 2 - 4 * len(x_label), height - 25), x_label, fill=(0, 0, 0))
-    draw.text((5, 2), y_label, fill=(0, 0, 0))
-    for index, (name, points) in enumerate(series.items()):
-        color = colors.get(name, (0, 0, 0))
-        ordered = sorted(points, key=lambda p: p[0])
-        pixels = [at(p[0], p[1]) for p in ordered]
-        if len(pixels) > 1:
-            draw.line(pixels, fill=color, width=2)
-        for (px, py), point in zip(pixels, ordered):
-            draw.ellipse([px - 3, py - 3, px + 3, py + 3], fill=color)
-            if len(point) > 2 and point[2]:
-                draw.text((px + 4, py - 12), str(point[2]), fill=color)
-        draw.line([right + 10, top + 12 + 18 * index, right + 30, top + 12 + 18 * index], fill=color, width=3)
-        draw.text((right + 35, top + 6 + 18 * index), name, fill=(0, 0, 0))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    dpi = 100
+    figure, axes = plt.subplots(figsize=(width / dpi, height / dpi), dpi=dpi)
+    try:
+        for name, points in series.items():
+            color = tuple(c / 255 for c in colors.get(name, (0, 0, 0)))
+            ordered = sorted(points, key=lambda p: p[0])
+            axes.plot([p[0] for p in ordered], [p[1] for p in ordered], color=color, marker="o", markersize=4,
+                      linewidth=1.8, label=name)
+            for point in ordered:
+                if len(point) > 2 and point[2]:
+                    axes.annotate(str(point[2]), (point[0], point[1]), textcoords="offset points", xytext=(4, 4),
+                                  fontsize=7, color=color)
+        if x_range:
+            axes.set_xlim(*x_range)
+        if y_range:
+            axes.set_ylim(*y_range)
+        axes.set_xlabel(x_label)
+        axes.set_ylabel(y_label)
+        if title:
+            axes.set_title(title)
+        axes.grid(True, alpha=0.3)
+        axes.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False, fontsize=8)
+        figure.tight_layout()
+        with write_atomically(path) as tmp:  # no version stamp in the file: the same JSON gives the same bytes
+            figure.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None})
+    finally:
+        plt.close(figure)

@@ -452,3 +452,13 @@ def test_judge_validates_metadata_and_image_size():
         judge(meta("nope", [one("cat")]), {}, IMAGE)
     with pytest.raises(GenEvalError, match="image_size"):
         judge(meta("single_object", [one("cat")]), {}, (0, 100))
+
+
+def test_overall_standard_error_hand_computed():
+    from flowalign.evaluation.geneval import overall_standard_error
+
+    # single_object [1, 0, 1, 1]: var (ddof 1) 0.25, se^2 0.25 / 4; position [0, 0]: se 0; overall sqrt(1/16) / 2 tags
+    assert overall_standard_error(sample_results()) == pytest.approx(0.125)
+    assert math.isnan(overall_standard_error(sample_results()[:5]))  # position has one verdict: no spread to estimate
+    with pytest.raises(GenEvalError, match="empty"):
+        overall_standard_error([])

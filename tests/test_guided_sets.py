@@ -239,6 +239,22 @@ def test_every_method_writes_a_set_of_candidates_with_its_floor_and_diversity(tm
     assert results["mean_worst_reward"] == pytest.approx(sum(s["worst_reward"] for s in results["sets"]) / 2)
     summary = (out / "summary.md").read_text()
     assert "4 images per prompt: mean worst-candidate reward" in summary and "toy_scene embedding" in summary
+    from flowalign.evaluation.geneval import overall_standard_error
+
+    geneval = results["geneval"]  # the toy verifier's overall with its standard error, in the JSON and the summary
+    se = overall_standard_error(rows)
+    assert geneval["overall_se"] == pytest.approx(se) and geneval["n_images"] == 8
+    assert f"toy GenEval overall {geneval['overall']:.3f} ± {se:.3f} (standard error over 8 images in 1 tag:" in summary
+
+
+def test_grid_captions_give_each_candidates_reward_and_verdict():
+    from flowalign.inference.sample import grid_captions
+
+    rows = [{"prompt": "a photo of a circle", "reward": 0.5, "correct": True},
+            {"prompt": "a photo of a circle", "reward": 0.25, "correct": False},
+            {"prompt": "a cat", "reward": None}]  # a reward that failed for this image, no toy verdict
+    assert grid_captions(rows) == ["a photo of a circle | 0.500 | yes", "a photo of a circle | 0.250 | no",
+                                   "a cat | n/a"]
 
 
 @pytest.mark.parametrize(

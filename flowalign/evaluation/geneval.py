@@ -73,6 +73,7 @@ __all__ = [
     "relative_position",
     "judge",
     "summarize",
+    "overall_standard_error",
     "format_table",
 ]
 
@@ -522,6 +523,30 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> dict:
         "n_images": len(all_images),
         "n_prompts": len(per_prompt),
     }
+
+
+def overall_standard_error(results: Sequence[Mapping[str, Any]]) -> float:
+    """The standard error of ``summarize(results)["overall"]``, the unweighted mean of the tags' accuracies.
+
+    Each tag ``t`` has ``n_t`` verdicts ``c_i`` in {0, 1}, read as independent: ``se_t = std(c, ddof=1) / sqrt(n_t)``,
+    and the mean of ``T`` independent tag means has ``se = sqrt(sum_t se_t^2) / T`` (the same rule as
+    ``toy_eval.paired_difference``'s overall, for one sample). NaN when a tag has a single verdict. Several images of
+    one prompt are correlated, so with many images per prompt this understates the error.
+    """
+    if not results:
+        raise GenEvalError("results: empty (expected at least one judged image)")
+    per_tag: dict[str, list[float]] = {}
+    for index, result in enumerate(results):
+        tag, _, correct = _check_result(result, index)
+        per_tag.setdefault(tag, []).append(float(correct))
+    variances = []
+    for verdicts in per_tag.values():
+        n = len(verdicts)
+        if n < 2:
+            return math.nan
+        mean = _mean(verdicts)
+        variances.append(sum((c - mean) ** 2 for c in verdicts) / (n - 1) / n)
+    return math.sqrt(sum(variances)) / len(variances)
 
 
 def _check_result(result: Any, index: int) -> tuple[str, tuple[str, Any], bool]:

@@ -451,7 +451,6 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         (out / "images").mkdir(parents=True, exist_ok=True)
         for name, pixels in zip(names, to_uint8(flat_images)):
             Image.fromarray(pixels).save(out / "images" / f"{name}.png")
-        save_grid(flat_images[:64], [metadata[p]["prompt"] for p in owners[:64]], out / "grid.png")
     rows = []
     for index, (p, r) in enumerate(zip(owners, flat_rewards.tolist())):
         m = metadata[p]
@@ -475,14 +474,16 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         summary.update(set_summary(rewards, None if diversity is None else diversity[1]))
         summary["diversity_embedding"] = None if diversity is None else diversity[0]
     if all("include" in m for m in metadata) and not video:  # the toy verifier reads images
-        from flowalign.evaluation.geneval import summarize
+        from flowalign.evaluation.geneval import overall_standard_error, summarize
         from flowalign.toy.reward import ToyGenEvalReward
 
         entries = [metadata[p] for p in owners]
         correct = ToyGenEvalReward()(flat_images, [m["prompt"] for m in entries], entries)
         for row, value in zip(rows, correct.tolist()):
             row["correct"] = bool(value)
-        summary["geneval"] = summarize(rows)
+        summary["geneval"] = {**summarize(rows), "overall_se": _num(overall_standard_error(rows))}
+    if not video:
+        save_grid(flat_images[:64], grid_captions(rows[:64]), out / "grid.png")
     summary["results"] = rows
     with write_atomically(out / "results.json") as tmp:
         tmp.write_text(json.dumps(summary, indent=1))
@@ -500,10 +501,21 @@ def write_outputs(config: SampleConfig, metadata: Sequence[dict], images: Tensor
         lines.append(f"videos of {summary['frames']} frames at {summary['fps']:g} fps ({summary['video_codec']}): "
                      "videos/, grid.mp4, frame strips in grid.png")
     if "geneval" in summary:
-        lines.append(f"toy GenEval overall {summary['geneval']['overall']:.3f}")
+        geneval = summary["geneval"]
+        tags = len(geneval["tags"])
+        lines.append(f"toy GenEval overall {geneval['overall']:.3f} ± {_fmt(geneval['overall_se'])} (standard error "
+                     f"over {geneval['n_images']} images in {tags} tag{'' if tags == 1 else 's'}: a difference of less "
+                     "than about two standard errors is noise)")
     with write_atomically(out / "summary.md") as tmp:
         tmp.write_text("\n".join(lines) + "\n")
     return summary
+
+
+def grid_captions(rows: Sequence[dict]) -> list[str]:
+    """``grid.png``'s caption of each image: ``prompt | reward``, and ``| yes`` / ``| no`` where the toy verifier
+    judged it (``correct``)."""
+    return [f"{row['prompt']} | {_fmt(row['reward'])}" + (f" | {'yes' if row['correct'] else 'no'}"
+                                                           if "correct" in row else "") for row in rows]
 
 
 def _is_video(modality: str, images: Tensor, sets: bool) -> bool:
