@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from flowalign.training.context_parallel import split_transformers
+
 REPO = Path(__file__).resolve().parents[1]
 METHOD = str(REPO / "configs/methods/flow_grpo_fast.yaml")
 
@@ -21,8 +23,14 @@ BASE = {"model.lora_rank": 4, "model.lora_alpha": 8, "model.gradient_checkpointi
         "optim.minibatches": 2, "loss.grpo.beta": 0.04,
         "optim.lr": 3e-3, "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false",
         "train.sample_every": 0, "train.checkpoint_every": 1, "sampling.image_size": 32}
-MODELS = {"flux": {"reward.rewards": "[{name: brightness}]"},
-          "wan": {"reward.rewards": "[{name: video_brightness}]", "sampling.num_frames": 5}}
+IMAGE = {"reward.rewards": "[{name: brightness}]"}
+VIDEO = {"reward.rewards": "[{name: video_brightness}]", "sampling.num_frames": 5}
+# Wan2.2 A14B: 4 steps (t = 1000, 900, 750, 500), the first 3 trained in one minibatch: both experts in the rollout
+# and in every backward (a minibatch that left an expert out would give it, under DDP, a zero gradient that AdamW's
+# weight decay still steps, and one process no gradient at all)
+BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
+                "sampling.window_last": "null", "optim.minibatches": 1}
+MODELS = {"flux": IMAGE, "wan": VIDEO, "qwen_image": IMAGE, "flux2": IMAGE, "wan22": {**VIDEO, **BOTH_EXPERTS}}
 ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
 
 # name -> (model, overrides); the context-parallel runs and the runs they equal
@@ -32,6 +40,12 @@ RUNS = {
     "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
     "wan-cp2": ("wan", {**ULYSSES_2, "model.finetune": "full"}),  # the KL's reference: the frozen copy, split too
     "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
+    # 2 processes, data 1 x context 2: the other families with a diffusers plan, the LoRA under DDP; Qwen-Image's
+    # under FSDP2 (its last block's text output is unused, so is that block's to_add_out LoRA: DDP refuses that)
+    # the text cut to 11 tokens: odd, so padded to 12 (masked) under the split
+    "qwen_image-cp2": ("qwen_image", {**ULYSSES_2, "distributed.engine": "fsdp2", "model.max_sequence_length": 11}),
+    "flux2-cp2": ("flux2", ULYSSES_2),
+    "wan22-cp2": ("wan22", ULYSSES_2),  # both experts split
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
     # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
     "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
@@ -60,21 +74,26 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def first_block(transformer: torch.nn.Module) -> torch.nn.Module:
+    """The first block of the (first) diffusers transformer in ``transformer`` (the high expert of a pair)."""
+    transformer = split_transformers(transformer)[0]
     return (getattr(transformer, "transformer_blocks", None) or transformer.blocks)[0]
 
 
 def one_iteration(trainer) -> dict[str, torch.Tensor]:
     """Train ``trainer``'s next iteration; its figures (module docstring), the same on every process, and
     ``layout/block_tokens``: the image or video tokens the transformer's first block returned in this process's first
-    forward."""
+    forward; ``layout/text_tokens``: the text lengths the transformer was given (before the plan's split)."""
     before = {f"init/{k}": full(v).detach().cpu().clone() for k, v in trainer.trainable_state().items()}
-    seen = []
-    hook = first_block(trainer.model.transformer).register_forward_hook(  # its output: after the plan's split
-        lambda module, args, output: seen.append((output[-1] if isinstance(output, tuple) else output).shape[1]))
+    seen, texts = [], set()
+    hooks = [first_block(trainer.model.transformer).register_forward_hook(  # its output: after the plan's split
+        lambda module, args, output: seen.append((output[-1] if isinstance(output, tuple) else output).shape[1])),
+        split_transformers(trainer.model.transformer)[0].register_forward_pre_hook(  # its input: before the split
+            lambda module, args, kwargs: texts.add(kwargs["encoder_hidden_states"].shape[1]), with_kwargs=True)]
     try:
         metrics, _, batches, scores = trainer.train_iteration(trainer.iteration)
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     trainer.iteration += 1
     trainer.history.append(metrics)
     accelerator = trainer.accelerator  # a context-parallel run's data-parallel view: each sample once
@@ -83,7 +102,7 @@ def one_iteration(trainer) -> dict[str, torch.Tensor]:
                "rewards": accelerator.gather(scores.combined.to(accelerator.device)).cpu(),
                "loss": torch.tensor([metrics["loss"]]), "grad_norm": torch.tensor([metrics["grad_norm"]]),
                "first_ratio_max": torch.tensor([metrics["first_ratio_max"]]), **before,
-               "layout/block_tokens": torch.tensor(seen[:1])}
+               "layout/block_tokens": torch.tensor(seen[:1]), "layout/text_tokens": torch.tensor(sorted(texts))}
     figures.update({f"weight/{k}": full(v).detach().cpu() for k, v in trainer.trainable_state().items()})
     return figures
 

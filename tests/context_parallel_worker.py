@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 
 from flowalign.cli.train import _leave_process_group
 
+from flowalign.training.context_parallel import split_transformers
+
 from context_parallel_runs import one_iteration, trainer_for
 from ring_attention import ring_check
 
@@ -42,8 +44,9 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             continue
         trainer = trainer_for(root, name, out / name)
         figures = one_iteration(trainer)
-        model = trainer.model  # every transformer split, a full fine-tune's reference copy too
-        split = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+        model = trainer.model  # every transformer split (each expert of a pair), a full fine-tune's reference too
+        split = [t for top in [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+                 for t in split_transformers(top)]
         figures["layout/parallel"] = torch.tensor([all(t._parallel_config is not None for t in split)])
         save(figures, out, name)
         if trainer.config.train.iterations > 1:  # checkpointed, trained on, and resumed from its first checkpoint

@@ -36,6 +36,8 @@ OFF = {"distributed.context_parallel.ulysses": 1}
 # nearly blind to a gradient's scale, a gradient counted twice (or half) is a factor 2 in its norm.
 # The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5..1e-4: compared absolutely.
 ROLLOUT_RTOL = 1e-5
+# The families enabled after FLUX and Wan2.1 (one iteration each, LoRA under DDP, in the 2-process launch)
+FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2"]
 LOSS_ATOL = 1e-7
 GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
@@ -43,14 +45,17 @@ UPDATE_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The tiny FLUX and the tiny Wan2.1 T2V, saved."""
+    """The tiny FLUX, Wan2.1 T2V, Qwen-Image, FLUX.2 and Wan2.2 A14B, saved."""
     from conftest import WORDS
-    from flowalign.models.tiny import tiny_flux_pipeline
+    from flowalign.models.tiny import tiny_flux2_pipeline, tiny_flux_pipeline, tiny_qwen_image_pipeline
     from video_families import tiny_video_pipeline
 
     path = tmp_path_factory.mktemp("context-parallel")
     tiny_flux_pipeline(WORDS, seed=0).save_pretrained(path / "flux")
-    tiny_video_pipeline("wan").save_pretrained(path / "wan")
+    tiny_qwen_image_pipeline(WORDS, seed=0).save_pretrained(path / "qwen_image")
+    tiny_flux2_pipeline(WORDS, seed=0).save_pretrained(path / "flux2")
+    for family in ("wan", "wan22"):
+        tiny_video_pipeline(family).save_pretrained(path / family)
     return path
 
 
@@ -67,7 +72,7 @@ def launch(root: Path, out: Path, nproc: int, names: list[str]) -> None:
 def launched(root, tmp_path_factory):
     """The two launches (module docstring); their figures under the returned folder."""
     out = tmp_path_factory.mktemp("context-parallel-runs")
-    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", "ring"])
+    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", *FAMILIES, "ring"])
     launch(root, out, 4, ["flux-d2-cp2"])
     return out
 
@@ -93,6 +98,28 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
     assert bool(split["layout/parallel"]) and int(split["layout/block_tokens"]) * 2 == int(whole["layout/block_tokens"])
     assert float(split["first_ratio_max"]) == 1.0 and float(whole["first_ratio_max"]) == 1.0
     assert_same_iteration(split, whole)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
+    """Qwen-Image (LoRA under FSDP2), FLUX.2 and Wan2.2 A14B (both experts split; LoRAs under DDP): one iteration with context parallel 2 on 2
+    processes equals one process: rollout log-probs, rewards, loss, gradient norm, update; the first ratio is 1.
+    Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given
+    is padded to an even length with masked tokens, while the one process saw odd lengths."""
+    split = load_file(str(launched / f"{name}.safetensors"))
+    whole = one_iteration(trainer_for(root, name, tmp_path / "one", **OFF))
+    assert bool(split["layout/parallel"]) and int(split["layout/block_tokens"]) * 2 == int(whole["layout/block_tokens"])
+    assert float(split["first_ratio_max"]) == 1.0 and float(whole["first_ratio_max"]) == 1.0
+    assert_same_iteration(split, whole)
+    if name == "qwen_image-cp2":  # its text cut to 11 tokens: padded to 12 under the split
+        lengths = whole["layout/text_tokens"].tolist()
+        assert any(n % 2 for n in lengths)
+        assert split["layout/text_tokens"].tolist() == sorted({n + n % 2 for n in lengths})
+    if name == "wan22-cp2":  # both experts trained (each LoRA moved)
+        for expert in ("high", "low"):
+            keys = [k for k in split if k.startswith(f"weight/{expert}.")]
+            assert keys and any(not torch.equal(split[k], split["init/" + k[len("weight/"):]]) for k in keys)
 
 
 @pytest.mark.slow
@@ -191,22 +218,38 @@ def test_ulysses_needs_the_heads_to_divide(root):
     ("flux-cp2", {"sampling.image_size": 36}, "image token sequence of 81 tokens"),
     ("flux-cp2", {"model.max_sequence_length": 11}, "text token sequence of 11 tokens"),
     ("wan-cp2", {"sampling.image_size": 24, "sampling.num_frames": 1}, "video token sequence of 9 tokens"),
+    ("wan22-cp2", {"sampling.image_size": 24, "sampling.num_frames": 1}, "video token sequence of 9 tokens"),
+    ("qwen_image-cp2", {"sampling.image_size": 24}, "image token sequence of 9 tokens"),
+    ("flux2-cp2", {"sampling.image_size": 12}, "image token sequence of 9 tokens"),
+    ("flux2-cp2", {"model.max_sequence_length": 11}, "text token sequence of 11 tokens"),
 ])
 def test_every_split_sequence_must_divide_by_the_degree(root, name, extra, what):
     """FLUX splits its packed image tokens (36 px: 18 x 18 latents of the tiny VAE, 9 x 9 packed tokens) and its
-    text tokens; Wan its video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches)."""
+    text tokens; Wan2.1 and Wan2.2 A14B their video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches);
+    Qwen-Image and FLUX.2 their packed image tokens (3 x 3: 24 px through the tiny Qwen VAE (4x), 12 px through the
+    tiny FLUX.2 VAE (2x), then 2 x 2 packing) and
+    FLUX.2 its text (Qwen-Image's text is padded at each forward instead: tests above)."""
     with pytest.raises(ConfigError, match=what):
         check_context_parallel(config(root, name, **extra), 2, "cpu")
     assert check_context_parallel(config(root, name), 2, "cpu").degree == 2
 
 
-def test_a_family_without_a_plan_is_refused_naming_it(root, tmp_path):
+@pytest.mark.parametrize("family, reason", [
+    ("sd3", "JointAttnProcessor2_0"),
+    ("ltx_video", "per-head text mask"),
+    ("ltx2", "audio tokens stay whole"),
+])
+def test_a_family_without_a_plan_is_refused_naming_it(family, reason, root, tmp_path):
     """SD3's joint attention calls scaled_dot_product_attention itself (no dispatcher, so no Ulysses or ring
-    exchange): a plan cannot fix it, and the config says so before the model loads."""
+    exchange): a plan cannot fix it. LTX-Video and LTX-2 have diffusers plans, but diffusers' Ulysses attention does
+    not split the per-head text mask their processors build (and LTX-2's audio stays whole). The config says so
+    before the model loads."""
     from conftest import WORDS
     from flowalign.models.tiny import tiny_sd3_pipeline
+    from video_families import tiny_video_pipeline
 
-    tiny_sd3_pipeline(WORDS, seed=0).save_pretrained(tmp_path / "sd3")
-    cfg = config(root, **{"model.path": str(tmp_path / "sd3")})
-    with pytest.raises(ConfigError, match="the sd3 family has no context-parallel plan .*JointAttnProcessor2_0"):
+    pipe = tiny_sd3_pipeline(WORDS, seed=0) if family == "sd3" else tiny_video_pipeline(family)
+    pipe.save_pretrained(tmp_path / family)
+    cfg = config(root, **{"model.path": str(tmp_path / family)})
+    with pytest.raises(ConfigError, match=f"the {family} family has no context-parallel plan .*{reason}"):
         check_context_parallel(cfg, 2, "cpu")
