@@ -30,14 +30,19 @@ VIDEO = {"reward.rewards": "[{name: video_brightness}]", "sampling.num_frames": 
 # weight decay still steps, and one process no gradient at all)
 BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.window_start": "fixed",
                 "sampling.window_last": "null", "optim.minibatches": 1}
-MODELS = {"flux": IMAGE, "wan": VIDEO, "qwen_image": IMAGE, "flux2": IMAGE, "wan22": {**VIDEO, **BOTH_EXPERTS}}
+MODELS = {"flux": IMAGE, "wan": VIDEO, "qwen_image": IMAGE, "flux2": IMAGE, "wan22": {**VIDEO, **BOTH_EXPERTS},
+          "wan_i2v": {**VIDEO, "data.train_prompts": "ROOT/i2v.jsonl"},  # prompts with a first frame (i2v_prompts)
+          "wan22_i2v": {**VIDEO, **BOTH_EXPERTS, "data.train_prompts": "ROOT/i2v.jsonl"}}
 ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
+# the end-of-run evaluation on 2 held-out prompts (prompt_files), one image each, 2 steps
+EVALUATION = {"train.eval_at_end": "true", "data.eval_prompts": "ROOT/eval.jsonl", "train.eval_images_per_prompt": 1,
+              "train.eval_steps": 2}
 
 # name -> (model, overrides); the context-parallel runs and the runs they equal
 RUNS = {
-    # 2 processes, data 1 x context 2: FLUX's LoRA under FSDP2 (two iterations, checkpointed), Wan2.1's full fine-tune
-    # under DDP
-    "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2}),
+    # 2 processes, data 1 x context 2: FLUX's LoRA
+    # under FSDP2 (two iterations, checkpointed, then the end-of-run evaluation), Wan2.1's full fine-tune under DDP
+    "flux-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "train.iterations": 2, **EVALUATION}),
     "wan-cp2": ("wan", {**ULYSSES_2, "model.finetune": "full"}),  # the KL's reference: the frozen copy, split too
     "flux-d2": ("flux", {}),  # 2 processes: data 2 x context 1
     # 2 processes, data 1 x context 2: the other families with a diffusers plan, the LoRA under DDP; Qwen-Image's
@@ -46,6 +51,8 @@ RUNS = {
     "qwen_image-cp2": ("qwen_image", {**ULYSSES_2, "distributed.engine": "fsdp2", "model.max_sequence_length": 11}),
     "flux2-cp2": ("flux2", ULYSSES_2),
     "wan22-cp2": ("wan22", ULYSSES_2),  # both experts split
+    "wan_i2v-cp2": ("wan_i2v", ULYSSES_2),  # the CLIP image tokens join the (unsplit) text
+    "wan22_i2v-cp2": ("wan22_i2v", ULYSSES_2),  # the first frame in the latents' channels, both experts
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
     # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
     "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
@@ -53,11 +60,27 @@ RUNS = {
 }
 
 
+def prompt_files(root: Path) -> None:
+    """``ROOT/i2v.jsonl``: 4 prompts, each with the same 32x32 first frame (``ROOT/first.png``); ``ROOT/eval.jsonl``:
+    the first 2 held-out prompts (the end-of-run evaluation's)."""
+    import json
+
+    from video_families import first_frame_image
+
+    first_frame_image((32, 32)).save(root / "first.png")
+    prompts = ["a photo of a circle and a square", "a photo of a square and a circle", "a red circle", "a blue square"]
+    (root / "i2v.jsonl").write_text("".join(json.dumps({"prompt": p, "images": ["first.png"]}) + "\n" for p in prompts))
+    held_out = (REPO / "assets/prompts/test.jsonl").read_text().splitlines()[:2]
+    (root / "eval.jsonl").write_text("\n".join(held_out) + "\n")
+
+
 def settings(root: Path, name: str, out: Path, **extra) -> list[str]:
-    """The dotted overrides of run ``name`` (``root`` holds the tiny models), into ``out``."""
+    """The dotted overrides of run ``name`` (``root`` holds the tiny models; ``ROOT/`` in a value is it), into
+    ``out``."""
     model, overrides = RUNS[name]
     values = {**BASE, **MODELS[model], "model.path": str(root / model), **overrides, "train.out_dir": str(out),
               **extra}
+    values = {k: v.replace("ROOT/", f"{root}/") if isinstance(v, str) else v for k, v in values.items()}
     return [f"{k}={v}" for k, v in values.items()]
 
 

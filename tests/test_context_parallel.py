@@ -12,15 +12,19 @@ The config checks (before any model loads) run without processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
-from context_parallel_runs import METHOD, one_iteration, relative, settings, trainer_for, update_difference
+from context_parallel_runs import (METHOD, prompt_files, one_iteration, relative, settings, trainer_for,
+                                   update_difference)
 from flowalign.config import ConfigError, load_config
 from flowalign.training.config import TrainConfig
 from flowalign.training.context_parallel import check_context_parallel
@@ -37,7 +41,7 @@ OFF = {"distributed.context_parallel.ulysses": 1}
 # The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5..1e-4: compared absolutely.
 ROLLOUT_RTOL = 1e-5
 # The families enabled after FLUX and Wan2.1 (one iteration each, LoRA under DDP, in the 2-process launch)
-FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2"]
+FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2", "wan_i2v-cp2", "wan22_i2v-cp2"]
 LOSS_ATOL = 1e-7
 GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
@@ -45,7 +49,8 @@ UPDATE_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The tiny FLUX, Wan2.1 T2V, Qwen-Image, FLUX.2 and Wan2.2 A14B, saved."""
+    """The tiny FLUX, Qwen-Image, FLUX.2, Wan2.1 T2V and I2V, Wan2.2 A14B T2V and I2V, saved; the image-to-video
+    prompts (``prompt_files``)."""
     from conftest import WORDS
     from flowalign.models.tiny import tiny_flux2_pipeline, tiny_flux_pipeline, tiny_qwen_image_pipeline
     from video_families import tiny_video_pipeline
@@ -54,8 +59,9 @@ def root(tmp_path_factory):
     tiny_flux_pipeline(WORDS, seed=0).save_pretrained(path / "flux")
     tiny_qwen_image_pipeline(WORDS, seed=0).save_pretrained(path / "qwen_image")
     tiny_flux2_pipeline(WORDS, seed=0).save_pretrained(path / "flux2")
-    for family in ("wan", "wan22"):
+    for family in ("wan", "wan22", "wan_i2v", "wan22_i2v"):
         tiny_video_pipeline(family).save_pretrained(path / family)
+    prompt_files(path)
     return path
 
 
@@ -103,7 +109,8 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
-    """Qwen-Image (LoRA under FSDP2), FLUX.2 and Wan2.2 A14B (both experts split; LoRAs under DDP): one iteration with context parallel 2 on 2
+    """Qwen-Image (LoRA under FSDP2), FLUX.2, Wan2.2 A14B (both experts split), Wan2.1 I2V (its CLIP image tokens join
+    the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP: one iteration with context parallel 2 on 2
     processes equals one process: rollout log-probs, rewards, loss, gradient norm, update; the first ratio is 1.
     Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given
     is padded to an even length with masked tokens, while the one process saw odd lengths."""
@@ -116,7 +123,7 @@ def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched,
         lengths = whole["layout/text_tokens"].tolist()
         assert any(n % 2 for n in lengths)
         assert split["layout/text_tokens"].tolist() == sorted({n + n % 2 for n in lengths})
-    if name == "wan22-cp2":  # both experts trained (each LoRA moved)
+    if name.startswith("wan22"):  # both experts trained (each LoRA moved)
         for expert in ("high", "low"):
             keys = [k for k in split if k.startswith(f"weight/{expert}.")]
             assert keys and any(not torch.equal(split[k], split["init/" + k[len("weight/"):]]) for k in keys)
@@ -136,7 +143,8 @@ def test_data_2_x_context_2_on_4_processes_equals_data_2(launched):
 def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root, launched, tmp_path):
     """FSDP2 with context parallel 2 on 2 processes: resuming the first checkpoint at the same layout gives bitwise
     the uninterrupted run's second checkpoint; resumed on one process without context parallelism (DCP reshards the
-    2-process shards), the second iteration agrees with it to the collectives' rounding."""
+    2-process shards), the second iteration agrees with it to the collectives' rounding. Both then run the end-of-run
+    evaluation (the split one with every forward split)."""
     run = launched / "flux-cp2"
     last = load_file(str(run / "checkpoint-000002" / LORA_FILE))
     resumed = load_file(str(launched / "flux-cp2-resumed" / "checkpoint-000002" / LORA_FILE))
@@ -147,6 +155,15 @@ def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root
     one = load_file(str(tmp_path / "one" / "checkpoint-000002" / LORA_FILE))
     step = sum((last[k] - first[k]).double().pow(2).sum() for k in last).sqrt()
     assert float(sum((one[k] - last[k]).double().pow(2).sum() for k in last).sqrt() / step) < UPDATE_RTOL
+    # the end-of-run evaluation ran under context parallelism too: the base model's images (before) are the one
+    # process's to the 8-bit rounding of the grid, the trained model's (after) scored on as many images
+    split_report, one_report = (json.loads((folder / "eval" / "before_after.json").read_text())
+                                for folder in (run, tmp_path / "one"))
+    assert split_report["before"] == one_report["before"] and split_report["samples"] == one_report["samples"]
+    assert split_report["after"]["n_images"] == one_report["after"]["n_images"] == 2
+    grids = [np.asarray(Image.open(folder / "eval" / "grid_before.png"), dtype=np.int16)
+             for folder in (run, tmp_path / "one")]
+    assert grids[0].shape == grids[1].shape and int(np.abs(grids[0] - grids[1]).max()) <= 1
 
 
 @pytest.mark.slow
