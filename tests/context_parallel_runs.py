@@ -1,7 +1,8 @@
 """The runs tests/test_context_parallel.py compares, shared with its torchrun worker (tests/context_parallel_worker.py).
 
-A run is a name, a tiny model (``flux``: the tiny FLUX at 32 px; ``wan``: the tiny Wan2.1 T2V, 5 frames at 32 px) and
-overrides (every run with a KL term, so the reference policy's forwards run with the sequence split as well); ``one_iteration`` trains it for one iteration and returns what the comparison reads: the rollout's
+A run is a name, a tiny model (the image families at 32 px, the video families 5 frames at 32 px) and overrides
+(every run with a KL term, so the reference policy's forwards run with the sequence split as well); ``one_iteration``
+trains it for one iteration and returns what the comparison reads: the rollout's
 log-probs and rewards of every sample (gathered over the data-parallel processes, in sample order), the loss, the
 gradient norm and the updated trainable weights (all-gathered from FSDP2's shards).
 """

@@ -4,8 +4,9 @@
 
 ``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
 (``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
-with ``layout/parallel``: whether diffusers' parallel config is on the transformer (and a full fine-tune's reference). A run of two iterations then saves
-its first checkpoint, trains the second (checkpointed), and is resumed from its first checkpoint at the same layout
+with ``layout/parallel``: whether diffusers' parallel config is on every transformer (each expert of a pair, a full
+fine-tune's reference). A run of two iterations then saves its first checkpoint, trains the second (checkpointed,
+then its end-of-run evaluation when the run asks for one), and is resumed from its first checkpoint at the same layout
 into ``OUT/NAME-resumed``; the job ``ring`` runs diffusers' ring attention over the processes
 (tests/ring_attention.py).
 """

@@ -2,9 +2,10 @@
 through diffusers' ``enable_parallelism`` (Ulysses attention), on real torchrun processes with gloo on CPU.
 
 Two launches (tests/context_parallel_worker.py, the runs of tests/context_parallel_runs.py) train: on 2 processes
-(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, and a
-resume of the first checkpoint at the same layout) and the tiny Wan2.1's full fine-tune under DDP; the tiny FLUX as data 2 x context 1 under DDP;
-then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
+(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, the
+end-of-run evaluation, and a resume of the first checkpoint at the same layout), the tiny Wan2.1's full fine-tune
+under DDP, one iteration of each other family with a diffusers plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V,
+Wan2.2 A14B I2V); the tiny FLUX as data 2 x context 1 under DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
 context 2 under DDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
 (another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
 
@@ -110,8 +111,9 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
     """Qwen-Image (LoRA under FSDP2), FLUX.2, Wan2.2 A14B (both experts split), Wan2.1 I2V (its CLIP image tokens join
-    the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP: one iteration with context parallel 2 on 2
-    processes equals one process: rollout log-probs, rewards, loss, gradient norm, update; the first ratio is 1.
+    the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP:
+    one iteration with context parallel 2 on 2 processes equals one process: rollout log-probs, rewards, loss,
+    gradient norm, update; the first ratio is 1; each Wan2.2 expert's LoRA moved.
     Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given
     is padded to an even length with masked tokens, while the one process saw odd lengths."""
     split = load_file(str(launched / f"{name}.safetensors"))
@@ -243,9 +245,9 @@ def test_ulysses_needs_the_heads_to_divide(root):
 def test_every_split_sequence_must_divide_by_the_degree(root, name, extra, what):
     """FLUX splits its packed image tokens (36 px: 18 x 18 latents of the tiny VAE, 9 x 9 packed tokens) and its
     text tokens; Wan2.1 and Wan2.2 A14B their video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches);
-    Qwen-Image and FLUX.2 their packed image tokens (3 x 3: 24 px through the tiny Qwen VAE (4x), 12 px through the
-    tiny FLUX.2 VAE (2x), then 2 x 2 packing) and
-    FLUX.2 its text (Qwen-Image's text is padded at each forward instead: tests above)."""
+    Qwen-Image and FLUX.2 their packed image tokens (3 x 3: 24 px through the tiny Qwen VAE's 4x, 12 px through the
+    tiny FLUX.2 VAE's 2x, then 2 x 2 packing) and FLUX.2 its text (Qwen-Image's text is padded at each forward
+    instead: test_every_family_with_a_diffusers_plan_splits_exactly)."""
     with pytest.raises(ConfigError, match=what):
         check_context_parallel(config(root, name, **extra), 2, "cpu")
     assert check_context_parallel(config(root, name), 2, "cpu").degree == 2

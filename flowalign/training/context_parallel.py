@@ -40,7 +40,8 @@ import torch
 
 from flowalign.config import ConfigError
 
-__all__ = ["ContextParallelLayout", "DataParallelView", "check_context_parallel", "enable_context_parallel", "split_transformers"]
+__all__ = ["ContextParallelLayout", "DataParallelView", "check_context_parallel", "enable_context_parallel",
+           "split_transformers"]
 
 KEY = "distributed.context_parallel"
 RING_BACKEND = "_native_cudnn"
