@@ -55,6 +55,8 @@ RUNS = {
     "wan_i2v-cp2": ("wan_i2v", ULYSSES_2),  # the CLIP image tokens join the (unsplit) text
     "wan22_i2v-cp2": ("wan22_i2v", ULYSSES_2),  # the first frame in the latents' channels, both experts
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
+    # 4 processes: data 2 x context 2 under HSDP (FSDP2, 2 copies each sharded over 2 processes)
+    "flux-hsdp-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "distributed.replicate": 2}),
     # on two GPUs only (bench/context_parallel.py): ring attention needs cuDNN's attention, in bf16
     "flux-ring2": ("flux", {"distributed.context_parallel.ring": 2, "model.mixed_precision": "bf16"}),
     "flux-bf16": ("flux", {"model.mixed_precision": "bf16"}),

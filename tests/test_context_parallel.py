@@ -6,7 +6,7 @@ Two launches (tests/context_parallel_worker.py, the runs of tests/context_parall
 end-of-run evaluation, and a resume of the first checkpoint at the same layout), the tiny Wan2.1's full fine-tune
 under DDP, one iteration of each other family with a diffusers plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V,
 Wan2.2 A14B I2V); the tiny FLUX as data 2 x context 1 under DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
-context 2 under DDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
+context 2 under DDP and under HSDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
 (another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
 
 The config checks (before any model loads) run without processes."""
@@ -80,7 +80,7 @@ def launched(root, tmp_path_factory):
     """The two launches (module docstring); their figures under the returned folder."""
     out = tmp_path_factory.mktemp("context-parallel-runs")
     launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", *FAMILIES, "ring"])
-    launch(root, out, 4, ["flux-d2-cp2"])
+    launch(root, out, 4, ["flux-d2-cp2", "flux-hsdp-cp2"])
     return out
 
 
@@ -132,10 +132,12 @@ def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched,
 
 
 @pytest.mark.slow
-def test_data_2_x_context_2_on_4_processes_equals_data_2(launched):
+@pytest.mark.parametrize("name", ["flux-d2-cp2", "flux-hsdp-cp2"])
+def test_data_2_x_context_2_on_4_processes_equals_data_2(name, launched):
     """4 processes as 2 data groups of 2 context processes train as 2 data-parallel processes: each data group takes
-    its half of the batch with its keyed noise, and the gradient reduction counts each context group once."""
-    four, two = (load_file(str(launched / f"{name}.safetensors")) for name in ("flux-d2-cp2", "flux-d2"))
+    its half of the batch with its keyed noise, and the gradient reduction counts each context group once; under DDP
+    and under HSDP (FSDP2 with ``distributed.replicate: 2``: 2 copies, each sharded over one context group)."""
+    four, two = (load_file(str(launched / f"{n}.safetensors")) for n in (name, "flux-d2"))
     assert int(four["layout/block_tokens"]) * 2 == int(two["layout/block_tokens"])
     assert float(four["first_ratio_max"]) == 1.0
     assert_same_iteration(four, two)

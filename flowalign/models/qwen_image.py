@@ -19,8 +19,8 @@ Conventions of ``diffusers.QwenImagePipeline`` reproduced here:
 * context parallelism (``distributed.context_parallel``): diffusers' plan splits the image tokens and the text
   tokens; the text is as long as the batch's longest prompt, unknown before the prompts are encoded, so under a
   split it is padded with masked zero tokens to a multiple of the degree (``context_parallel_text``). A masked key
-  takes no part in attention and the text positions start at 0 either way, so the image tokens' output is the
-  unpadded one's (tests/test_context_parallel.py measures it).
+  takes no part in attention, and the padding goes after the prompt, whose tokens keep their rotary positions, so
+  the image tokens' output is the unpadded one's (tests/test_context_parallel.py measures it).
 * VAE: latents are normalised per channel, ``(z - latents_mean) / latents_std``; no scaling or shift factor.
 """
 
