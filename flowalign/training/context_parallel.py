@@ -171,8 +171,8 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
 
 
 def refusal(adapter: type) -> ConfigError:
-    """The error for a family without a context-parallel plan, naming it and why."""
-    return ConfigError(f"{KEY}: the {adapter.family} family has no context-parallel plan "
+    """The error for a family that cannot split its sequence (no plan, or one that cannot run), naming it and why."""
+    return ConfigError(f"{KEY}: the {adapter.family} family cannot run context-parallel "
                        f"({adapter.context_parallel_refusal}): set {KEY}.ulysses and .ring to 1 for it", key=KEY)
 
 
