@@ -4,8 +4,9 @@
 
 ``ROOT`` holds the tiny models (tests/context_parallel_runs.py). For each run NAME every process trains one iteration
 (``one_iteration``) into ``OUT/NAME``, and the main process writes its figures to ``OUT/NAME.safetensors`` together
-with ``layout/parallel``: whether diffusers' parallel config is on the transformer (and a full fine-tune's reference). A run of two iterations then saves
-its first checkpoint, trains the second (checkpointed), and is resumed from its first checkpoint at the same layout
+with ``layout/parallel``: whether diffusers' parallel config is on every transformer (each expert of a pair, a full
+fine-tune's reference). A run of two iterations then saves its first checkpoint, trains the second (checkpointed,
+then its end-of-run evaluation when the run asks for one), and is resumed from its first checkpoint at the same layout
 into ``OUT/NAME-resumed``; the job ``ring`` runs diffusers' ring attention over the processes
 (tests/ring_attention.py).
 """
@@ -22,6 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from flowalign.cli.train import _leave_process_group
+
+from flowalign.training.context_parallel import split_transformers
 
 from context_parallel_runs import one_iteration, trainer_for
 from ring_attention import ring_check
@@ -42,8 +45,9 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             continue
         trainer = trainer_for(root, name, out / name)
         figures = one_iteration(trainer)
-        model = trainer.model  # every transformer split, a full fine-tune's reference copy too
-        split = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+        model = trainer.model  # every transformer split (each expert of a pair), a full fine-tune's reference too
+        split = [t for top in [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+                 for t in split_transformers(top)]
         figures["layout/parallel"] = torch.tensor([all(t._parallel_config is not None for t in split)])
         save(figures, out, name)
         if trainer.config.train.iterations > 1:  # checkpointed, trained on, and resumed from its first checkpoint

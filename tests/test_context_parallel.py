@@ -2,25 +2,30 @@
 through diffusers' ``enable_parallelism`` (Ulysses attention), on real torchrun processes with gloo on CPU.
 
 Two launches (tests/context_parallel_worker.py, the runs of tests/context_parallel_runs.py) train: on 2 processes
-(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, and a
-resume of the first checkpoint at the same layout) and the tiny Wan2.1's full fine-tune under DDP; the tiny FLUX as data 2 x context 1 under DDP;
-then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
-context 2 under DDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
+(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, the
+end-of-run evaluation, and a resume of the first checkpoint at the same layout), the tiny Wan2.1's full fine-tune
+under DDP, one iteration of each other family with a diffusers plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V,
+Wan2.2 A14B I2V); the tiny FLUX as data 2 x context 1 under DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
+context 2 under DDP and under HSDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
 (another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
 
 The config checks (before any model loads) run without processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
-from context_parallel_runs import METHOD, one_iteration, relative, settings, trainer_for, update_difference
+from context_parallel_runs import (METHOD, prompt_files, one_iteration, relative, settings, trainer_for,
+                                   update_difference)
 from flowalign.config import ConfigError, load_config
 from flowalign.training.config import TrainConfig
 from flowalign.training.context_parallel import check_context_parallel
@@ -36,6 +41,8 @@ OFF = {"distributed.context_parallel.ulysses": 1}
 # nearly blind to a gradient's scale, a gradient counted twice (or half) is a factor 2 in its norm.
 # The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5..1e-4: compared absolutely.
 ROLLOUT_RTOL = 1e-5
+# The families enabled after FLUX and Wan2.1 (one iteration each, LoRA under DDP, in the 2-process launch)
+FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2", "wan_i2v-cp2", "wan22_i2v-cp2"]
 LOSS_ATOL = 1e-7
 GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
@@ -43,14 +50,19 @@ UPDATE_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The tiny FLUX and the tiny Wan2.1 T2V, saved."""
+    """The tiny FLUX, Qwen-Image, FLUX.2, Wan2.1 T2V and I2V, Wan2.2 A14B T2V and I2V, saved; the image-to-video
+    prompts (``prompt_files``)."""
     from conftest import WORDS
-    from flowalign.models.tiny import tiny_flux_pipeline
+    from flowalign.models.tiny import tiny_flux2_pipeline, tiny_flux_pipeline, tiny_qwen_image_pipeline
     from video_families import tiny_video_pipeline
 
     path = tmp_path_factory.mktemp("context-parallel")
     tiny_flux_pipeline(WORDS, seed=0).save_pretrained(path / "flux")
-    tiny_video_pipeline("wan").save_pretrained(path / "wan")
+    tiny_qwen_image_pipeline(WORDS, seed=0).save_pretrained(path / "qwen_image")
+    tiny_flux2_pipeline(WORDS, seed=0).save_pretrained(path / "flux2")
+    for family in ("wan", "wan22", "wan_i2v", "wan22_i2v"):
+        tiny_video_pipeline(family).save_pretrained(path / family)
+    prompt_files(path)
     return path
 
 
@@ -67,8 +79,8 @@ def launch(root: Path, out: Path, nproc: int, names: list[str]) -> None:
 def launched(root, tmp_path_factory):
     """The two launches (module docstring); their figures under the returned folder."""
     out = tmp_path_factory.mktemp("context-parallel-runs")
-    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", "ring"])
-    launch(root, out, 4, ["flux-d2-cp2"])
+    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", *FAMILIES, "ring"])
+    launch(root, out, 4, ["flux-d2-cp2", "flux-hsdp-cp2"])
     return out
 
 
@@ -96,10 +108,36 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
 
 
 @pytest.mark.slow
-def test_data_2_x_context_2_on_4_processes_equals_data_2(launched):
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
+    """Qwen-Image (LoRA under FSDP2), FLUX.2, Wan2.2 A14B (both experts split), Wan2.1 I2V (its CLIP image tokens join
+    the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP:
+    one iteration with context parallel 2 on 2 processes equals one process: rollout log-probs, rewards, loss,
+    gradient norm, update; the first ratio is 1; each Wan2.2 expert's LoRA moved.
+    Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given
+    is padded to an even length with masked tokens, while the one process saw odd lengths."""
+    split = load_file(str(launched / f"{name}.safetensors"))
+    whole = one_iteration(trainer_for(root, name, tmp_path / "one", **OFF))
+    assert bool(split["layout/parallel"]) and int(split["layout/block_tokens"]) * 2 == int(whole["layout/block_tokens"])
+    assert float(split["first_ratio_max"]) == 1.0 and float(whole["first_ratio_max"]) == 1.0
+    assert_same_iteration(split, whole)
+    if name == "qwen_image-cp2":  # its text cut to 11 tokens: padded to 12 under the split
+        lengths = whole["layout/text_tokens"].tolist()
+        assert any(n % 2 for n in lengths)
+        assert split["layout/text_tokens"].tolist() == sorted({n + n % 2 for n in lengths})
+    if name.startswith("wan22"):  # both experts trained (each LoRA moved)
+        for expert in ("high", "low"):
+            keys = [k for k in split if k.startswith(f"weight/{expert}.")]
+            assert keys and any(not torch.equal(split[k], split["init/" + k[len("weight/"):]]) for k in keys)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flux-d2-cp2", "flux-hsdp-cp2"])
+def test_data_2_x_context_2_on_4_processes_equals_data_2(name, launched):
     """4 processes as 2 data groups of 2 context processes train as 2 data-parallel processes: each data group takes
-    its half of the batch with its keyed noise, and the gradient reduction counts each context group once."""
-    four, two = (load_file(str(launched / f"{name}.safetensors")) for name in ("flux-d2-cp2", "flux-d2"))
+    its half of the batch with its keyed noise, and the gradient reduction counts each context group once; under DDP
+    and under HSDP (FSDP2 with ``distributed.replicate: 2``: 2 copies, each sharded over one context group)."""
+    four, two = (load_file(str(launched / f"{n}.safetensors")) for n in (name, "flux-d2"))
     assert int(four["layout/block_tokens"]) * 2 == int(two["layout/block_tokens"])
     assert float(four["first_ratio_max"]) == 1.0
     assert_same_iteration(four, two)
@@ -109,7 +147,8 @@ def test_data_2_x_context_2_on_4_processes_equals_data_2(launched):
 def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root, launched, tmp_path):
     """FSDP2 with context parallel 2 on 2 processes: resuming the first checkpoint at the same layout gives bitwise
     the uninterrupted run's second checkpoint; resumed on one process without context parallelism (DCP reshards the
-    2-process shards), the second iteration agrees with it to the collectives' rounding."""
+    2-process shards), the second iteration agrees with it to the collectives' rounding. Both then run the end-of-run
+    evaluation (the split one with every forward split)."""
     run = launched / "flux-cp2"
     last = load_file(str(run / "checkpoint-000002" / LORA_FILE))
     resumed = load_file(str(launched / "flux-cp2-resumed" / "checkpoint-000002" / LORA_FILE))
@@ -120,6 +159,15 @@ def test_a_sharded_context_parallel_checkpoint_resumes_bitwise_and_reshards(root
     one = load_file(str(tmp_path / "one" / "checkpoint-000002" / LORA_FILE))
     step = sum((last[k] - first[k]).double().pow(2).sum() for k in last).sqrt()
     assert float(sum((one[k] - last[k]).double().pow(2).sum() for k in last).sqrt() / step) < UPDATE_RTOL
+    # the end-of-run evaluation ran under context parallelism too: the base model's images (before) are the one
+    # process's to the 8-bit rounding of the grid, the trained model's (after) scored on as many images
+    split_report, one_report = (json.loads((folder / "eval" / "before_after.json").read_text())
+                                for folder in (run, tmp_path / "one"))
+    assert split_report["before"] == one_report["before"] and split_report["samples"] == one_report["samples"]
+    assert split_report["after"]["n_images"] == one_report["after"]["n_images"] == 2
+    grids = [np.asarray(Image.open(folder / "eval" / "grid_before.png"), dtype=np.int16)
+             for folder in (run, tmp_path / "one")]
+    assert grids[0].shape == grids[1].shape and int(np.abs(grids[0] - grids[1]).max()) <= 1
 
 
 @pytest.mark.slow
@@ -191,22 +239,38 @@ def test_ulysses_needs_the_heads_to_divide(root):
     ("flux-cp2", {"sampling.image_size": 36}, "image token sequence of 81 tokens"),
     ("flux-cp2", {"model.max_sequence_length": 11}, "text token sequence of 11 tokens"),
     ("wan-cp2", {"sampling.image_size": 24, "sampling.num_frames": 1}, "video token sequence of 9 tokens"),
+    ("wan22-cp2", {"sampling.image_size": 24, "sampling.num_frames": 1}, "video token sequence of 9 tokens"),
+    ("qwen_image-cp2", {"sampling.image_size": 24}, "image token sequence of 9 tokens"),
+    ("flux2-cp2", {"sampling.image_size": 12}, "image token sequence of 9 tokens"),
+    ("flux2-cp2", {"model.max_sequence_length": 11}, "text token sequence of 11 tokens"),
 ])
 def test_every_split_sequence_must_divide_by_the_degree(root, name, extra, what):
     """FLUX splits its packed image tokens (36 px: 18 x 18 latents of the tiny VAE, 9 x 9 packed tokens) and its
-    text tokens; Wan its video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches)."""
+    text tokens; Wan2.1 and Wan2.2 A14B their video tokens (one frame at 24 px: 6 x 6 latents in 2 x 2 patches);
+    Qwen-Image and FLUX.2 their packed image tokens (3 x 3: 24 px through the tiny Qwen VAE's 4x, 12 px through the
+    tiny FLUX.2 VAE's 2x, then 2 x 2 packing) and FLUX.2 its text (Qwen-Image's text is padded at each forward
+    instead: test_every_family_with_a_diffusers_plan_splits_exactly)."""
     with pytest.raises(ConfigError, match=what):
         check_context_parallel(config(root, name, **extra), 2, "cpu")
     assert check_context_parallel(config(root, name), 2, "cpu").degree == 2
 
 
-def test_a_family_without_a_plan_is_refused_naming_it(root, tmp_path):
+@pytest.mark.parametrize("family, reason", [
+    ("sd3", "JointAttnProcessor2_0"),
+    ("ltx_video", "per-head text mask"),
+    ("ltx2", "audio tokens stay whole"),
+])
+def test_a_family_without_a_plan_is_refused_naming_it(family, reason, root, tmp_path):
     """SD3's joint attention calls scaled_dot_product_attention itself (no dispatcher, so no Ulysses or ring
-    exchange): a plan cannot fix it, and the config says so before the model loads."""
+    exchange): a plan cannot fix it. LTX-Video and LTX-2 have diffusers plans, but diffusers' Ulysses attention does
+    not split the per-head text mask their processors build (and LTX-2's audio stays whole). The config says so
+    before the model loads."""
     from conftest import WORDS
     from flowalign.models.tiny import tiny_sd3_pipeline
+    from video_families import tiny_video_pipeline
 
-    tiny_sd3_pipeline(WORDS, seed=0).save_pretrained(tmp_path / "sd3")
-    cfg = config(root, **{"model.path": str(tmp_path / "sd3")})
-    with pytest.raises(ConfigError, match="the sd3 family has no context-parallel plan .*JointAttnProcessor2_0"):
+    pipe = tiny_sd3_pipeline(WORDS, seed=0) if family == "sd3" else tiny_video_pipeline(family)
+    pipe.save_pretrained(tmp_path / family)
+    cfg = config(root, **{"model.path": str(tmp_path / family)})
+    with pytest.raises(ConfigError, match=f"the {family} family cannot run context-parallel .*{reason}"):
         check_context_parallel(cfg, 2, "cpu")

@@ -272,6 +272,8 @@ class FlowModel:
     _reference_active: bool = False
     # Set by a sharded engine (FSDP2): every forward pass is a collective, so every process must run as many.
     collective_forwards: bool = False
+    # Set by ``enable_context_parallel``: the processes each forward's sequence is split over (1: not split).
+    context_parallel_degree: int = 1
 
     def run_transformer(self, **inputs):
         """One forward pass: through the distributed wrapper when the trainer set one (so gradients synchronise), or

@@ -52,6 +52,23 @@ class PackedFlowModel(FlowModel):
         return self.shift_mu((h // 2) * (w // 2))
 
 
+def packed_image_tokens(config, scale: int) -> int:
+    """The 2x2-packed latent tokens ``(H / 2s)(W / 2s)`` of ``sampling.image_size`` for a VAE of spatial scale ``s``
+    (default: the pipelines' ``default_sample_size`` of 128 latents a side), read before any model loads."""
+    height, width = as_image_size(config.sampling.image_size, (128 * scale, 128 * scale))
+    return (height // (2 * scale)) * (width // (2 * scale))
+
+
+def padded_text_tokens(tokenizer_dir: Path, config, cap: int) -> int:
+    """The length of a text padded to ``model.max_sequence_length``, else to ``min(cap, model_max_length)`` of the
+    tokenizer in ``tokenizer_dir`` (``cap`` when it has no config), read before any model loads."""
+    if config.model.max_sequence_length is not None:
+        return config.model.max_sequence_length
+    tokenizer = tokenizer_dir / "tokenizer_config.json"
+    limit = json.loads(tokenizer.read_text()).get("model_max_length", cap) if tokenizer.is_file() else cap
+    return min(cap, int(limit))
+
+
 @register_model_family("flux")
 class FluxModel(PackedFlowModel):
     """Adapter over ``diffusers.FluxPipeline``.
@@ -81,14 +98,8 @@ class FluxModel(PackedFlowModel):
         """The packed image tokens ``(H / 2s)(W / 2s)`` and the text tokens (``model.max_sequence_length``, else
         ``min(512, tokenizer_2.model_max_length)``): the plan splits both."""
         vae = json.loads((model_dir / "vae" / "config.json").read_text())
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        height, width = as_image_size(config.sampling.image_size, (128 * scale, 128 * scale))  # default_sample_size
-        text = config.model.max_sequence_length
-        if text is None:
-            tokenizer = model_dir / "tokenizer_2" / "tokenizer_config.json"
-            limit = json.loads(tokenizer.read_text()).get("model_max_length", 512) if tokenizer.is_file() else 512
-            text = min(512, int(limit))
-        return {"image token sequence": (height // (2 * scale)) * (width // (2 * scale)), "text token sequence": text}
+        return {"image token sequence": packed_image_tokens(config, 2 ** (len(vae["block_out_channels"]) - 1)),
+                "text token sequence": padded_text_tokens(model_dir / "tokenizer_2", config, 512)}
 
     @property
     def guidance_embeds(self) -> bool:

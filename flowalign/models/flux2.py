@@ -30,6 +30,8 @@ Conventions of ``diffusers.Flux2Pipeline`` and ``diffusers.Flux2KleinPipeline`` 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -37,6 +39,7 @@ import torch
 from torch import Tensor
 
 from .base import Cond, FlowModel, as_image_size, guided, register_model_family, require_negative
+from .flux import packed_image_tokens, padded_text_tokens
 from .sd3 import JOINT_ATTENTION_TARGETS
 
 # The double-stream blocks' joint attention (SD3 / FLUX names) and the single-stream blocks' fused QKV(+MLP) input
@@ -79,6 +82,20 @@ class Flux2Base(FlowModel):
         length = getattr(tokenizer, "model_max_length", 512) if tokenizer is not None else 512
         return min(512, int(length))
 
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """diffusers' own plan of ``Flux2Transformer2DModel`` (the image and text tokens and their position ids split
+        on the way in, ``proj_out`` gathered)."""
+        return getattr(transformer_class, "_cp_plan", None)
+
+    @classmethod
+    def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
+        """The packed image tokens ``(H / 2s)(W / 2s)`` and the text, padded to ``model.max_sequence_length``, else
+        ``min(512, tokenizer.model_max_length)``: the plan splits both."""
+        vae = json.loads((model_dir / "vae" / "config.json").read_text())
+        return {"image token sequence": packed_image_tokens(config, 2 ** (len(vae["block_out_channels"]) - 1)),
+                "text token sequence": padded_text_tokens(model_dir / "tokenizer", config, 512)}
+
     # --- the transformer ---------------------------------------------------------------------------------------------
     def _inputs(self, x: Tensor, sigma: float | Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Packed tokens ``[B, h w, C]``, their position ids and the timestep, as the pipelines prepare them."""
@@ -89,7 +106,10 @@ class Flux2Base(FlowModel):
 
     def _forward(self, tokens: Tensor, timestep: Tensor, embeds: Tensor, text_ids: Tensor, image_ids: Tensor,
                  guidance: Tensor | None) -> Tensor:
-        """The transformer's output on the image tokens ``[B, h w, C]``."""
+        """The transformer's output on the image tokens ``[B, h w, C]``. The text ids go in per row ``[B, L, 4]``, as
+        the image ids do: the transformer reads row 0 of either, and the context-parallel plan splits only 3-D ids."""
+        if text_ids.ndim == 2:
+            text_ids = text_ids.expand(tokens.shape[0], -1, -1)
         out = self.run_transformer(hidden_states=tokens, timestep=timestep, guidance=guidance,
                                    encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids,
                                    return_dict=False)[0]

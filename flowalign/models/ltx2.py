@@ -102,6 +102,9 @@ class LTX2Model(LTXTokenPacking, VideoFlowModel):
     lora_targets = LTX2_LORA_TARGETS
     default_num_frames = 9
     fps = 24
+    context_parallel_refusal = ("diffusers' plan splits its video tokens while its audio tokens stay whole on every "
+                                "process, and its attention processor repeats the text mask over every head as "
+                                "LTX-Video's does, which diffusers' Ulysses attention does not split")
 
     def __init__(self, pipe, *, frame_rate: float = 24.0, guidance_rescale: float = 0.0,
                  use_cross_timestep: bool = True, audio_seed: int = 0, decode_timestep: float = 0.0,

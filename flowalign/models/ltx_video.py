@@ -91,6 +91,12 @@ class LTXVideoModel(LTXTokenPacking, VideoFlowModel):
     lora_targets = LTX_LORA_TARGETS
     default_num_frames = 9
 
+    # diffusers 0.42.1's Ulysses attention splits the heads of q, k and v but not of an attention mask that has
+    # them: LTX's processor repeats the text mask over every head ([B, heads, 1, L]), so the cross-attention's mask
+    # meets heads / degree heads and sdpa refuses the broadcast (measured on 2 gloo processes, the tiny LTX-Video)
+    context_parallel_refusal = ("diffusers' Ulysses attention does not split the per-head text mask that LTX's "
+                                "attention processor builds, so its cross-attention fails under a split")
+
     def __init__(self, pipe, *, frame_rate: float = 25, decode_timestep: float = 0.0,
                  decode_noise_scale: float | None = None, decode_generator: torch.Generator | None = None,
                  **options):

@@ -16,11 +16,18 @@ Conventions of ``diffusers.QwenImagePipeline`` reproduced here:
 * CFG: "true" CFG with negative prompts, ``uncond + s * (cond - uncond)``, then rescaled per token to the norm of the
   conditional prediction (``comb * (|cond| / |comb|)`` over the channel axis of the packed tokens). Without a
   guidance embedding (Qwen-Image has none), a scale above 1 means two forward passes.
+* context parallelism (``distributed.context_parallel``): diffusers' plan splits the image tokens and the text
+  tokens; the text is as long as the batch's longest prompt, unknown before the prompts are encoded, so under a
+  split it is padded with masked zero tokens to a multiple of the degree (``context_parallel_text``). A masked key
+  takes no part in attention, and the padding goes after the prompt, whose tokens keep their rotary positions, so
+  the image tokens' output is the unpadded one's (tests/test_context_parallel.py measures it).
 * VAE: latents are normalised per channel, ``(z - latents_mean) / latents_std``; no scaling or shift factor.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -28,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .base import Cond, guided, norm_rescaled, register_model_family, require_negative
-from .flux import PackedFlowModel, pack_latents, unpack_latents
+from .flux import PackedFlowModel, pack_latents, packed_image_tokens, unpack_latents
 from .sd3 import JOINT_ATTENTION_TARGETS
 
 
@@ -49,6 +56,31 @@ class QwenImageModel(PackedFlowModel):
 
     def default_max_sequence_length(self) -> int:
         return 512  # QwenImagePipeline.__call__'s default
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """diffusers' own plan of ``QwenImageTransformer2DModel`` (the image and text tokens and their rotary
+        embeddings split at the first block, the text mask at every block, ``proj_out`` gathered)."""
+        return getattr(transformer_class, "_cp_plan", None)
+
+    @classmethod
+    def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
+        """The packed image tokens ``(H / 2s)(W / 2s)`` (``s = 2 ** len(vae.temperal_downsample)``); the text's
+        length is the batch's longest prompt, padded to a multiple of the degree at each forward
+        (``context_parallel_text``), so it is not checked here."""
+        vae = json.loads((model_dir / "vae" / "config.json").read_text())
+        return {"image token sequence": packed_image_tokens(config, 2 ** len(vae["temperal_downsample"]))}
+
+    def context_parallel_text(self, embeds: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``embeds [B, L, D]`` and ``mask [B, L]`` right-padded with masked zero tokens to a multiple of the
+        context-parallel degree (module docstring); unchanged when ``L`` divides (always without a split)."""
+        pad = -embeds.shape[1] % self.context_parallel_degree
+        if pad == 0:
+            return embeds, mask
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return (torch.nn.functional.pad(embeds, (0, 0, 0, pad)),
+                torch.nn.functional.pad(mask, (0, pad)))
 
     @torch.no_grad()
     def encode(self, prompts: Sequence[str], *, negative_prompts: Sequence[str] | None = None) -> Cond:
@@ -79,6 +111,7 @@ class QwenImageModel(PackedFlowModel):
         timestep = self.timestep(sigma, batch).to(self.dtype) / 1000
 
         def forward(embeds: Tensor, mask: Tensor | None) -> Tensor:
+            embeds, mask = self.context_parallel_text(embeds, mask)
             if mask is not None and bool(mask.all()):
                 mask = None  # as the pipeline passes an all-ones mask: not at all
             return self.run_transformer(

@@ -63,6 +63,13 @@ class QwenImageEditPlusModel(QwenImageModel):
     max_condition_images = None
     vl_image_area: int | None = None  # None: the pipeline module's CONDITION_IMAGE_SIZE
     vae_image_area: int | None = None  # None: the pipeline module's VAE_IMAGE_SIZE
+    context_parallel_refusal = ("its condition images' tokens, appended to the split image sequence, are as many as "
+                                "each condition image's aspect ratio gives, which neither the config check nor a "
+                                "test covers yet")
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        return None
 
     def image_areas(self) -> tuple[int, int]:
         """The pixel areas condition images are resized to: ``(VL encoder, VAE)``."""

@@ -80,7 +80,9 @@ class TwoExperts:
     def run_transformer(self, **inputs):
         """A forward pass; under a data-parallel wrapper that needs a gradient for every trainable weight (DDP), a
         pass through one expert also touches the other's trainable weights (times zero)."""
-        self._pair.touch_other = self.forward_module is not None and not self.collective_forwards
+        from torch.nn.parallel import DistributedDataParallel
+
+        self._pair.touch_other = isinstance(self.forward_module, DistributedDataParallel)
         return super().run_transformer(**inputs)
 
     # --- the velocity -------------------------------------------------------------------------------------------

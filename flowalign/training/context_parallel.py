@@ -40,7 +40,8 @@ import torch
 
 from flowalign.config import ConfigError
 
-__all__ = ["ContextParallelLayout", "DataParallelView", "check_context_parallel", "enable_context_parallel"]
+__all__ = ["ContextParallelLayout", "DataParallelView", "check_context_parallel", "enable_context_parallel",
+           "split_transformers"]
 
 KEY = "distributed.context_parallel"
 RING_BACKEND = "_native_cudnn"
@@ -170,8 +171,8 @@ def check_context_parallel(config, num_processes: int, device_type: str) -> Cont
 
 
 def refusal(adapter: type) -> ConfigError:
-    """The error for a family without a context-parallel plan, naming it and why."""
-    return ConfigError(f"{KEY}: the {adapter.family} family has no context-parallel plan "
+    """The error for a family that cannot split its sequence (no plan, or one that cannot run), naming it and why."""
+    return ConfigError(f"{KEY}: the {adapter.family} family cannot run context-parallel "
                        f"({adapter.context_parallel_refusal}): set {KEY}.ulysses and .ring to 1 for it", key=KEY)
 
 
@@ -208,14 +209,26 @@ def context_mesh(settings, device_type: str):
                             mesh_dim_names=("data", "ring", "ulysses"))
 
 
+def split_transformers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The diffusers transformers a plan applies to in ``module``: itself, or the experts of a module that holds
+    several (Wan2.2 A14B's ``ExpertPair``: both experts get the plan)."""
+    from diffusers import ModelMixin
+
+    if isinstance(module, ModelMixin):
+        return [module]
+    return [child for child in module.children() if isinstance(child, ModelMixin)]
+
+
 def enable_context_parallel(model, settings, device_type: str) -> None:
-    """Split the sequence of ``model``'s transformer (and a full fine-tune's reference copy) over the context group
-    of this process, through diffusers' ``enable_parallelism`` with the family's plan; every forward is then a
-    collective (``collective_forwards``)."""
+    """Split the sequence of ``model``'s transformer (each expert of a pair, and a full fine-tune's reference copy)
+    over the context group of this process, through diffusers' ``enable_parallelism`` with the family's plan; every
+    forward is then a collective (``collective_forwards``)."""
     from diffusers import ContextParallelConfig
 
     mesh = context_mesh(settings, device_type)
-    for transformer in [model.transformer] + ([model.reference_transformer] if model.full_finetune else []):
+    tops = [model.transformer] + ([model.reference_transformer] if model.full_finetune else [])
+    transformers = [transformer for top in tops for transformer in split_transformers(top)]
+    for transformer in transformers or tops:
         plan = type(model).context_parallel_plan(type(transformer))
         if plan is None:  # a model given as an object, or a hub id: the check before loading could not read it
             raise refusal(type(model))
@@ -227,3 +240,4 @@ def enable_context_parallel(model, settings, device_type: str) -> None:
             transformer.set_attention_backend(RING_BACKEND)
         transformer.enable_parallelism(config=cp_config, cp_plan=plan)
     model.collective_forwards = True
+    model.context_parallel_degree = settings.degree
