@@ -207,3 +207,16 @@ def test_a_local_model_is_planned_at_its_own_default_size():
         zip(("height", "width"), load_flow_model(TOY).default_image_size))
     layout = layout_from_config(load_config(TrainConfig, str(REPO / "configs/default.yaml"), []), gpus=1)
     assert (layout.height, layout.width) == (32, 32)
+
+
+def test_only_a_family_that_splits_its_sequence_is_told_to_use_context_parallelism():
+    """SD3 refuses context parallelism (its joint attention bypasses diffusers' dispatcher), so the verdict never
+    proposes it there, while Wan2.1 may be told to use it."""
+    from flowalign.memory.planner import splits_sequence
+
+    assert not splits_sequence(model_spec("stabilityai/stable-diffusion-3.5-medium"))
+    assert not splits_sequence(model_spec(TOY))
+    assert splits_sequence(model_spec("Wan-AI/Wan2.1-T2V-14B-Diffusers"))
+    layout = Layout(gpus=8, engine="fsdp2", height=4096, width=4096, checkpoint_every=1, cpu_offload=True)
+    result = verdict(model_spec("stabilityai/stable-diffusion-3.5-medium"), layout, 80)
+    assert not any("context" in change for change in result.change or [])

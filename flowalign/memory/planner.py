@@ -296,8 +296,21 @@ def plan(spec: ModelSpec, layout: Layout, *, counts: ModelCounts | None = None,
     return result
 
 
-def _candidates(layout: Layout, max_gpus_per_node: int = 8) -> list[tuple[str, dict]]:
-    """The changes the verdict tries, cheapest first (module docstring), each with the override that makes it."""
+def splits_sequence(spec: ModelSpec) -> bool:
+    """Whether the family can run context-parallel (``FlowModel.context_parallel_plan`` of its transformer class is
+    not None); a family that refuses it is never told to use it."""
+    import diffusers
+
+    from flowalign.models.base import MODEL_FAMILIES
+
+    adapter = MODEL_FAMILIES.get(spec.family)
+    transformer = getattr(diffusers, spec.transformers["transformer"].get("_class_name", ""), None)
+    return adapter is not None and transformer is not None and adapter.context_parallel_plan(transformer) is not None
+
+
+def _candidates(layout: Layout, max_gpus_per_node: int = 8, context_parallel: bool = True) -> list[tuple[str, dict]]:
+    """The changes the verdict tries, cheapest first (module docstring), each with the override that makes it
+    (context parallelism only for a family that can split its sequence: ``context_parallel``)."""
     changes = []
     if not layout.checkpoint_every:
         changes.append(("distributed.activation_checkpointing=1", {"checkpoint_every": 1}))
@@ -307,7 +320,7 @@ def _candidates(layout: Layout, max_gpus_per_node: int = 8) -> list[tuple[str, d
     while samples > 1:
         samples //= 2
         changes.append((f"sampling.batch_size={samples}", {"micro_batch": samples * layout.cfg_passes}))
-    for degree in (2, 4, 8):
+    for degree in (2, 4, 8) if context_parallel else ():
         if layout.context_parallel < degree <= layout.processes and layout.processes % degree == 0:
             changes.append((f"--context-parallel {degree}", {"context_parallel": degree}))
             break
@@ -339,7 +352,7 @@ def verdict(spec: ModelSpec, layout: Layout, gpu_memory_gib: float, **options) -
     current = at(layout)
     if current.total <= capacity:
         return Verdict(True, capacity, current)
-    candidates = _candidates(layout, **options)
+    candidates = _candidates(layout, **{"context_parallel": splits_sequence(spec), **options})
     for override, change in candidates:
         candidate = at(replace(layout, **change))
         if candidate.total <= capacity:
