@@ -85,6 +85,10 @@ def launched(root, tmp_path_factory):
 
 
 def assert_same_iteration(split: dict, whole: dict) -> None:
+    print(f"log-probs {relative(split['log_probs'], whole['log_probs']):.1e}, rewards "
+          f"{relative(split['rewards'], whole['rewards']):.1e}, loss {abs(float(split['loss'] - whole['loss'])):.1e}, "
+          f"grad norm {relative(split['grad_norm'], whole['grad_norm']):.1e}, "
+          f"update {update_difference(split, whole):.1e}")  # the guide's table (pytest -s)
     assert split["log_probs"].shape == whole["log_probs"].shape
     assert relative(split["log_probs"], whole["log_probs"]) < ROLLOUT_RTOL
     assert relative(split["rewards"], whole["rewards"]) < ROLLOUT_RTOL
@@ -110,8 +114,8 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
-    """Qwen-Image (LoRA under FSDP2), FLUX.2, Wan2.2 A14B (both experts split), Wan2.1 I2V (its CLIP image tokens join
-    the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP:
+    """Qwen-Image (its LoRA under DDP, which must find the last block's unused to_add_out), FLUX.2, Wan2.2 A14B
+    (both experts split), Wan2.1 I2V (its CLIP image tokens join the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP:
     one iteration with context parallel 2 on 2 processes equals one process: rollout log-probs, rewards, loss,
     gradient norm, update; the first ratio is 1; each Wan2.2 expert's LoRA moved.
     Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given

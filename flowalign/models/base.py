@@ -201,6 +201,10 @@ class FlowModel:
     max_condition_images: int | None = None
     # The image-to-video families cannot sample without one: prompts without condition images are refused.
     requires_condition_images: bool = False
+    # Some trainable weights take no part in the forward (Qwen-Image's last block: its text stream's output is unused,
+    # so its to_add_out LoRA gets no gradient): DDP must then look for unused parameters (find_unused_parameters),
+    # or it stops at the next iteration's backward on more than one process.
+    ddp_find_unused_parameters: bool = False
 
     # Context parallelism (``distributed.context_parallel``, ``flowalign.training.context_parallel``): why a family
     # without a plan cannot split its sequence, in the refusal's words.

@@ -47,6 +47,8 @@ class QwenImageModel(PackedFlowModel):
     pipeline_class_name = "QwenImagePipeline"
     # The dual-stream blocks' joint attention: image projections and the text stream's add_*/to_add_out.
     lora_targets = JOINT_ATTENTION_TARGETS
+    # the last block's text stream is computed and dropped: its to_add_out (a LoRA target) gets no gradient
+    ddp_find_unused_parameters = True
 
     def __init__(self, pipe, *, max_sequence_length: int | None = None):
         super().__init__(pipe, max_sequence_length=max_sequence_length)

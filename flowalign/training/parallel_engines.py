@@ -78,7 +78,12 @@ class DDPEngine(Engine):
         from flowalign.training.collectives import world_of
 
         model = trainer.model
-        if world_of(trainer.accelerator).num_processes > 1:  # wrap before building the optimizer
+        world = world_of(trainer.accelerator)
+        if model.ddp_find_unused_parameters and world.num_processes > 1:
+            from accelerate.utils import DistributedDataParallelKwargs
+
+            world.ddp_handler = DistributedDataParallelKwargs(find_unused_parameters=True)
+        if world.num_processes > 1:  # wrap before building the optimizer
             model.forward_module = trainer.accelerator.prepare(model.transformer)
         return [p for p in (model.forward_module or model.transformer).parameters() if p.requires_grad]
 
