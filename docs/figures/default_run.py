@@ -36,6 +36,15 @@ def tag_gains(run: Path, gains: Path | None) -> dict[str, float]:
     return dict(json.loads(gains.read_text())["tags"])
 
 
+def tag_scores(run: Path, tag: str) -> tuple[float, float, int] | None:
+    """The tag's score before and after, and its image count, on the run's own evaluation (None without one)."""
+    report = run / "eval/before_after.json"
+    if not report.is_file():
+        return None
+    entry = json.loads(report.read_text())["paired"]["tags"][tag]
+    return entry["mean_a"], entry["mean_b"], entry["n"]
+
+
 def rewards_per_iteration(run: Path) -> list[float]:
     return [json.loads(line)["reward"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -66,7 +75,7 @@ def before_after_samples(run: Path, tag: str, count: int, seed: int, steps: int)
 
 
 def draw(path: Path, rewards: list[float], batch: int, gains: dict[str, float], tag: str, metadata, samples,
-         checkpoint: str):
+         checkpoint: str, scores_of_tag: tuple[float, float, int] | None = None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +86,7 @@ def draw(path: Path, rewards: list[float], batch: int, gains: dict[str, float], 
     count = len(metadata)
     figure = plt.figure(figsize=(11, 4.4), dpi=100)
     grid = figure.add_gridspec(2, count + 5, wspace=0.08, hspace=0.3)
-    figure.subplots_adjust(top=0.8, bottom=0.13, left=0.07, right=0.99)
+    figure.subplots_adjust(top=0.78, bottom=0.13, left=0.07, right=0.99)
     curve = figure.add_subplot(grid[:, :4])
     iterations = range(1, len(rewards) + 1)
     trailing = [statistics.fmean(rewards[max(0, i - TRAILING + 1): i + 1]) for i in range(len(rewards))]
@@ -100,11 +109,15 @@ def draw(path: Path, rewards: list[float], batch: int, gains: dict[str, float], 
             if column == 0:
                 axes.set_ylabel(name, fontsize=10)
     mean = {name: statistics.fmean(samples[name][1]) for name in samples}
+    correct = {name: sum(samples[name][2]) for name in samples}
     prompts = sorted({m["prompt"] for m in metadata})
-    figure.text(0.66, 0.97, f"held-out tag that gained most: {tag} (paired gain {gains[tag]:+.3f} on the run's "
-                f"evaluation)\nbase model (mean reward {mean['before']:.2f}) and {checkpoint} EMA "
-                f"(mean {mean['after']:.2f}), same seeds; caption: reward, verdict", ha="center", va="top",
-                fontsize=8.5)
+    measured = (f"{scores_of_tag[0]:.3f} -> {scores_of_tag[1]:.3f} over {scores_of_tag[2]} images of the run's "
+                f"evaluation, paired gain {gains[tag]:+.3f}" if scores_of_tag else
+                f"paired gain {gains[tag]:+.3f} on the run's evaluation")
+    figure.text(0.62, 0.985, f"held-out tag that gained most: {tag}: {measured}\n{count} of its samples, the same "
+                f"seeds: base model {correct['before']} correct (mean reward {mean['before']:.2f}), {checkpoint} EMA "
+                f"{correct['after']} correct (mean {mean['after']:.2f})\ncaption: the run's reward and the verdict",
+                ha="center", va="top", fontsize=8.5)
     figure.text(0.66, 0.03, "prompts: " + "; ".join(prompts), ha="center", fontsize=7.5, color="#555555")
     with write_atomically(path) as tmp:
         figure.savefig(tmp, format="png", dpi=100, metadata={"Software": None})
@@ -115,7 +128,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path, help="the run's train.out_dir")
     parser.add_argument("--gains", type=Path, help="a record with per-tag gains, for a run without eval/")
-    parser.add_argument("--images", type=int, default=6, help="samples before and after")
+    parser.add_argument("--images", type=int, default=8, help="samples before and after")
     parser.add_argument("--seed", type=int, default=10_000, help="sample seed (the default run's evaluation seed)")
     parser.add_argument("--steps", type=int, default=10, help="ODE steps (the evaluation's)")
     parser.add_argument("--out", type=Path, default=Path("docs/images/default_run.png"))
@@ -125,7 +138,8 @@ def main(argv: list[str] | None = None) -> Path:
     metadata, samples, checkpoint = before_after_samples(args.run, tag, args.images, args.seed, args.steps)
     data = yaml.safe_load((args.run / "config.yaml").read_text())["data"]
     batch = data["prompts_per_iteration"] * data["group_size"]
-    draw(args.out, rewards_per_iteration(args.run), batch, gains, tag, metadata, samples, checkpoint)
+    draw(args.out, rewards_per_iteration(args.run), batch, gains, tag, metadata, samples, checkpoint,
+         tag_scores(args.run, tag))
     print(f"wrote {args.out} ({args.out.stat().st_size // 1024} KB): tag {tag}")
     return args.out
 
