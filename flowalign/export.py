@@ -96,10 +96,8 @@ def export_lora(checkpoint: str | os.PathLike, out: str | os.PathLike, *, weight
 def measured_before_after(source) -> str | None:
     """The run's ``eval/before_after.md`` when it measured ``source``'s weights: the run's newest checkpoint, read
     with the weights its evaluation read (the EMA when the checkpoint has one); None otherwise."""
-    from flowalign.training.checkpoint_files import latest_checkpoint
-
     table = source.path.parent / "eval" / "before_after.md"
-    if not table.is_file() or latest_checkpoint(source.path.parent) != source.path:
+    if not table.is_file() or lora_loading.newest_checkpoint(source.path.parent) != source.path:
         return None
     evaluated = lora_loading.resolve_lora(source.path).weights  # the default: ema when there is one, as the trainer
     return table.read_text(encoding="utf-8") if source.weights == evaluated else None

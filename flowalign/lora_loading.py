@@ -102,6 +102,12 @@ class LoraSource:
         return {"path": str(self.path), "kind": self.kind, "weights": self.weights}
 
 
+def newest_checkpoint(run_dir: Path) -> Path | None:
+    """The highest-numbered ``checkpoint-NNNNNN`` folder of a run directory, or None."""
+    found = [p for p in run_dir.iterdir() if p.is_dir() and _CHECKPOINT_NAME.match(p.name)] if run_dir.is_dir() else []
+    return max(found, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
 def resolve_lora(path: str | os.PathLike, weights: str | None = None) -> LoraSource:
     """Check ``path`` and ``weights`` without loading anything; FileNotFoundError / ValueError name what is wrong.
 

@@ -37,7 +37,9 @@ def test_components_named_and_resumable_keys_follow_the_table():
             n: resolve_reference(kind.registry).get(s.name) for n, s in names.items()}, kind.section
     owners = {key.rsplit(".", 1)[0] for key in config.resumable_keys()}
     assert {"model", "reward", "collapse", "train"} <= owners
-    assert all(owner in parts.named() or owner in {"model", "reward", "collapse", "train"} for owner in owners)
+    # the process layout's keys (distributed.context_parallel) may change on a resume, as the process count does
+    assert all(owner in parts.named() or owner.split(".")[0] in {"model", "reward", "collapse", "train", "distributed"}
+               for owner in owners)
 
 
 def test_a_new_kind_of_component_is_one_row(monkeypatch):

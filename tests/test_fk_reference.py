@@ -397,11 +397,12 @@ def test_the_old_fk_flag_builds_the_settings_of_the_new_one_and_warns():
     import argparse
     import warnings
 
-    from flowalign.cli.options import ConfigCommand, add_config_command, load_from_args
+    from flowalign.cli.options import ConfigCommand, add_command_flags, add_config_command, load_from_args
 
     command = ConfigCommand("flowalign.inference.sample:SampleConfig", lambda config, args: None)
     parser = argparse.ArgumentParser()
     add_config_command(parser.add_subparsers(), "sample", command, help="", description="")
+    add_command_flags(parser)  # the generated options (--guidance, --fk-resampling, ...)
 
     def settings(*argv):
         return load_from_args(command, parser.parse_args(["sample", "--guidance", "fk", *argv])).sampler

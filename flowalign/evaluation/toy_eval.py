@@ -59,6 +59,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GRID_MAX_IMAGES = 64
+# a short run's end-of-run evaluation, or a run's from Python (flowalign.training.evaluation's size rule), and what
+# `eval toy --lora` reproduces for such a run: 164 images per model on the toy test set
+SMALL_PER_TAG = 24
 # What run_eval writes into --out (flowalign.outputs.OutputFolder: an earlier run's are refused or replaced).
 TOY_EVAL_OUTPUTS = ("results.json", "summary.md", "grid.png")
 
@@ -174,7 +177,6 @@ def run_evaluation_settings(config: EvalConfig, lora=None) -> EvalConfig:
     one, the command's own defaults (10 steps, 4 images per prompt, seed 0, ``outputs/eval-toy``)."""
     from dataclasses import replace
 
-    from flowalign.training.evaluation import SMALL_PER_TAG
 
     run = (lora.config or {}) if lora is not None and lora.kind == "checkpoint" else None
     if run is None:

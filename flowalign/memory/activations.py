@@ -4,7 +4,7 @@
 ``torch.autograd.graph.saved_tensors_hooks``: every tensor the autograd graph saves for the backward passes through
 the pack hook, and is counted once per storage (the same input saved by the q, k and v projections is one tensor),
 without the parameters (they are held anyway). Each saved tensor is charged to the transformer block running when it
-was saved (``parallel_engines.transformer_blocks``; forward pre/post hooks), or to the rest of the model (the patch
+was saved (``flowalign.models.blocks.transformer_blocks``; forward pre/post hooks), or to the rest of the model (the patch
 and timestep embeddings, the output layer); a block's own inputs are recorded too: they are what a checkpointed block
 keeps (``flowalign.memory.checkpointing``). Square attention-score tensors ``(B, heads, T, T)``, which CPU's math
 attention saves and fused GPU kernels (flash, memory-efficient, cuDNN) do not, are kept apart.
@@ -107,7 +107,7 @@ def _is_scores(tensor: torch.Tensor) -> bool:
 
 @contextmanager
 def _recording(transformer: torch.nn.Module, profile: ActivationProfile):
-    from flowalign.training.parallel_engines import transformer_blocks
+    from flowalign.models.blocks import transformer_blocks
 
     blocks = transformer_blocks(transformer)
     held = {_storage_key(p) for p in transformer.parameters()} | {_storage_key(b) for b in transformer.buffers()}

@@ -1,6 +1,6 @@
 """Selective activation checkpointing per transformer block (``distributed.activation_checkpointing: N``).
 
-Every N-th block of the trained transformer (``parallel_engines.transformer_blocks``: blocks 0, N, 2N, ...) runs its
+Every N-th block of the trained transformer (``flowalign.models.blocks.transformer_blocks``: blocks 0, N, 2N, ...) runs its
 forward under ``torch.utils.checkpoint.checkpoint`` (non-reentrant, the RNG state preserved): the block keeps only its
 inputs for the backward and recomputes its activations there (Chen et al. 2016, "Training Deep Nets with Sublinear
 Memory Cost"). ``N = 1`` checkpoints every block, as ``model.gradient_checkpointing`` does through diffusers; ``N = 2``
@@ -43,7 +43,7 @@ def checkpoint_blocks(transformer: torch.nn.Module, every: int) -> list[int]:
     Returns:
         The indices of the checkpointed blocks.
     """
-    from flowalign.training.parallel_engines import transformer_blocks
+    from flowalign.models.blocks import transformer_blocks
 
     blocks = transformer_blocks(transformer)
     chosen = checkpointed_blocks(len(blocks), every)

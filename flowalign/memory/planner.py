@@ -166,7 +166,7 @@ def model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
 
 def _model_counts(spec: ModelSpec, layout: Layout) -> ModelCounts:
     from flowalign.models.base import MODEL_FAMILIES
-    from flowalign.training.parallel_engines import transformer_blocks
+    from flowalign.models.blocks import transformer_blocks
 
     targets = list(layout.lora_targets or MODEL_FAMILIES.get(spec.family).lora_targets)
     experts = {"high": "transformer", "low": "transformer_2"}

@@ -33,8 +33,13 @@ class RunLog:
         self.files = RunFiles(trainer.out_dir)  # what train.overwrite may delete later: recorded before it is written
 
     def start(self) -> None:
+        """Open the run's logs; where nobody configured logging (a notebook) the library's lines go to stdout, as on
+        the command line (``flowalign.console``)."""
         from tqdm import tqdm
 
+        from flowalign.console import show_library_logs
+
+        show_library_logs(unless_configured=True)
         trainer, cfg = self.trainer, self.config
         trainer.checkpointer.clear_replaced_run()  # train.overwrite: the old run goes just before the first write
         if trainer.is_main:
@@ -121,14 +126,22 @@ class RunLog:
         if self.bar is not None:
             self.bar.close()
 
-    def end(self, evaluation: dict | None = None) -> None:
+    def end(self, evaluation: dict | None = None, finished: bool = False) -> dict:
         """End the tracker, after giving it the final evaluation (``evaluation``: the before/after report, on the
-        main process) at the last iteration's step: its two grids and its table."""
+        main process) at the last iteration's step: its two grids and its table. Returns the run's paths
+        (``run_summary.run_paths``, on the main process; ``{}`` elsewhere), logged as a summary when ``finished``."""
+        from flowalign.training.run_summary import log_run_summary, run_paths
+
+        trainer, tracker = self.trainer, self.trainer.config.train.tracker
         if self.tracking:
-            if evaluation is not None and self.trainer.is_main:
+            if evaluation is not None and trainer.is_main:
                 self.log_evaluation(evaluation)
-            self.trainer.accelerator.end_training()
+            trainer.accelerator.end_training()
             self.record_tracker_files()
+        paths = run_paths(trainer.out_dir, tracker) if trainer.is_main else {}
+        if trainer.is_main and finished:
+            log_run_summary(paths, tracker)
+        return paths
 
     def log_evaluation(self, report: dict) -> None:
         from flowalign.training.tracker_media import log_image, log_table

@@ -27,6 +27,7 @@ import torch
 
 from flowalign.evaluation.before_after import write_before_after
 from flowalign.evaluation.geneval import load_metadata
+from flowalign.evaluation.toy_eval import SMALL_PER_TAG
 from flowalign.training.collectives import gather_objects
 from flowalign.training.run_files import RunFiles
 
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 EVAL_FILES = ("before_after.md", "before_after.json", "grid_before.png", "grid_after.png")
 
 FULL_PER_TAG = 528  # the default run's evaluation: 3,168 images per model on the toy test set's 6 tags
-SMALL_PER_TAG = 24  # a short run's, or a run from Python: 164 images per model on the toy test set
 SHORT_RUN = 50  # iterations: a command-line run shorter than this gets the small evaluation
 REWARD_BATCH = 64  # images per call of a reward during the evaluation
 

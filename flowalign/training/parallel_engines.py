@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from flowalign.errors import SetupError
+from flowalign.models.blocks import transformer_blocks
 from flowalign.registry import Registry
 
 __all__ = ["DDPEngine", "ENGINES", "Engine", "FSDP2Engine", "build_engine", "cpu_offload_policy", "data_mesh",
@@ -92,17 +93,6 @@ class DDPEngine(Engine):
 
     def clip_grad_norm(self, trainer, params, max_norm: float) -> float:
         return float(trainer.accelerator.clip_grad_norm_(params, max_norm))
-
-
-def transformer_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer's blocks: the members of every ``nn.ModuleList`` among its direct children (diffusers keeps
-    them there: ``transformer_blocks`` and ``single_transformer_blocks`` in SD3 and FLUX, ``layers``, ``blocks``,
-    the refiners of Lumina2 and Z-Image, ...); a module that holds several transformers (Wan2.2's expert pair)
-    names its own units (``sharding_blocks()``)."""
-    if callable(getattr(transformer, "sharding_blocks", None)):
-        return transformer.sharding_blocks()
-    return [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child
-            if any(True for _ in block.parameters())]
 
 
 def _meta_transformer(model_path: str, family: str | None):

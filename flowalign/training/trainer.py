@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from flowalign.console import show_library_logs
 from flowalign.deprecation import moved_names
 from flowalign.errors import RunStopped, setup_phase
 from flowalign.kernels import use_backend
@@ -45,7 +44,7 @@ from flowalign.training.evaluation import evaluate_before_after
 from flowalign.training.minibatches import minibatch_units
 from flowalign.training.nfe import iteration_nfe, objective_nfe
 from flowalign.training.policy import micro_batch, policy_output, unit_output
-from flowalign.training.run_summary import TrainResult, log_run_summary, run_paths
+from flowalign.training.run_summary import TrainResult
 from flowalign.training.scoring import ChunkScoring, score_iteration, skip_reason
 from flowalign.training.stopping import stop_on_signals, stopped_with_checkpoint
 
@@ -72,17 +71,13 @@ class Trainer:
     # --------------------------------------------------------------------------------------------- the loop
     def train(self) -> TrainResult:
         """Run the remaining iterations to ``train.iterations``, checkpointing and logging as configured, then the
-        final evaluation (``train.eval_at_end``) and a summary of the run's paths. SIGINT or SIGTERM stops after the
-        current iteration, with a checkpoint. In a process where nobody configured logging (a notebook) the
-        library's lines are shown on stdout, as on the command line (``flowalign.console``).
+        final evaluation (``train.eval_at_end``) and a summary of the run's paths; SIGINT or SIGTERM stops after the
+        current iteration, with a checkpoint. Where nobody configured logging (a notebook) the lines go to stdout.
 
         Returns:
-            The metrics of every iteration run so far, one dict per iteration (a list), with ``evaluation`` (the
-            final evaluation's report, None without one) and ``paths`` (``flowalign.training.run_summary``).
+            Every iteration's metrics (a list), with ``evaluation`` and ``paths`` (``training.run_summary``).
         """
-        show_library_logs(unless_configured=True)
         log, cfg = RunLog(self), self.config.train
-        evaluation = None
         log.start()
         try:
             with stop_on_signals(self):
@@ -106,13 +101,9 @@ class Trainer:
                         break
         finally:
             log.close()
-        if cfg.eval_at_end and self.iteration == cfg.iterations and not self.stop_requested:
-            evaluation = evaluate_before_after(self)
-        log.end(evaluation)
-        paths = run_paths(self.out_dir, cfg.tracker) if self.is_main else {}
-        if self.is_main and self.iteration == cfg.iterations:
-            log_run_summary(paths, cfg.tracker)
-        return TrainResult(self.history, evaluation, paths)
+        finished = self.iteration == cfg.iterations
+        evaluation = evaluate_before_after(self) if cfg.eval_at_end and finished and not self.stop_requested else None
+        return TrainResult(self.history, evaluation, log.end(evaluation, finished))
 
     def step(self) -> dict[str, float]:
         """Run the next iteration (``self.iteration``) without checkpoints, logs or grids; returns its metrics.
