@@ -9,6 +9,7 @@ final checkpoint is not bitwise the uninterrupted run's.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -79,9 +80,17 @@ def train_in_fork(model, out, engine: str, fault: str | None = None, *, resave: 
     """Train in a forked child of this process (the modules are already imported: no start-up cost; call with one
     intra-op thread, ``torch.set_num_threads(1)``, so the child's OpenMP pool is never one forked mid-use), with
     ``FLOWALIGN_FAULT=fault``; ``resave`` saves the last iteration once more after ``train()``, and then only that
-    save has the fault. Returns the child's exit code (``-SIGKILL`` when a kill point fired)."""
+    save has the fault. Returns the child's exit code (``-SIGKILL`` when a kill point fired).
+
+    The child must never finalise an object it inherited: a gloo process group of an earlier test in this pytest
+    worker, collected by the child's garbage collector, waits forever in its destructor on a condition variable of a
+    thread that exists only in the parent (seen: a worker hung for the rest of the suite). So this process collects
+    its garbage before the fork (it has those threads), and the child freezes what it inherited (``gc.freeze``: never
+    collected there; the child leaves through ``os._exit``, which runs no finalisers)."""
+    gc.collect()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's code
+        gc.freeze()
         code = 1
         try:
             from flowalign.config import load_config
