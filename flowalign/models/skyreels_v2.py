@@ -18,6 +18,16 @@ SkyReels-V2 is a Wan2.1 model retrained by the SkyReels team; its pipeline is ``
 The released checkpoints (``Skywork/SkyReels-V2-T2V-14B-540P-Diffusers`` and ``-720P``) sample 97 frames at 544x960
 with ``UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=8)``; ``sigmas`` reads that scheduler's flow sigmas
 (the released UniPC passes the integer part of ``1000 sigma`` as the timestep, flowalign passes ``1000 sigma``).
+
+Context parallelism (``distributed.context_parallel``): diffusers ships no plan for ``SkyReelsV2Transformer3DModel``;
+``SKYREELS_V2_PLAN`` is Wan's in diffusers' format, which SkyReels' transformer admits because it is Wan's layout:
+its attention (``SkyReelsV2AttnProcessor``) goes through diffusers' dispatcher with no mask in the T2V and I2V
+forwards flowalign runs, the rotary table comes out of one submodule (``rope``: cos and sin ``[1, L, 1, d]``, split on
+the token axis like the tokens), the video tokens enter the first block ``[B, L, D]`` and leave through ``proj_out``,
+where they are gathered before the unpatchify. The text (and the I2V's CLIP image tokens ahead of it) is not split:
+each process's queries attend to every text token (Ulysses exchanges the identical copies, so each key appears once
+per process and the softmax is unchanged). Diffusion forcing (per-frame timesteps, the DF checkpoints), which the T2V
+and I2V pipelines do not use, would give ``norm_out`` a per-token shift the plan does not split.
 """
 
 from __future__ import annotations
@@ -28,6 +38,20 @@ from .base import register_model_family
 from .wan import WAN_LORA_TARGETS, WanModel
 
 
+def skyreels_v2_plan() -> dict:
+    """Wan's context-parallel plan for ``SkyReelsV2Transformer3DModel`` (module docstring): the rotary table's cos and
+    sin split on their token axis as ``rope`` returns them, the video tokens split as the first block takes them, the
+    whole sequence gathered from ``proj_out``."""
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return {
+        "rope": {0: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True),
+                 1: ContextParallelInput(split_dim=1, expected_dims=4, split_output=True)},
+        "blocks.0": {"hidden_states": ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)},
+        "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
+    }
+
+
 @register_model_family("skyreels_v2")
 class SkyReelsV2Model(WanModel):
     """Adapter over ``diffusers.SkyReelsV2Pipeline`` (SkyReels-V2 T2V): ``WanModel`` with SkyReels' defaults."""
@@ -36,6 +60,19 @@ class SkyReelsV2Model(WanModel):
     pipeline_class_name = "SkyReelsV2Pipeline"
     lora_targets = WAN_LORA_TARGETS
     default_num_frames = 9
+
+    @classmethod
+    def context_parallel_plan(cls, transformer_class: type) -> dict | None:
+        """``skyreels_v2_plan`` for ``SkyReelsV2Transformer3DModel`` (diffusers has none); None for another class. The
+        split video tokens are counted by ``WanModel.context_parallel_lengths`` (the same latent grid and patch)."""
+        from diffusers import SkyReelsV2Transformer3DModel
+
+        return skyreels_v2_plan() if issubclass(transformer_class, SkyReelsV2Transformer3DModel) else None
+
+    @classmethod
+    def configured_image_size(cls, transformer: dict, scale: int) -> tuple[int, int]:
+        """``default_image_size`` before loading: 544x960 whatever the config."""
+        return 544, 960
 
     @property
     def default_image_size(self) -> tuple[int, int]:
