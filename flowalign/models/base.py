@@ -228,6 +228,15 @@ class FlowModel:
         return None
 
     @classmethod
+    def after_context_parallel(cls, transformer) -> None:
+        """Adjust ``transformer`` after diffusers' ``enable_parallelism`` applied the family's plan to it (default:
+        nothing). SkyReels-V2 uses it to keep its cross-attention local, as diffusers' Wan processor does.
+
+        Args:
+            transformer: the diffusers transformer (each expert of a pair, a full fine-tune's reference copy).
+        """
+
+    @classmethod
     def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:
         """The length of every sequence the family's plan splits, at ``config``'s resolution and frames, from the
         model folder's configs (no weights read): each must divide by the context-parallel degree.

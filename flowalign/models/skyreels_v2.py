@@ -25,8 +25,9 @@ its attention (``SkyReelsV2AttnProcessor``) goes through diffusers' dispatcher w
 forwards flowalign runs, the rotary table comes out of one submodule (``rope``: cos and sin ``[1, L, 1, d]``, split on
 the token axis like the tokens), the video tokens enter the first block ``[B, L, D]`` and leave through ``proj_out``,
 where they are gathered before the unpatchify. The text (and the I2V's CLIP image tokens ahead of it) is not split:
-each process's queries attend to every text token (Ulysses exchanges the identical copies, so each key appears once
-per process and the softmax is unchanged). Diffusion forcing (per-frame timesteps, the DF checkpoints), which the T2V
+the cross-attention runs on each process's own queries against the whole text, without an exchange
+(``after_context_parallel``: SkyReels' processor would route it through Ulysses, whose backward in diffusers 0.42.1
+fails for keys longer or shorter than the queries; diffusers' Wan processor keeps it local). Diffusion forcing (per-frame timesteps, the DF checkpoints), which the T2V
 and I2V pipelines do not use, would give ``norm_out`` a per-token shift the plan does not split.
 """
 
@@ -68,6 +69,18 @@ class SkyReelsV2Model(WanModel):
         from diffusers import SkyReelsV2Transformer3DModel
 
         return skyreels_v2_plan() if issubclass(transformer_class, SkyReelsV2Transformer3DModel) else None
+
+    @classmethod
+    def after_context_parallel(cls, transformer) -> None:
+        """Each block's cross-attention (to the unsplit text, and the I2V's image tokens) attends from the process's
+        own queries to the whole text, without diffusers' exchange: what diffusers' Wan processor does
+        (``parallel_config=None`` when it attends to the text, diffusers PR 12909). SkyReels' processor still passes
+        the parallel config there, and diffusers 0.42.1's Ulysses backward takes the keys to be as long as the
+        queries: the key gradient's reshape fails (measured on 2 gloo processes, the tiny SkyReels-V2:
+        ``shape '[2, 2, 16, 1, 8]' is invalid for input of size 384``, 16 video tokens per process, 12 text
+        tokens). The upstream fix is Wan's, in ``SkyReelsV2AttnProcessor``."""
+        for block in transformer.blocks:
+            block.attn2.processor._parallel_config = None
 
     @classmethod
     def configured_image_size(cls, transformer: dict, scale: int) -> tuple[int, int]:
