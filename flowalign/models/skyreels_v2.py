@@ -20,15 +20,16 @@ with ``UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=8)``; ``sigmas``
 (the released UniPC passes the integer part of ``1000 sigma`` as the timestep, flowalign passes ``1000 sigma``).
 
 Context parallelism (``distributed.context_parallel``): diffusers ships no plan for ``SkyReelsV2Transformer3DModel``;
-``SKYREELS_V2_PLAN`` is Wan's in diffusers' format, which SkyReels' transformer admits because it is Wan's layout:
+``skyreels_v2_plan`` is Wan's in diffusers' format, which SkyReels' transformer admits because it is Wan's layout:
 its attention (``SkyReelsV2AttnProcessor``) goes through diffusers' dispatcher with no mask in the T2V and I2V
 forwards flowalign runs, the rotary table comes out of one submodule (``rope``: cos and sin ``[1, L, 1, d]``, split on
 the token axis like the tokens), the video tokens enter the first block ``[B, L, D]`` and leave through ``proj_out``,
 where they are gathered before the unpatchify. The text (and the I2V's CLIP image tokens ahead of it) is not split:
 the cross-attention runs on each process's own queries against the whole text, without an exchange
 (``after_context_parallel``: SkyReels' processor would route it through Ulysses, whose backward in diffusers 0.42.1
-fails for keys longer or shorter than the queries; diffusers' Wan processor keeps it local). Diffusion forcing (per-frame timesteps, the DF checkpoints), which the T2V
-and I2V pipelines do not use, would give ``norm_out`` a per-token shift the plan does not split.
+fails for keys longer or shorter than the queries; diffusers' Wan processor keeps it local). Diffusion forcing
+(per-frame timesteps, the DF checkpoints), which the T2V and I2V pipelines do not use, would give ``norm_out`` a
+per-token shift the plan does not split.
 """
 
 from __future__ import annotations
