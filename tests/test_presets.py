@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo"}
+                                         "grpo_guard", "gardo", "pref_grpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -327,6 +327,13 @@ PRESET_DIFFS = {
         **{f"loss.gated_kl.{k}": v for k, v in GATED_KL.items()},
         "reference.name": "adaptive", "reference.reset_every": 16, "reference.kl_threshold": 3e-4,
         "reference.kl_metric": "gated_kl"}),
+    "pref_grpo": on_flow_grpo({
+        "data.prompts_per_iteration": 8, "data.group_size": 8,
+        "reward.rewards": [{"name": "pairwise_preference", "weight": 0.4,
+                            "kwargs": {"judge": "score", "judge_kwargs": {"reward": "toy_geneval_soft"}}},
+                           {"name": "toy_geneval", "weight": 0.6, "kwargs": {"partial_credit": True}}],
+        "reward.combine": "gdpo", "reward.gdpo_variant": "pref_grpo", "sampling.shared_noise": True,
+        "loss.grpo.ratio_norm": True}),
 }
 
 
@@ -516,8 +523,9 @@ def _run_state(checkpoint: Path) -> dict:
 
 
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
-                                         ("dpo", {"objectives.dpo.ref_update_steps": 1})],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo"])
+                                         ("dpo", {"objectives.dpo.ref_update_steps": 1}),
+                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"])],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
     one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
@@ -533,7 +541,7 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
-    assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))
+    assert set(a) == set(b) and ("copies" in a) == (name in ("diffusion_nft", "awm") or name == "dpo" and bool(extra))
     for part in a:
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}

@@ -349,8 +349,13 @@ SHARDED_CREDIT = {
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
     "euphonium": {"credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
                   "credit.normalize": "true", "credit.scale": 1.0},
-    # RG-OPD's second, grad-enabled forward of the reference inside DDP's forward/backward
-    "rg_opd": {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"},
+    # RG-OPD's second, grad-enabled forward of the reference inside DDP's forward/backward; on the same launch,
+    # Pref-GRPO's reward combination: a groupwise pairwise win rate (each process judges its own groups) beside a
+    # pointwise reward, GDPO-normalised over the gathered batch (reward.combine gdpo)
+    "rg_opd": {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]",
+               "reward.rewards": "[{name: pairwise_preference, weight: 0.4, kwargs: {judge: score, judge_kwargs: "
+                                 "{reward: brightness}}}, {name: brightness, weight: 0.6, kwargs: {channel: 0}}]",
+               "reward.combine": "gdpo", "reward.gdpo_variant": "pref_grpo"},
 }
 
 
