@@ -366,6 +366,9 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
     credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
+    if shape == "rg_opd":  # the win rates of groups of 4 judged on their own process: a mean of exactly 1/2
+        history = json.loads((b / "state.json").read_text())["history"]
+        assert all(h["rewards/pairwise_preference/mean"] == 0.5 for h in history), history
 
 
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
