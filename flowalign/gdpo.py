@@ -65,6 +65,9 @@ def _groups(group_ids: Tensor, variant: str) -> list[Tensor]:
 
 
 def _std(x: Tensor, variant: str) -> Tensor:
+    """The std of ``x`` (population for flow_factory, else unbiased: NaN for one value, as torch gives, unwarned)."""
+    if variant != "flow_factory" and x.numel() < 2:
+        return torch.full((), torch.nan, dtype=x.dtype)
     return x.std(unbiased=variant != "flow_factory")
 
 
@@ -108,6 +111,8 @@ def per_reward_advantages(scores: Tensor, group_ids: Tensor, *, variant: str) ->
 
 def _row_std(block: Tensor, variant: str) -> Tensor:
     """Each row's std over the group's members, ``[R, 1]`` (unbiased: NaN for a group of one, as torch gives)."""
+    if variant != "flow_factory" and block.shape[1] < 2:
+        return torch.full((block.shape[0], 1), torch.nan, dtype=block.dtype)
     return block.std(dim=1, unbiased=variant != "flow_factory", keepdim=True)
 
 
@@ -137,7 +142,7 @@ def gdpo_advantages(scores: Any, weights: Any, group_ids: Any, *, variant: str =
             block = rewards[rows]
             out[rows] = block - block.mean()
             if scale_rewards:
-                out[rows] = out[rows] / (block.std() + _EPS[variant])
+                out[rows] = out[rows] / (_std(block, variant) + _EPS[variant])
         return out
     if variant == "flow_factory" and aggregation == "sum":
         rewards = (scores * weights[:, None]).sum(dim=0)
@@ -165,7 +170,8 @@ def pref_grpo_advantages(rewards: Mapping[str, Any], weights: Mapping[str, float
     ``weights``: a mapping name -> weight (the released ``reward_spec``; its order is the sum's order, a name missing
     from ``rewards`` is a ValueError) or one weight per entry of ``rewards``. ``flex``: the record
     ``flowalign.reward_models.pairwise.flex_win_rates`` returns (its ``overall``, ``dim_mean``, ``mask``,
-    ``overall_weight``, ``dim_weight``), or None. With ``apply_gdpo`` and ``flex``, the Flex reward's advantage is the
+    ``overall_weight``, ``dim_weight``; a mapping with those keys also does, the weights defaulting to the released
+    1 and 1), or None. With ``apply_gdpo`` and ``flex``, the Flex reward's advantage is the
     ``(ow, dw)`` blend ``(ow adv(overall) + dw adv(dim_mean)) / (ow + dw)`` where the sample had category comparisons
     (``mask``), else ``adv(overall)``; with ``dw = 0`` it is ``adv(overall)``. The Flex reward is the entry named
     ``unifiedreward_flex``, else the one entry whose name contains ``flex``.
@@ -185,14 +191,15 @@ def pref_grpo_advantages(rewards: Mapping[str, Any], weights: Mapping[str, float
     advantages = per_reward_advantages(scores, group_ids, variant="pref_grpo")
     if apply_gdpo and flex is not None:
         row = _flex_row(order)
-        parts = torch.stack([torch.as_tensor(flex.overall, dtype=torch.float64).flatten(),
-                             torch.as_tensor(flex.dim_mean, dtype=torch.float64).flatten()])
+        field = flex.get if isinstance(flex, Mapping) else lambda key, default=None: getattr(flex, key, default)
+        parts = torch.stack([torch.as_tensor(field("overall"), dtype=torch.float64).flatten(),
+                             torch.as_tensor(field("dim_mean"), dtype=torch.float64).flatten()])
         if parts.shape[1] != scores.shape[1]:
             raise ValueError(f"flex holds {parts.shape[1]} samples, rewards {scores.shape[1]}")
         overall_adv, dim_adv = per_reward_advantages(parts, group_ids, variant="pref_grpo")
-        ow, dw = float(flex.overall_weight), float(flex.dim_weight)
+        ow, dw = float(field("overall_weight", 1.0)), float(field("dim_weight", 1.0))
         if dw > 0:
-            mask = torch.as_tensor(flex.mask, dtype=torch.bool).flatten()
+            mask = torch.as_tensor(field("mask"), dtype=torch.bool).flatten()
             advantages[row] = torch.where(mask, (ow * overall_adv + dw * dim_adv) / (ow + dw), overall_adv)
         else:
             advantages[row] = overall_adv

@@ -333,6 +333,16 @@ def test_think_plus_clip_is_the_weighted_sum_of_group_advantages_renormalised_wi
                                aggregation="gdpo" if apply_gdpo else "sum"))
 
 
+def test_think_plus_clip_by_hand():
+    # groups of 2: each split pair normalises to +-1/sqrt(2) (unbiased std), a tied pair to 0
+    rewards = {"unifiedreward_think": [1.0, 0.0, 0.5, 0.5], "clip": [0.2, 0.4, 0.3, 0.1]}
+    weights = {"unifiedreward_think": 0.4, "clip": 0.6}
+    c = [x / math.sqrt(2) for x in (0.4 - 0.6, -0.4 + 0.6, 0.6, -0.6)]
+    close(pref_grpo_advantages(rewards, weights, [0, 0, 1, 1], apply_gdpo=False), c, 1e-7)
+    scale = math.sqrt(0.8 / 3) / math.sqrt(2)  # the unbiased std of c
+    close(pref_grpo_advantages(rewards, weights, [0, 0, 1, 1], apply_gdpo=True), [x / scale for x in c], 1e-7)
+
+
 def test_the_paper_era_mix_and_equal_rates():
     out = pref_grpo_advantages({"win": THINK, "clip": CLIP}, [0.7, 1.4], IDS, apply_gdpo=False)
     close(out, [0.7 * a + 1.4 * b for a, b in zip(_group(THINK), _group(CLIP))])
