@@ -132,9 +132,14 @@ class PairwisePreference:
     def check_run(cls, kwargs: Mapping[str, Any], *, key: str, model: str | None, image_size: Any) -> None:
         """Before anything is built or loaded: the settings, the judge's name, and the ``vlm`` judge's settings and
         server (``PairwiseVLMJudge.check_run``)."""
+        from flowalign.rewards import check_reward_kwargs
+
         cls.check_settings(kwargs, key)
         judge = kwargs.get("judge", "vlm")
-        PAIRWISE_JUDGES.get(judge)  # an unknown name: a ValueError listing the known ones
+        factory = PAIRWISE_JUDGES.get(judge)  # an unknown name: a ValueError listing the known ones
+        judge_class = factory if isinstance(factory, type) else getattr(factory, "judge_class", lambda: None)()
+        if judge_class is not None:  # its settings against its constructor (a misspelt one: did you mean)
+            check_reward_kwargs(judge_class, dict(kwargs.get("judge_kwargs") or {}), f"{key}.judge_kwargs", judge)
         if judge == "vlm":
             _vlm_class().check_run(dict(kwargs.get("judge_kwargs") or {}), f"{key}.judge_kwargs")
 

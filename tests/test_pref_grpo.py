@@ -549,6 +549,12 @@ def test_the_judge_is_checked_before_anything_loads(judge_url):
     with pytest.raises(ValueError, match=r"kwargs.pairing"):
         PairwisePreference.check_run({"judge": "score", "pairing": "batch"}, key="kwargs", model=None,
                                      image_size=None)
+    with pytest.raises(ValueError, match=r"kwargs.judge_kwargs.reward_kwarg is not a setting .* did you mean 'reward_kwargs'"):
+        PairwisePreference.check_run({"judge": "score", "judge_kwargs": {"reward_kwarg": {}}}, key="kwargs", model=None,
+                                     image_size=None)
+    with pytest.raises(ValueError, match=r"kwargs.judge_kwargs.timeot .* did you mean 'timeout'"):
+        PairwisePreference.check_run({"judge": "vlm", "judge_kwargs": {"url": judge_url, "model": "m", "timeot": 3}},
+                                     key="kwargs", model=None, image_size=None)
     with pytest.raises(ValueError, match="unknown pairwise judge"):
         PairwisePreference.check_run({"judge": "nope"}, key="kwargs", model=None, image_size=None)
 
