@@ -212,7 +212,7 @@ def _flex_row(order: list[str]) -> int:
         return order.index("unifiedreward_flex")
     rows = [i for i, name in enumerate(order) if "flex" in name]
     if len(rows) != 1:
-        raise ValueError(f"flex is given, but no single reward is the Flex one (name it 'unifiedreward_flex'); rewards: "
-                         f"{', '.join(order)}")
+        raise ValueError("flex is given, but no single reward is the Flex one (name it 'unifiedreward_flex'); "
+                         f"rewards: {', '.join(order)}")
     return rows[0]
 

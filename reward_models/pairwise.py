@@ -213,6 +213,7 @@ def flex_win_rates(n: int, responses: Iterable[tuple[int, int, Any]], *, overall
     rewards = [(overall_weight * o + dim_weight * d) / (overall_weight + dim_weight) if dim_weight > 0 and m else o
                for o, d, m in zip(overall, dim_mean, mask)]
     f64 = torch.float64
-    return FlexRates(torch.tensor(rewards, dtype=f64), torch.tensor(overall, dtype=f64), torch.tensor(dim_mean, dtype=f64),
-                     torch.tensor(mask, dtype=torch.bool), float(overall_weight), float(dim_weight),
+    return FlexRates(torch.tensor(rewards, dtype=f64), torch.tensor(overall, dtype=f64),
+                     torch.tensor(dim_mean, dtype=f64), torch.tensor(mask, dtype=torch.bool), float(overall_weight),
+                     float(dim_weight),
                      {d: [round(wins[d][k] / max(counts[d][k], 1), 3) for k in range(n)] for d in dims})

@@ -360,8 +360,8 @@ def test_flex_advantage_is_the_blend_of_overall_and_dim_mean_advantages_with_app
     second = flex_win_rates(3, [(i - 3, j - 3, t) for i, j, t in responses[3:]], overall_weight=ow, dim_weight=dw,
                             category_weights=[1.0, 0.7, 0.7])
     flex = type(first).cat([first, second])
-    out = pref_grpo_advantages({"unifiedreward_flex": flex.rewards, "clip": CLIP}, {"unifiedreward_flex": 0.7, "clip": 0.3},
-                               IDS, apply_gdpo=True, flex=flex)
+    out = pref_grpo_advantages({"unifiedreward_flex": flex.rewards, "clip": CLIP},
+                               {"unifiedreward_flex": 0.7, "clip": 0.3}, IDS, apply_gdpo=True, flex=flex)
     overall, dim = _group(flex.overall.tolist()), _group(flex.dim_mean.tolist())
     blend = [(ow * o + dw * d) / (ow + dw) if dw > 0 and m else o for o, d, m in zip(overall, dim, flex.mask.tolist())]
     close(out, _batch([0.7 * a + 0.3 * b for a, b in zip(blend, _group(CLIP))]), 1e-10)
@@ -549,7 +549,7 @@ def test_the_judge_is_checked_before_anything_loads(judge_url):
     with pytest.raises(ValueError, match=r"kwargs.pairing"):
         PairwisePreference.check_run({"judge": "score", "pairing": "batch"}, key="kwargs", model=None,
                                      image_size=None)
-    with pytest.raises(ValueError, match=r"kwargs.judge_kwargs.reward_kwarg is not a setting .* did you mean 'reward_kwargs'"):
+    with pytest.raises(ValueError, match=r"judge_kwargs.reward_kwarg is not a setting .* did you mean 'reward_kwargs'"):
         PairwisePreference.check_run({"judge": "score", "judge_kwargs": {"reward_kwarg": {}}}, key="kwargs", model=None,
                                      image_size=None)
     with pytest.raises(ValueError, match=r"kwargs.judge_kwargs.timeot .* did you mean 'timeout'"):

@@ -18,7 +18,8 @@ from flowalign.credit import BatchScores
 from flowalign.advantages import group_advantages
 from flowalign.rewards import RewardScores, combine_rewards, score_all
 
-__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "gdpo_iteration_advantages", "score_iteration", "skip_reason", "state_reward"]
+__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "gdpo_iteration_advantages", "score_iteration",
+           "skip_reason", "state_reward"]
 
 
 @dataclass
