@@ -55,7 +55,13 @@ allow-listed ``files_root`` (``files_read``).
 * ``normalize_then_sum``: ``r_b = sum_k w_k (s_kb - mean_g(s_k)) / (std(s_k) + eps)``, each reward first normalised
   within its group with the same group/global std rule and eps as the advantages
   (``flowalign.advantages.group_normalize``), so the weights, not the scales, set each reward's influence. (The
-  advantages then normalise the sum once more.)
+  advantages then normalise the sum once more, per group.)
+
+``reward.combine: gdpo`` is not a mode of ``combine_rewards``: GDPO's per-reward group normalisation and batch
+renormalisation (``flowalign.gdpo.gdpo_advantages``) give the advantages themselves, with the std and eps of the
+released code ``reward.gdpo_variant`` names (unbiased stds, NVlabs' + 1e-4 or Pref-GRPO's + 1e-8, or Flow-Factory's
+population stds floored at 1e-6), where ``normalize_then_sum`` uses flowalign's population std + 1e-4 and normalises
+per group twice.
 """
 
 from __future__ import annotations
@@ -317,6 +323,22 @@ def _remote(module: str, attribute: str, *, score_range: tuple[float, float] | N
 # Out of process: a reward server's scores (`flowalign serve-reward`), and a VLM judge over chat completions.
 REWARDS.register("remote", _remote("client", "RemoteReward"))
 REWARDS.register("vlm_judge", _remote("judge", "VLMJudge", score_range=(0.0, 1.0)))
+
+
+def _pairwise_class() -> type:
+    from flowalign.pairwise_reward import PairwisePreference  # Pref-GRPO's win rates from a pairwise judge
+
+    return PairwisePreference
+
+
+def _pairwise(**kwargs: Any) -> Reward:
+    return _pairwise_class()(**kwargs)
+
+
+_pairwise.reward_class = _pairwise_class
+_pairwise.score_range = (0.0, 1.0)
+# Groupwise: every pair of a group judged once (a VLM over chat completions, or a local pairwise model).
+REWARDS.register("pairwise_preference", _pairwise)
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:

@@ -119,6 +119,9 @@ SMALL_RUN_SHAPE = {
     "gardo": {"reward.rewards": "[{name: brightness}, {name: jpeg_compressibility, weight: 0.0}, "
                                 "{name: jpeg_incompressibility, weight: 0.0}]",
               "loss.gated_kl.auxiliaries": "[jpeg_compressibility, jpeg_incompressibility]"},
+    # Pref-GRPO's win rate from the stand-in judge on brightness (no segmenter), beside a second brightness reward
+    "pref_grpo": {"reward.rewards": "[{name: pairwise_preference, weight: 0.4, kwargs: {judge: score, judge_kwargs: "
+                                    "{reward: brightness}}}, {name: brightness, weight: 0.6, kwargs: {channel: 0}}]"},
 }
 
 

@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo"}
+                                         "grpo_guard", "gardo", "pref_grpo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -75,6 +75,7 @@ EXPECTED = {
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
     "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
     "grpo_guard": (9, 2 * 2 * 10),  # RatioNorm reads the rollout's own velocities: no extra NFE
+    "pref_grpo": (9, 2 * 2 * 10),  # the pairwise judge (here the stand-in on brightness) costs no NFE
     "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
@@ -183,6 +184,8 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
     if preset.stem == "shell_lcc_objective":
         assert history[0]["objectives/shell_lcc/distance"] > 0
+    if preset.stem == "pref_grpo":  # a win rate in [0, 1] beside the pointwise reward, GDPO's advantages
+        assert 0.0 <= history[0]["rewards/pairwise_preference/mean"] <= 1.0 and history[0]["reward_std"] > 0
 
 
 def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
@@ -327,6 +330,13 @@ PRESET_DIFFS = {
         **{f"loss.gated_kl.{k}": v for k, v in GATED_KL.items()},
         "reference.name": "adaptive", "reference.reset_every": 16, "reference.kl_threshold": 3e-4,
         "reference.kl_metric": "gated_kl"}),
+    "pref_grpo": on_flow_grpo({
+        "data.prompts_per_iteration": 8, "data.group_size": 8,
+        "reward.rewards": [{"name": "pairwise_preference", "weight": 0.4,
+                            "kwargs": {"judge": "score", "judge_kwargs": {"reward": "toy_geneval_soft"}}},
+                           {"name": "toy_geneval", "weight": 0.6, "kwargs": {"partial_credit": True}}],
+        "reward.combine": "gdpo", "reward.gdpo_variant": "pref_grpo", "sampling.shared_noise": True,
+        "loss.grpo.ratio_norm": True}),
 }
 
 
@@ -516,8 +526,9 @@ def _run_state(checkpoint: Path) -> dict:
 
 
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
-                                         ("dpo", {"objectives.dpo.ref_update_steps": 1})],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo"])
+                                         ("dpo", {"objectives.dpo.ref_update_steps": 1}),
+                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"])],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
     one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
@@ -533,7 +544,7 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
-    assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))
+    assert set(a) == set(b) and ("copies" in a) == (name in ("diffusion_nft", "awm") or name == "dpo" and bool(extra))
     for part in a:
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
