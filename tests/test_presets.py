@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo"}
+                                         "grpo_guard", "gardo", "flow_dppo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -319,6 +319,10 @@ PRESET_DIFFS = {
                                           **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
     "grpo_guard": on_flow_grpo({"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
                                  "loss.grpo.step_reweight": "inverse_dt"}),
+    # UniRL's recipe keeps flow_grpo.yaml's two optimizer steps per rollout (num_updates_per_batch: 2)
+    "flow_dppo": ("flow_grpo", {"loss.grpo.trust_region": "dppo", "advantage.std": "global",
+                                "advantage.clip": math.inf, "sampling.window_size": 5,
+                                "step_selection.name": "random_subset", "step_selection.count": 3}),
     "gardo": on_flow_grpo({
         "reward.rewards": [{"name": "toy_geneval_soft", "weight": 1.0, "kwargs": {}},
                            {"name": "toy_geneval", "weight": 0.0, "kwargs": {"partial_credit": True}},
@@ -515,12 +519,17 @@ def _run_state(checkpoint: Path) -> dict:
             if (checkpoint / f"{name}.safetensors").is_file()}
 
 
+# Flow-DPPO with rollout correction's bypass rejection on: no copies, its mask and the rejection read only the batch.
+DPPO_RESUME = {"loss.grpo.rollout_rs": "token_k1,seq_max_k3", "loss.grpo.rollout_rs_threshold": "'0.9_1.1,0.01'"}
+
+
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
-                                         ("dpo", {"objectives.dpo.ref_update_steps": 1})],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo"])
+                                         ("dpo", {"objectives.dpo.ref_update_steps": 1}), ("flow_dppo", DPPO_RESUME)],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "flow_dppo"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
-    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
+    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back (and
+    Flow-DPPO's run, which keeps no copy, likewise)."""
     import json
 
     preset = REPO / f"configs/methods/{name}.yaml"
@@ -533,11 +542,11 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
-    assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))
+    assert set(a) == set(b) and ("copies" in a) == (name not in ("dpo", "flow_dppo") or name == "dpo" and bool(extra))
     for part in a:
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
               for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
     assert lines[0] == lines[1] and len(lines[0]) == 2
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
-    assert state["optimizer_steps"] == 2
+    assert state["optimizer_steps"] == (4 if name == "flow_dppo" else 2)  # flow_dppo: 2 minibatches per iteration

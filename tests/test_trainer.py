@@ -343,7 +343,10 @@ TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[
 
 SHARDED_CREDIT = {
     "tree": TREE,
-    "dense": {"credit.name": "dense"},
+    # with Flow-DPPO's divergence mask and rollout correction's bypass rejection (per transition, on each process's
+    # own micro-batches; no launch of their own)
+    "dense": {"credit.name": "dense", "loss.grpo.trust_region": "dppo", "loss.grpo.kl_mask_threshold": 1e-7,
+              "loss.grpo.rollout_rs": "token_k1", "loss.grpo.rollout_rs_threshold": "'0.95_1.05'"},
     "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
     "tp_grpo": {"credit.name": "turning_point", "credit.process_rewards": "released_code", "sampling.kind": "cps"},
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)

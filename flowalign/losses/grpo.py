@@ -55,8 +55,8 @@ from flowalign.losses.rollout_correction import (check_rollout_correction, bypas
                                                  rollout_correction_weights)
 from flowalign.settings import check, finite, option
 
-__all__ = ["flow_dppo_loss", "grpo_loss", "rollout_correction_weights", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl", "step_reweight",
-           "transition_grpo_loss", "velocity_mse_kl"]
+__all__ = ["flow_dppo_loss", "grpo_loss", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl",
+           "rollout_correction_weights", "step_reweight", "transition_grpo_loss", "velocity_mse_kl"]
 
 
 def grpo_loss(
@@ -86,7 +86,8 @@ def grpo_loss(
     """
     check_loss_settings(clip_range, beta, kl_given=kl is not None, kl_source="a per-transition kl tensor")
     if log_prob.ndim not in (1, 2) or log_prob.numel() == 0:
-        raise ValueError(f"log_prob must be a non-empty 1-D tensor [N] (or [B, S]), got shape {tuple(log_prob.shape)}")
+        raise ValueError(f"log_prob must be a non-empty 1-D tensor [N] (or [B, S]), got shape "
+                         f"{tuple(log_prob.shape)}")
     n = log_prob.shape
     _check_shape("old_log_prob", old_log_prob, n)
     _check_shape("advantages", advantages, n)

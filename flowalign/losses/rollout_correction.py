@@ -38,8 +38,8 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["IS_LEVELS", "RS_OPTIONS", "SAFETY_BOUND", "bypass_log_prob", "check_rollout_correction", "parse_is_threshold", "parse_rs_options", "parse_rs_thresholds",
-           "rollout_correction_weights"]
+__all__ = ["IS_LEVELS", "RS_OPTIONS", "SAFETY_BOUND", "bypass_log_prob", "check_rollout_correction", "parse_is_threshold",
+           "parse_rs_options", "parse_rs_thresholds", "rollout_correction_weights"]
 
 SAFETY_BOUND = 20.0
 IS_LEVELS = ("token", "sequence")
