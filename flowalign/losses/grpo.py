@@ -300,7 +300,7 @@ class GRPOLossConfig(ComponentConfig):
         "sequence element here); a rejected transition's loss is zeroed but still counts in the mean; null = off")
     rollout_rs_threshold: float | str | None = option(
         None, "rollout_rs's thresholds, one for all modes or one per mode (comma-separated): k1 modes 'l_u' ratio "
-        "bounds or one float u (l = 1/u); k2/k3 modes an upper bound")
+        "bounds (quoted: '0.5_2.0') or one float u (l = 1/u); k2/k3 modes an upper bound")
 
     def validate(self) -> None:
         finite("clip_range", self.clip_range, 0.0, strict=True)
