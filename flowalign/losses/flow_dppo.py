@@ -39,11 +39,13 @@ def _broadcast_sigma(sigma: Tensor | float, layout: torch.Size, mean_ndim: int, 
     """``sigma`` as a tensor broadcastable to the means: a scalar, a tensor broadcastable to the log-prob layout
     (``[N]``, ``[B, S]``, ``[S]``, ``[B, 1]``), or one already shaped like the means (``[1, S, 1, 1, 1]``)."""
     sigma = torch.as_tensor(sigma, device=like.device).to(like.dtype)
-    if sigma.ndim == mean_ndim and sigma.ndim > len(layout):
+    if sigma.ndim > len(layout):  # shaped for the means: plain broadcasting, as the released codes do
+        try:
+            torch.broadcast_shapes(sigma.shape, like.shape)
+        except RuntimeError:
+            raise ValueError(f"sigma of shape {tuple(sigma.shape)} broadcasts neither to the log-probs "
+                             f"{tuple(layout)} nor to the means {tuple(like.shape)}") from None
         return sigma
-    if sigma.ndim > len(layout):
-        raise ValueError(f"sigma of shape {tuple(sigma.shape)} broadcasts neither to the log-probs "
-                         f"{tuple(layout)} nor to the means (ndim {mean_ndim})")
     try:
         sigma = sigma.expand(layout) if sigma.ndim else sigma
     except RuntimeError:

@@ -267,9 +267,9 @@ def check_rollout_correction(settings) -> None:
     except (TypeError, ValueError) as e:
         check(False, "rollout_rs_threshold", f"= {settings.rollout_rs_threshold!r}: {e}")
     for name, (lower, upper) in bounds.items():
-        check(lower is None or lower <= upper, "rollout_rs_threshold",
-              f"= {settings.rollout_rs_threshold!r} gives {name} the bounds [{lower:g}, {upper:g}], which reject "
-              "everything: give lower <= upper")
+        if lower is not None and lower > upper:
+            check(False, "rollout_rs_threshold", f"= {settings.rollout_rs_threshold!r} gives {name} the bounds "
+                  f"[{lower:g}, {upper:g}], which reject everything: give lower <= upper")
 
 
 def bypass_log_prob(v: Tensor, x_t: Tensor, x_next: Tensor, transitions) -> Tensor:
