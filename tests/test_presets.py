@@ -75,6 +75,7 @@ EXPECTED = {
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
     "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
     "grpo_guard": (9, 2 * 2 * 10),  # RatioNorm reads the rollout's own velocities: no extra NFE
+    "flow_dppo": (5, 2 * 2 * 10),  # SDE on the first 5 steps; the mask reads the rollout's own velocities
     "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
@@ -183,6 +184,8 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
     if preset.stem == "shell_lcc_objective":
         assert history[0]["objectives/shell_lcc/distance"] > 0
+    if preset.stem == "flow_dppo":  # D = 0 on the first micro-batch; the second minibatch sees the moved policy
+        assert history[0]["first_clip_frac"] == 0.0 and history[0]["dppo/divergence_max"] > 0
 
 
 def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
