@@ -523,7 +523,9 @@ def _run_state(checkpoint: Path) -> dict:
 
 
 # Flow-DPPO with rollout correction's bypass rejection on: no copies, its mask and the rejection read only the batch.
-DPPO_RESUME = {"loss.grpo.rollout_rs": "token_k1,seq_max_k3", "loss.grpo.rollout_rs_threshold": "'0.9_1.1,0.01'"}
+# The small run moves the policy little (D about 1e-9, log-ratios about 1e-6), so both thresholds are tight enough to act.
+DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_rs": "token_k1,seq_max_k2",
+               "loss.grpo.rollout_rs_threshold": "'0.999999_1.000001,5e-13'"}
 
 
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
@@ -551,5 +553,8 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
               for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
     assert lines[0] == lines[1] and len(lines[0]) == 2
+    if name == "flow_dppo":  # the mask and the rejection acted on the run that resumed
+        assert any(line["clip_frac"] > 0 for line in lines[0]) and any(
+            line["rollout_corr/rs_rejected"] > 0 for line in lines[0])
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
     assert state["optimizer_steps"] == (4 if name == "flow_dppo" else 2)  # flow_dppo: 2 minibatches per iteration

@@ -346,7 +346,7 @@ SHARDED_CREDIT = {
     # with Flow-DPPO's divergence mask and rollout correction's bypass rejection (per transition, on each process's
     # own micro-batches; no launch of their own)
     "dense": {"credit.name": "dense", "loss.grpo.trust_region": "dppo", "loss.grpo.kl_mask_threshold": 1e-7,
-              "loss.grpo.rollout_rs": "token_k1", "loss.grpo.rollout_rs_threshold": "'0.95_1.05'"},
+              "loss.grpo.rollout_rs": "token_k1", "loss.grpo.rollout_rs_threshold": "'0.99998_1.00002'"},
     "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
     "tp_grpo": {"credit.name": "turning_point", "credit.process_rewards": "released_code", "sampling.kind": "cps"},
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
@@ -364,6 +364,11 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
     credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
+    if shape == "dense":  # the mask and the rejection acted, alike on both
+        runs = [json.loads((c / "state.json").read_text())["history"] for c in (a, b)]
+        for key in ("clip_frac", "rollout_corr/rs_rejected"):
+            assert any(h[key] > 0 for h in runs[0]), key
+            assert [h[key] for h in runs[0]] == pytest.approx([h[key] for h in runs[1]], abs=0.05), key
 
 
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
