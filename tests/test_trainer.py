@@ -364,11 +364,11 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
     credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
-    if shape == "dense":  # the mask and the rejection acted, alike on both
-        runs = [json.loads((c / "state.json").read_text())["history"] for c in (a, b)]
-        for key in ("clip_frac", "rollout_corr/rs_rejected"):
-            assert any(h[key] > 0 for h in runs[0]), key
-            assert [h[key] for h in runs[0]] == pytest.approx([h[key] for h in runs[1]], abs=0.05), key
+    if shape == "dense":  # the mask and the rejection acted on both (the logged fractions are of the process's
+        # own micro-batches, so they are not compared; the weights are, above)
+        for run in (a, b):
+            history = json.loads((run / "state.json").read_text())["history"]
+            assert all(any(h[key] > 0 for h in history) for key in ("clip_frac", "rollout_corr/rs_rejected"))
 
 
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
