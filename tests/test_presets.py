@@ -524,7 +524,8 @@ def _run_state(checkpoint: Path) -> dict:
 
 # Flow-DPPO with rollout correction's bypass rejection on: no copies, its mask and the rejection read only the batch.
 # The small run moves the policy little (D about 1e-9, log-ratios about 1e-6), so both thresholds are tight enough to act.
-DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_rs": "token_k1,seq_max_k2",
+DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_is": "sequence",
+               "loss.grpo.rollout_rs": "token_k1,seq_max_k2",
                "loss.grpo.rollout_rs_threshold": "'0.999999_1.000001,5e-13'"}
 
 
@@ -556,5 +557,6 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
     if name == "flow_dppo":  # the mask and the rejection acted on the run that resumed
         assert any(line["clip_frac"] > 0 for line in lines[0]) and any(
             line["rollout_corr/rs_rejected"] > 0 for line in lines[0])
+        assert all(0.99 < line["rollout_corr/is_mean"] < 1.01 for line in lines[0])  # bypass: IS weights logged only
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
     assert state["optimizer_steps"] == (4 if name == "flow_dppo" else 2)  # flow_dppo: 2 minibatches per iteration

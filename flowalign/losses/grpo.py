@@ -35,6 +35,11 @@ term, both off by default:
   ``-dt = sigma_t - sigma_{t+1}``. ``grad log rho_hat`` is proportional to ``dt`` (``d mu / d v`` is), so this
   equalises the gradient across noise levels (the reference divides a micro-batch's loss by ``mean(sqrt(-dt))^2``,
   the same number with one step per micro-batch). It also applies without RatioNorm, to the plain ratio.
+
+Two more options of the term, off by default: **Flow-DPPO** (``trust_region: dppo``), the clip replaced by a mask on
+the KL of the policy's and the rollout's step means (``flowalign.losses.flow_dppo``), and **rollout correction**
+(``rollout_is``, ``rollout_rs``), verl's importance weights and rejection against the rollout's log-probs, here in
+bypass mode: the rejection's keep mask multiplies each transition's weight (``flowalign.losses.rollout_correction``).
 """
 
 from __future__ import annotations
