@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo", "pref_grpo"}
+                                         "grpo_guard", "gardo", "pref_grpo", "flow_dppo"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -76,6 +76,7 @@ EXPECTED = {
     "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
     "grpo_guard": (9, 2 * 2 * 10),  # RatioNorm reads the rollout's own velocities: no extra NFE
     "pref_grpo": (9, 2 * 2 * 10),  # the pairwise judge (here the stand-in on brightness) costs no NFE
+    "flow_dppo": (5, 2 * 2 * 10),  # SDE on the first 5 steps; the mask reads the rollout's own velocities
     "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
@@ -186,6 +187,8 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert history[0]["objectives/shell_lcc/distance"] > 0
     if preset.stem == "pref_grpo":  # a win rate in [0, 1] beside the pointwise reward, GDPO's advantages
         assert 0.0 <= history[0]["rewards/pairwise_preference/mean"] <= 1.0 and history[0]["reward_std"] > 0
+    if preset.stem == "flow_dppo":  # D = 0 on the first micro-batch; the second minibatch sees the moved policy
+        assert history[0]["first_clip_frac"] == 0.0 and history[0]["dppo/divergence_max"] > 0
 
 
 def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
@@ -322,6 +325,10 @@ PRESET_DIFFS = {
                                           **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
     "grpo_guard": on_flow_grpo({"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
                                  "loss.grpo.step_reweight": "inverse_dt"}),
+    # UniRL's recipe keeps flow_grpo.yaml's two optimizer steps per rollout (num_updates_per_batch: 2)
+    "flow_dppo": ("flow_grpo", {"loss.grpo.trust_region": "dppo", "advantage.std": "global",
+                                "advantage.clip": math.inf, "sampling.window_size": 5,
+                                "step_selection.name": "random_subset", "step_selection.count": 3}),
     "gardo": on_flow_grpo({
         "reward.rewards": [{"name": "toy_geneval_soft", "weight": 1.0, "kwargs": {}},
                            {"name": "toy_geneval", "weight": 0.0, "kwargs": {"partial_credit": True}},
@@ -525,13 +532,21 @@ def _run_state(checkpoint: Path) -> dict:
             if (checkpoint / f"{name}.safetensors").is_file()}
 
 
+# Flow-DPPO with rollout correction's bypass rejection on: no copies, its mask and the rejection read only the batch.
+# The small run moves the policy little (D about 1e-9, log-ratios about 1e-6), so both thresholds are tight enough to act.
+DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_is": "sequence",
+               "loss.grpo.rollout_rs": "token_k1,seq_max_k2",
+               "loss.grpo.rollout_rs_threshold": "'0.999999_1.000001,5e-13'"}
+
+
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
                                          ("dpo", {"objectives.dpo.ref_update_steps": 1}),
-                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"])],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo"])
+                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"]), ("flow_dppo", DPPO_RESUME)],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo", "flow_dppo"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
-    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
+    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back (and
+    Flow-DPPO's run, which keeps no copy, likewise)."""
     import json
 
     preset = REPO / f"configs/methods/{name}.yaml"
@@ -550,5 +565,9 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
               for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
     assert lines[0] == lines[1] and len(lines[0]) == 2
+    if name == "flow_dppo":  # the mask and the rejection acted on the run that resumed
+        assert any(line["clip_frac"] > 0 for line in lines[0]) and any(
+            line["rollout_corr/rs_rejected"] > 0 for line in lines[0])
+        assert all(0.99 < line["rollout_corr/is_mean"] < 1.01 for line in lines[0])  # bypass: IS weights logged only
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
-    assert state["optimizer_steps"] == 2
+    assert state["optimizer_steps"] == (4 if name == "flow_dppo" else 2)  # flow_dppo: 2 minibatches per iteration
