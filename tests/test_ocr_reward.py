@@ -198,13 +198,12 @@ def test_eval_ocr_on_the_toy_model_writes_every_image_s_reward(ocr, tmp_path):
 
     prompts = tmp_path / "ocr.txt"
     prompts.write_text('a red sign that says "STOP"\na blue square with "42" on it\n')
-    config = OcrRunConfig(model=str(TOY_MODEL), prompts=str(prompts), steps=2, images_per_prompt=2, batch_size=4,
+    config = OcrRunConfig(model=str(TOY_MODEL), prompts=str(prompts), steps=2, images_per_prompt=1, batch_size=4,
                           out_dir=str(tmp_path / "out"), device="cpu")
     summary = run_ocr(config, scorer=ocr)
     record = json.loads((tmp_path / "out" / "results.json").read_text())
     images = record["images"]
-    assert [(r["prompt_index"], r["image_index"]) for r in images] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [r["target"] for r in images] == ["STOP", "STOP", "42", "42"]
+    assert [(r["prompt_index"], r["image_index"], r["target"]) for r in images] == [(0, 0, "STOP"), (1, 0, "42")]
     for r in images:  # each reward is the rule applied to what the engine read
         assert r["reward"] == pytest.approx(ocr_reward_from_lines(f'"{r["target"]}"', [(r["read"], 1.0)]))
     assert summary == ocr_summary([r["reward"] for r in images], 2) == record["summary"]
