@@ -181,7 +181,8 @@ def ocr():
 
 
 def test_the_engine_reads_rendered_text_and_a_blank_image_scores_zero(ocr):
-    """PP-OCRv4 reads DejaVu Sans at 48 px on 256 px images; a blank image has no line."""
+    """PP-OCRv4 reads DejaVu Sans at 40 px on 256 px images, and at 8 px on a 32 px one; a blank image has no
+    line."""
     from flowalign.evaluation.rendered_text import render_text
 
     words = ["Hello World", "Open 24 Hours", "Spring Sale"]
@@ -191,6 +192,8 @@ def test_the_engine_reads_rendered_text_and_a_blank_image_scores_zero(ocr):
     assert scores.dtype == torch.float64 and scores.shape == (4,)
     assert scores[:3].tolist() == [1.0, 1.0, 1.0], ocr.read(images[:3])
     assert scores[3].item() == 0.0 and ocr.read(images[3:]) == [[]]
+    # at the toy world's size too: 8 px letters on a 32 x 32 image (the engine scales it up)
+    assert ocr(render_text("Hello World", size=32, font_px=8)[None], [SIGN]).tolist() == [1.0]
 
 
 def test_eval_ocr_on_the_toy_model_writes_every_image_s_reward(ocr, tmp_path):
