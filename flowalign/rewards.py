@@ -529,13 +529,16 @@ def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, 
       the text to render) and refuses them; ``kwargs`` are the reward's constructor arguments."""
     from flowalign.data.prompts import is_geneval_entry
 
-    cls = reward_class(name)
     plain = next((entry for entry in prompts if not is_geneval_entry(entry)), None)
-    if plain is not None and getattr(cls, "reads_geneval_metadata", False):
+    if plain is not None and getattr(reward_class(name), "reads_geneval_metadata", False):
         raise ValueError(
             f"{key} = {name!r} scores a prompt by its GenEval metadata (tag, include), but {path} has prompts "
             f"without it (e.g. {plain['prompt']!r}): use GenEval-format prompts (docs/guides/rewards.md) or a reward "
             "that reads only the prompt text (pickscore, hps, ...)")
+    try:
+        cls = reward_class(name)
+    except ValueError:  # an unknown name: the checks that build or look up the reward name it
+        return
     check = getattr(cls, "check_prompts", None)
     if callable(check):
         check(prompts, kwargs=dict(kwargs or {}), key=key, path=path)
