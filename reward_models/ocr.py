@@ -131,6 +131,8 @@ class OcrReward:
         """When the prompts load: ValueError naming ``key``, ``path`` and the first prompt the rule cannot score (no
         quoted target under ``flow_grpo``, or an empty one)."""
         variant = kwargs.get("variant", "flow_grpo")
+        if variant not in OCR_VARIANTS:  # the kwargs check names the setting (flowalign.rewards.check_reward_kwargs)
+            return
         for index, entry in enumerate(prompts):
             prompt = entry["prompt"] if isinstance(entry, Mapping) else entry
             try:
