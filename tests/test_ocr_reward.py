@@ -234,3 +234,17 @@ def test_flow_grpo_s_ocr_test_prompts_ship_with_their_license_and_all_quote_a_ta
     entries = load_prompts(path)
     assert len(entries) == 1018 and all(check_ocr_prompt(e["prompt"]) is None for e in entries)
     assert "MIT License" in (path.parent / "ocr_test.LICENSE").read_text()
+
+
+def test_a_run_s_held_out_evaluation_leaves_out_the_ocr_reward_on_prompts_without_quotes(ocr):
+    """The toy world's end-of-run evaluation scores its toy prompts with the run's rewards: ``ocr`` refuses them
+    (``check_inputs``), so it is left out there instead of failing the finished run; the others are scored."""
+    from flowalign.rewards import BrightnessReward
+    from flowalign.training.evaluation import score_with_rewards
+
+    metadata = [{"prompt": "a photo of a red circle"}, {"prompt": 'a sign that says "Open"'}]
+    results = [{"prompt_id": 0, "image_index": 0}, {"prompt_id": 1, "image_index": 0}]
+    names = score_with_rewards([("ocr", 1.0, ocr), ("brightness", 1.0, BrightnessReward())], results,
+                               torch.ones(2, 3, 8, 8), metadata)
+    assert names == ["brightness"] and [r["reward/brightness"] for r in results] == [1.0, 1.0]
+    assert all("reward/ocr" not in r for r in results)
