@@ -92,6 +92,10 @@ def preset_extra(name: str, model_path, tmp_path) -> dict:
     extra = dict(SMALL_RUN_SHAPE.get(name, {}))
     if name == "euphonium":
         extra["credit.process_reward"] = "video_brightness"
+    if name == "pref_grpo":  # the stand-in pairwise judge on each frame's brightness, its win rates averaged per clip
+        extra["reward.rewards"] = ("[{name: pairwise_preference, weight: 0.4, frames: {aggregate: mean}, kwargs: "
+                                   "{judge: score, judge_kwargs: {reward: brightness}}}, "
+                                   "{name: video_brightness, weight: 0.6}]")
     if name == "gardo":  # GARDO's proxy against two auxiliary video rewards, kept out of the advantage
         extra["reward.rewards"] = ("[{name: video_brightness}, {name: video_red, weight: 0.0}, "
                                    "{name: video_blue, weight: 0.0}]")
