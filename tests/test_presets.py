@@ -539,7 +539,8 @@ def _run_state(checkpoint: Path) -> dict:
 
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
                                          ("dpo", {"objectives.dpo.ref_update_steps": 1}),
-                                         ("dgpo", {"objectives.dgpo.switch_ema_ref": 0}), ("crd", {})],
+                                         ("dgpo", {"objectives.dgpo.switch_ema_ref": 0, "optim.minibatches": 2}),
+                                         ("crd", {})],
                          ids=["diffusion_nft", "awm", "dpo", "online_dpo", "dgpo_switched", "crd"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
@@ -563,4 +564,6 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
               for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
     assert lines[0] == lines[1] and len(lines[0]) == 2
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
-    assert state["optimizer_steps"] == 2
+    assert state["optimizer_steps"] == 2 * config.optim.minibatches
+    if name == "dgpo":  # iteration 1 rolled out with the copy, which after 2 steps is no longer the weights
+        assert [line["dgpo/sampled_with_old"] for line in lines[1]] == [0.0, 1.0]

@@ -203,10 +203,10 @@ class CRDConfig(ForwardObjectiveConfig):
     centering: Literal["batch", "group"] = option(
         "batch", "the centring pool: batch = the unit of batch_size samples (the port's micro-batch), group = each "
                  "prompt's group within it (the paper)")
-    old_model_decay: str = option("0-0.25-0.005-0.999", "v_old's decay spec 'start-start_value-slope-end' or a "
+    old_model_decay: str | int = option("0-0.25-0.005-0.999", "v_old's decay spec 'start-start_value-slope-end' or a "
                                                         "preset (0-6, none, slow, medium, offline, fast, moderate); "
                                                         "port default min(0.25 + 0.005 k, 0.999)")
-    sampling_model_decay: str = option("75-0.0-0.0075-0.999", "the sampling copy's decay spec (port default: 0 for "
+    sampling_model_decay: str | int = option("75-0.0-0.0075-0.999", "the sampling copy's decay spec (port default: 0 for "
                                                               "75 steps, then min(0.0075 (k - 75), 0.999))")
     sample_with_copy: bool = option(True, "roll out with the sampling copy (port); false = with the trained weights")
     adv_clip_max: float = option(5.0, "advantages are clamped to +-this and mapped to a = A / (2 A_max) + 1/2")

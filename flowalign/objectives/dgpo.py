@@ -213,6 +213,10 @@ class DGPO(ForwardObjective):
         switch = self.config.switch_ema_ref
         return OLD if switch is not None and self.optimizer_steps > switch else None
 
+    def prepare_update(self, context) -> dict[str, float]:
+        """Whether this iteration's rollouts sampled with the lagging copy (the step count has not moved since)."""
+        return {"dgpo/sampled_with_old": float(self.sampling_policy() is not None)}
+
     def state_dict(self) -> dict:
         return {"optimizer_steps": self.optimizer_steps}
 
