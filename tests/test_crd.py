@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flowalign.errors import ConfigError
+from flowalign.config import ConfigError
 from flowalign.objectives.crd import DECAY_PRESETS, crd_decay, crd_loss, crd_strata
 
 D = torch.float64
@@ -191,7 +191,7 @@ def test_crd_group_centring_matches_the_batch_loss_of_each_group():
 
 def test_crd_decay_tables():
     """The port's presets by number and name and the 'start-start_value-slope-end' spec."""
-    table = {0: [0, 0, 0], 1: [0.0, 0.1, 0.5], 2: [0.0, 0.0, 0.999], 3: [1.0, 1.0, 1.0], 4: [0.0, 0.99, 0.99],
+    table = {0: [0, 0, 0], 1: [0.0, 0.1, 0.5], 2: [0.0, 0.1875, 0.999], 3: [1.0, 1.0, 1.0], 4: [0.0, 0.99, 0.99],
              5: [0.0, 0.5, 0.5], 6: [0.0, 0.75, 0.999]}
     for key, values in table.items():
         assert [crd_decay(k, key) for k in (0, 100, 1000)] == pytest.approx(values)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowalign.advantages import group_advantages
-from flowalign.errors import ConfigError
+from flowalign.config import ConfigError
 from flowalign.objectives.dgpo import dgpo_decay, dgpo_loss, dgpo_timestep_indices
 
 D = torch.float64
@@ -30,6 +30,10 @@ def mse(a, b):
 
 
 # ------------------------------------------------------------------------------------------------ DGPO, by hand
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x)) if x >= 0 else math.exp(x) / (1 + math.exp(x))
+
+
 def dgpo_reference(v, u, v_ref, A, ids, *, beta, K, v_old=None, c=None, clip_dsm=True, clip_kl=False,
                    ema_ref=False, kl_beta=0.0, amax=5.0):
     """The released loss written out per sample and per group, with Python loops (detaches by hand)."""
@@ -48,7 +52,7 @@ def dgpo_reference(v, u, v_ref, A, ids, *, beta, K, v_old=None, c=None, clip_dsm
     loss = 0
     for i in range(B):
         d = dsm[i].detach() if (clip_dsm and clipped[i]) else dsm[i]
-        loss = loss + (1 / (1 + math.exp(-sums[int(ids[i])]))) * A[i] * d / B
+        loss = loss + sigmoid(sums[int(ids[i])]) * A[i] * d / B
     if kl_beta > 0:
         kl = 0
         for i in range(B):
@@ -197,14 +201,13 @@ def test_dgpo_interleaved_ids_sorted_order_and_k_above_the_members_present():
 
 
 def test_dgpo_saturated_sigmoids():
-    """A huge beta saturates sigmoid(S_g) to 0 or 1 without NaNs: the saturated-to-0 group gives no gradient."""
+    """A huge beta saturates sigmoid(S_g) to 0 or 1 without NaNs in the loss, its gradient or the logged DPO loss."""
     v, u, v_ref, _ = tensors(4, 8)
     ids = torch.tensor([0, 0, 1, 1])
     A = torch.tensor([1.0, -1.0, -1.0, 1.0], dtype=D)
     value, grad, stats = check_dgpo(v, u, v_ref, A, ids, beta_dpo=1e6, group_size=2)
     assert torch.isfinite(value) and torch.isfinite(grad).all()
-    w = stats["sample_weights"]
-    assert set(w.tolist()) <= {0.0, 1.0} or (w.min() < 1e-12 and w.max() > 1 - 1e-12)
+    assert all(min(w, 1 - w) < 1e-12 for w in stats["sample_weights"].tolist())
     assert torch.isfinite(stats["dpo_loss"])
 
 
@@ -254,8 +257,9 @@ def test_dgpo_units_share_noise_within_a_group_and_levels_across_groups(noise):
     indices = [u.data["index"] for u in units]
     assert len({indices[0], indices[2], indices[4]}) == 3 and indices[0::2] == indices[1::2]
     eps = [u.data["target"] + rollout.x0[4 * (k % 2):4 * (k % 2) + 4] for k, u in enumerate(units)]
+    same = lambda a, b: torch.allclose(a, b, atol=1e-6)  # noqa: E731  (eps - x0 + x0 rounds)
     for e in eps:
-        assert torch.equal(e[0], e[1]) != (noise == "independent")
-    assert torch.equal(eps[0], eps[2]) == (noise == "per_iteration")
-    assert not torch.equal(eps[0][0], eps[1][0])  # two groups never share
+        assert all(same(e[0], e[k]) for k in (1, 2, 3)) != (noise == "independent")
+    assert same(eps[0], eps[2]) == (noise == "per_iteration")
+    assert not same(eps[0][0], eps[1][0])  # two groups never share
     torch.testing.assert_close(units[0].sigma, rollout.sigmas[indices[0]].expand(4))
