@@ -153,8 +153,8 @@ def crd_loss(v: Tensor, v_old: Tensor, v_ref: Tensor | None, u: Tensor, advantag
             centred = a_pool - (a_pool * p).sum(dim=0, keepdim=True)
             centred_theta = r_pool - (r_pool.detach() * p).sum(dim=0, keepdim=True).detach()
             if loss_type == "bce":
-                terms.append(F.binary_cross_entropy_with_logits(crd_beta * centred_theta, torch.sigmoid(centred.detach()),
-                                                                reduction="none"))
+                target = torch.sigmoid(centred.detach())
+                terms.append(F.binary_cross_entropy_with_logits(crd_beta * centred_theta, target, reduction="none"))
             else:
                 terms.append((crd_beta * centred_theta - centred) ** 2)
     if directions == 1:
@@ -203,11 +203,12 @@ class CRDConfig(ForwardObjectiveConfig):
     centering: Literal["batch", "group"] = option(
         "batch", "the centring pool: batch = the unit of batch_size samples (the port's micro-batch), group = each "
                  "prompt's group within it (the paper)")
-    old_model_decay: str | int = option("0-0.25-0.005-0.999", "v_old's decay spec 'start-start_value-slope-end' or a "
-                                                        "preset (0-6, none, slow, medium, offline, fast, moderate); "
-                                                        "port default min(0.25 + 0.005 k, 0.999)")
-    sampling_model_decay: str | int = option("75-0.0-0.0075-0.999", "the sampling copy's decay spec (port default: 0 for "
-                                                              "75 steps, then min(0.0075 (k - 75), 0.999))")
+    old_model_decay: str | int = option(
+        "0-0.25-0.005-0.999", "v_old's decay spec 'start-start_value-slope-end' or a preset (0-6, none, slow, medium, "
+                              "offline, fast, moderate); port default min(0.25 + 0.005 k, 0.999)")
+    sampling_model_decay: str | int = option(
+        "75-0.0-0.0075-0.999", "the sampling copy's decay spec (port default: 0 for 75 steps, then "
+                               "min(0.0075 (k - 75), 0.999))")
     sample_with_copy: bool = option(True, "roll out with the sampling copy (port); false = with the trained weights")
     adv_clip_max: float = option(5.0, "advantages are clamped to +-this and mapped to a = A / (2 A_max) + 1/2")
     kl_beta: float = option(0.1, "weight of the velocity KL to the base (port 0.1); 0 = none")
