@@ -263,3 +263,4 @@ def test_dgpo_units_share_noise_within_a_group_and_levels_across_groups(noise):
     assert same(eps[0], eps[2]) == (noise == "per_iteration")
     assert not same(eps[0][0], eps[1][0])  # two groups never share
     torch.testing.assert_close(units[0].sigma, rollout.sigmas[indices[0]].expand(4))
+

@@ -529,6 +529,20 @@ def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_a
     assert rewards["policy"].std() > 0
 
 
+def test_a_cfg_reference_for_dgpo_and_crd(tiny_paths, tmp_path):
+    """kl_cfg > 1: the base model's guided velocity is the reference (DGPO's DPO reference and KL, CRD's KL), made with
+    the units. At iteration 0 the LoRA is zero, so the policy is the unguided base: dsm != dsm_ref, both KLs > 0.
+    Both objectives on one iteration (the rollout samples with CRD's copy; DGPO's switch is off)."""
+    extra = {"train.iterations": 1, "sampling.guidance_scale": 3.0, "objectives.dgpo.kl_cfg": 3.0,
+             "objectives.dgpo.switch_ema_ref": "null", "objectives.dgpo.num_train_timesteps": 2,
+             "objectives.crd.kl_cfg": 3.0, "objectives.crd.timestep_fraction": 0.2}
+    config = load_config(TrainConfig, REPO / "configs/methods/dgpo.yaml", small_run(tiny_paths["sd3"], tmp_path, **extra))
+    (first,) = Trainer(config).train()
+    assert first["objectives/dgpo/dsm"] != first["objectives/dgpo/dsm_ref"]
+    assert first["objectives/dgpo/kl_loss"] > 0 and first["objectives/crd/kl"] > 0
+    assert first["objectives/crd/r_theta"] == 0.0  # v_old is the policy at iteration 0
+
+
 def _run_state(checkpoint: Path) -> dict:
     from safetensors.torch import load_file
 
