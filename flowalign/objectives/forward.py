@@ -57,9 +57,12 @@ def latent_mse(a: Tensor, b: Tensor) -> Tensor:
 def reference_with_cfg(model, unit, guidance_scale: float) -> Tensor:
     """The base model's velocity (the LoRA off) at a unit, classifier-free guided at ``guidance_scale`` (DGPO's and
     CRD's ``kl_cfg``), computed when the unit is made: the base is frozen, so it is the velocity a training-time pass
-    would give (without the run's autocast). The unit's conditioning must hold the negative prompts."""
+    would give (without the run's autocast). The unit's conditioning must hold the negative prompts. Its evaluations
+    (2 per row with true CFG) are added to ``unit.nfe``."""
     with model.reference():
-        return model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale).float()
+        v_ref = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale).float()
+    unit.nfe += len(unit) * (2 if model.uses_cfg(guidance_scale) else 1)
+    return v_ref
 
 
 @dataclass
