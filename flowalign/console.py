@@ -7,7 +7,8 @@ then shows the same lines as the terminal, and one that did (``logging.basicConf
 ``flowalign`` logger, pytest's capture) keeps its own configuration untouched.
 
 Without ``-v`` the command line also keeps the libraries' own noise out (``command_line_session``): diffusers' and
-transformers' deprecation warnings, and their loading bars while a model loads (``loading_quietly``).
+transformers' deprecation warnings, and their loading bars while a model loads (``loading_quietly``). A notebook or a
+script asks for the same with ``quiet_libraries()``, for the rest of its process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 import warnings
 from contextlib import contextmanager
 
-__all__ = ["StdoutLines", "callers_words", "command_line_session", "loading_quietly", "show_library_logs"]
+__all__ = ["StdoutLines", "callers_words", "command_line_session", "loading_quietly", "quiet_libraries",
+           "show_library_logs"]
 
 
 class StdoutLines(logging.Handler):
@@ -91,6 +93,24 @@ def loading_quietly():
         for logging_module, enabled in switches:
             if enabled:
                 logging_module.enable_progress_bar()
+
+
+def quiet_libraries() -> None:
+    """For a notebook or a script, for the rest of the process: what the command line shows without ``-v``.
+
+    diffusers' and transformers' deprecation warnings (``FutureWarning``) and their warnings below ERROR (such as
+    "No LoRA keys associated to ...") are not shown, nor their loading and sampling bars, nor tqdm's note that a
+    notebook lacks ipywidgets; flowalign's own lines and its training bar stay. Call it before the first model loads
+    (tqdm's note comes when diffusers is first imported)."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"(diffusers|transformers)(\.|$)")
+    warnings.filterwarnings("ignore", message="IProgress not found")  # tqdm.auto in a notebook without ipywidgets
+    for module in ("diffusers.utils.logging", "transformers.utils.logging"):
+        try:
+            logging_module = importlib.import_module(module)
+        except ImportError:
+            continue
+        logging_module.disable_progress_bar()
+        logging_module.set_verbosity_error()
 
 
 def callers_words(command_line: str, python: str) -> str:

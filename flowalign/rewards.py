@@ -55,7 +55,13 @@ allow-listed ``files_root`` (``files_read``).
 * ``normalize_then_sum``: ``r_b = sum_k w_k (s_kb - mean_g(s_k)) / (std(s_k) + eps)``, each reward first normalised
   within its group with the same group/global std rule and eps as the advantages
   (``flowalign.advantages.group_normalize``), so the weights, not the scales, set each reward's influence. (The
-  advantages then normalise the sum once more.)
+  advantages then normalise the sum once more, per group.)
+
+``reward.combine: gdpo`` is not a mode of ``combine_rewards``: GDPO's per-reward group normalisation and batch
+renormalisation (``flowalign.gdpo.gdpo_advantages``) give the advantages themselves, with the std and eps of the
+released code ``reward.gdpo_variant`` names (unbiased stds, NVlabs' + 1e-4 or Pref-GRPO's + 1e-8, or Flow-Factory's
+population stds floored at 1e-6), where ``normalize_then_sum`` uses flowalign's population std + 1e-4 and normalises
+per group twice.
 """
 
 from __future__ import annotations
@@ -262,6 +268,8 @@ REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
                                                negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward", score_range=(0.0, 1.0)))
+# Flow-GRPO's OCR reward: PP-OCRv4 reads the image, the prompt's first "..." span is the target (the ocr extra).
+REWARDS.register("ocr", _lazy("ocr", "OcrReward", score_range=(0.0, 1.0)))
 # Editing: how much of its condition image (the prompt line's "images") a sample keeps.
 REWARDS.register("source_similarity", _lazy("source_similarity", "SourceSimilarity"))
 # DRL's discriminator logit (`flowalign prep train-discriminator` writes the checkpoint its path= names).
@@ -317,6 +325,22 @@ def _remote(module: str, attribute: str, *, score_range: tuple[float, float] | N
 # Out of process: a reward server's scores (`flowalign serve-reward`), and a VLM judge over chat completions.
 REWARDS.register("remote", _remote("client", "RemoteReward"))
 REWARDS.register("vlm_judge", _remote("judge", "VLMJudge", score_range=(0.0, 1.0)))
+
+
+def _pairwise_class() -> type:
+    from flowalign.pairwise_reward import PairwisePreference  # Pref-GRPO's win rates from a pairwise judge
+
+    return PairwisePreference
+
+
+def _pairwise(**kwargs: Any) -> Reward:
+    return _pairwise_class()(**kwargs)
+
+
+_pairwise.reward_class = _pairwise_class
+_pairwise.score_range = (0.0, 1.0)
+# Groupwise: every pair of a group judged once (a VLM over chat completions, or a local pairwise model).
+REWARDS.register("pairwise_preference", _pairwise)
 
 
 def register_reward(name: str, factory: Callable[..., Reward], *, overwrite: bool = False) -> None:
@@ -516,10 +540,15 @@ def _has_entry_point(reward: Any) -> bool:
     return callable(getattr(reward, "forward", None))
 
 
-def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, Any]], path: Any) -> None:
-    """ValueError naming ``key`` when the registered reward ``name`` scores a prompt by its GenEval metadata (its class
-    says ``reads_geneval_metadata = True``: toy_geneval, toy_geneval_soft, geneval) and an entry of ``prompts`` (read
-    from ``path``) has none; checked on the class, so nothing is built and no weights load."""
+def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, Any]], path: Any,
+                            kwargs: Mapping[str, Any] | None = None) -> None:
+    """ValueError naming ``key`` when the registered reward ``name`` cannot score the prompts of ``prompts`` (read
+    from ``path``), checked on its class, so nothing is built and no weights load:
+
+    * a reward that scores a prompt by its GenEval metadata (its class says ``reads_geneval_metadata = True``:
+      toy_geneval, toy_geneval_soft, geneval) and an entry without it;
+    * a reward whose class declares ``check_prompts(prompts, *, kwargs, key, path)`` (``ocr``: every prompt quotes
+      the text to render) and refuses them; ``kwargs`` are the reward's constructor arguments."""
     from flowalign.data.prompts import is_geneval_entry
 
     plain = next((entry for entry in prompts if not is_geneval_entry(entry)), None)
@@ -528,6 +557,13 @@ def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, 
             f"{key} = {name!r} scores a prompt by its GenEval metadata (tag, include), but {path} has prompts "
             f"without it (e.g. {plain['prompt']!r}): use GenEval-format prompts (docs/guides/rewards.md) or a reward "
             "that reads only the prompt text (pickscore, hps, ...)")
+    try:
+        cls = reward_class(name)
+    except ValueError:  # an unknown name: the checks that build or look up the reward name it
+        return
+    check = getattr(cls, "check_prompts", None)
+    if callable(check):
+        check(prompts, kwargs=dict(kwargs or {}), key=key, path=path)
 
 
 def differentiable_rewards() -> list[str]:

@@ -33,7 +33,8 @@ BOTH_EXPERTS = {"sampling.num_steps": 4, "sampling.window_size": 3, "sampling.wi
                 "sampling.window_last": "null", "optim.minibatches": 1}
 MODELS = {"flux": IMAGE, "wan": VIDEO, "qwen_image": IMAGE, "flux2": IMAGE, "wan22": {**VIDEO, **BOTH_EXPERTS},
           "wan_i2v": {**VIDEO, "data.train_prompts": "ROOT/i2v.jsonl"},  # prompts with a first frame (i2v_prompts)
-          "wan22_i2v": {**VIDEO, **BOTH_EXPERTS, "data.train_prompts": "ROOT/i2v.jsonl"}}
+          "wan22_i2v": {**VIDEO, **BOTH_EXPERTS, "data.train_prompts": "ROOT/i2v.jsonl"},
+          "skyreels_v2": VIDEO, "skyreels_v2_i2v": {**VIDEO, "data.train_prompts": "ROOT/i2v.jsonl"}}
 ULYSSES_2 = {"distributed.context_parallel.ulysses": 2}
 # the end-of-run evaluation on 2 held-out prompts (prompt_files), one image each, 2 steps
 EVALUATION = {"train.eval_at_end": "true", "data.eval_prompts": "ROOT/eval.jsonl", "train.eval_images_per_prompt": 1,
@@ -55,6 +56,9 @@ RUNS = {
     "wan22-cp2": ("wan22", ULYSSES_2),  # both experts split
     "wan_i2v-cp2": ("wan_i2v", ULYSSES_2),  # the CLIP image tokens join the (unsplit) text
     "wan22_i2v-cp2": ("wan22_i2v", ULYSSES_2),  # the first frame in the latents' channels, both experts
+    # 2 processes, data 1 x context 2: SkyReels-V2 T2V and I2V under flowalign's plan (skyreels_v2_plan), LoRA, DDP
+    "skyreels_v2-cp2": ("skyreels_v2", ULYSSES_2),
+    "skyreels_v2_i2v-cp2": ("skyreels_v2_i2v", ULYSSES_2),  # the CLIP image tokens ahead of the (unsplit) text
     "flux-d2-cp2": ("flux", ULYSSES_2),  # 4 processes: data 2 x context 2
     # 4 processes: data 2 x context 2 under HSDP (FSDP2, 2 copies each sharded over 2 processes)
     "flux-hsdp-cp2": ("flux", {**ULYSSES_2, "distributed.engine": "fsdp2", "distributed.replicate": 2}),

@@ -76,32 +76,44 @@ def launch(model, out, engine: str, nproc: int, *, fault: str | None = None, tim
 
 
 def train_in_fork(model, out, engine: str, fault: str | None = None, *, resave: bool = False, **extra) -> int:
-    """Train in a forked child of this process (the modules are already imported: no start-up cost; call with one
-    intra-op thread, ``torch.set_num_threads(1)``, so the child's OpenMP pool is never one forked mid-use), with
+    """Train in a child forked from this process's fork server (``_fork_server``) in one intra-op thread, with
     ``FLOWALIGN_FAULT=fault``; ``resave`` saves the last iteration once more after ``train()``, and then only that
     save has the fault. Returns the child's exit code (``-SIGKILL`` when a kill point fired)."""
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller's code
-        code = 1
-        try:
-            from flowalign.config import load_config
-            from flowalign.training.config import TrainConfig
-            from flowalign.training.trainer import Trainer
+    child = _fork_server().Process(target=_train_child, args=(model, out, engine, fault, resave, extra))
+    child.start()
+    child.join()
+    return child.exitcode
 
-            os.environ.pop(FAULT_VARIABLE, None)
-            if fault and not resave:
-                os.environ[FAULT_VARIABLE] = fault
-            trainer = Trainer(load_config(TrainConfig, None, settings(model, out, engine, **extra)))
-            trainer.train()
-            if resave:
-                if fault:
-                    os.environ[FAULT_VARIABLE] = fault
-                trainer.save()
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+
+def _fork_server():
+    """multiprocessing's fork server, with the trainer's modules imported once: each child is a fork of that
+    single-threaded server, never of the pytest process. A fork of the pytest process inherits what earlier tests
+    left there, and two such states broke a child (both seen in the suite): a gloo process group, which the child's
+    garbage collector finalised and whose destructor then waited forever on a thread that exists only in the parent
+    (a worker hung for the rest of the suite), and autograd's worker threads after a backward pass in the parent
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["crash_matrix", "flowalign.training.trainer"])
+    return context
+
+
+def _train_child(model, out, engine, fault, resave, extra) -> None:
+    from flowalign.config import load_config
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.pop(FAULT_VARIABLE, None)
+    if fault and not resave:
+        os.environ[FAULT_VARIABLE] = fault
+    trainer = Trainer(load_config(TrainConfig, None, settings(model, out, engine, **extra)))
+    trainer.train()
+    if resave:
+        if fault:
+            os.environ[FAULT_VARIABLE] = fault
+        trainer.save()
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:

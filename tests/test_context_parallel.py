@@ -5,17 +5,21 @@ Two launches (tests/context_parallel_worker.py, the runs of tests/context_parall
 (data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, the
 end-of-run evaluation, and a resume of the first checkpoint at the same layout), the tiny Wan2.1's full fine-tune
 under DDP, one iteration of each other family with a diffusers plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V,
-Wan2.2 A14B I2V); the tiny FLUX as data 2 x context 1 under DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
-context 2 under DDP and under HSDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one process
-(another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
+Wan2.2 A14B I2V) and of SkyReels-V2 T2V and I2V under flowalign's plan; the tiny FLUX as data 2 x context 1 under
+DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
+context 2 under DDP and under HSDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one
+process (another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
 
-The config checks (before any model loads) run without processes."""
+The config checks (before any model loads) run without processes, and so does the check over the family registry:
+every family has a plan, or a refusal of its own that names what prevents one."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
+import typing
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +46,8 @@ OFF = {"distributed.context_parallel.ulysses": 1}
 # The loss is a mean of advantage-weighted ratios of order 1 that cancel to ~1e-5..1e-4: compared absolutely.
 ROLLOUT_RTOL = 1e-5
 # The families enabled after FLUX and Wan2.1 (one iteration each, LoRA under DDP, in the 2-process launch)
-FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2", "wan_i2v-cp2", "wan22_i2v-cp2"]
+FAMILIES = ["qwen_image-cp2", "flux2-cp2", "wan22-cp2", "wan_i2v-cp2", "wan22_i2v-cp2", "skyreels_v2-cp2",
+            "skyreels_v2_i2v-cp2"]
 LOSS_ATOL = 1e-7
 GRAD_NORM_RTOL = 1e-4
 UPDATE_RTOL = 1e-3
@@ -50,8 +55,8 @@ UPDATE_RTOL = 1e-3
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
-    """The tiny FLUX, Qwen-Image, FLUX.2, Wan2.1 T2V and I2V, Wan2.2 A14B T2V and I2V, saved; the image-to-video
-    prompts (``prompt_files``)."""
+    """The tiny FLUX, Qwen-Image, FLUX.2, Wan2.1 T2V and I2V, Wan2.2 A14B T2V and I2V, SkyReels-V2 T2V and I2V,
+    saved; the image-to-video prompts (``prompt_files``)."""
     from conftest import WORDS
     from flowalign.models.tiny import tiny_flux2_pipeline, tiny_flux_pipeline, tiny_qwen_image_pipeline
     from video_families import tiny_video_pipeline
@@ -60,7 +65,7 @@ def root(tmp_path_factory):
     tiny_flux_pipeline(WORDS, seed=0).save_pretrained(path / "flux")
     tiny_qwen_image_pipeline(WORDS, seed=0).save_pretrained(path / "qwen_image")
     tiny_flux2_pipeline(WORDS, seed=0).save_pretrained(path / "flux2")
-    for family in ("wan", "wan22", "wan_i2v", "wan22_i2v"):
+    for family in ("wan", "wan22", "wan_i2v", "wan22_i2v", "skyreels_v2", "skyreels_v2_i2v"):
         tiny_video_pipeline(family).save_pretrained(path / family)
     prompt_files(path)
     return path
@@ -115,7 +120,9 @@ def test_context_parallel_2_on_2_processes_equals_one_process(name, root, launch
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_with_a_diffusers_plan_splits_exactly(name, root, launched, tmp_path):
     """Qwen-Image (its LoRA under DDP, which must find the last block's unused to_add_out), FLUX.2, Wan2.2 A14B
-    (both experts split), Wan2.1 I2V (its CLIP image tokens join the text, which is not split) and Wan2.2 A14B I2V (the first frame in the latents' channels), LoRAs under DDP:
+    (both experts split), Wan2.1 I2V (its CLIP image tokens join the text, which is not split), Wan2.2 A14B I2V (the
+    first frame in the latents' channels), and SkyReels-V2 T2V and I2V (flowalign's plan in diffusers' format,
+    ``skyreels_v2_plan``: diffusers ships none for its transformer), LoRAs under DDP:
     one iteration with context parallel 2 on 2 processes equals one process: rollout log-probs, rewards, loss,
     gradient norm, update; the first ratio is 1; each Wan2.2 expert's LoRA moved.
     Qwen-Image's text is as long as the batch's longest prompt: under the split every text the transformer was given
@@ -278,3 +285,82 @@ def test_a_family_without_a_plan_is_refused_naming_it(family, reason, root, tmp_
     cfg = config(root, **{"model.path": str(tmp_path / family)})
     with pytest.raises(ConfigError, match=f"the {family} family cannot run context-parallel .*{reason}"):
         check_context_parallel(cfg, 2, "cpu")
+
+
+# ------------------------------------------------------------------------------------- every family: a plan or why not
+# The families that split their sequence: diffusers' plans (FLUX, FLUX.2 and Klein, Qwen-Image, the Wan2.1 / Wan2.2
+# A14B families) and flowalign's (SkyReels-V2). A family that gains or loses a plan must show up here and in the guide.
+PLANNED = {"flux", "flux2", "flux2_klein", "qwen_image", "wan", "wan22", "wan_i2v", "wan22_i2v", "skyreels_v2",
+           "skyreels_v2_i2v"}
+# The families refused after reading their transformer (this change), and a phrase of the reason each gives
+REFUSED = {
+    "chroma": "query-by-key mask over the joint text and image sequence",
+    "hunyuan_video15": "HunyuanVideo15AttnProcessor2_0",
+    "hunyuan_video15_i2v": "HunyuanVideo15AttnProcessor2_0",
+    "z_image": "assembled inside the transformer's forward",
+    "lumina2": "Lumina2AttnProcessor2_0",
+    "cogview4": "CogView4AttnProcessor",
+    "hidream": "HiDreamAttnProcessor",
+    "sana": "linear attention",
+    "sana_video": "linear attention",
+    "mochi": "MochiAttnProcessor2_0",
+    "kandinsky5_t2v": "fractal_flatten",
+}
+
+
+def family_transformer(adapter: type) -> type:
+    """The diffusers transformer class of the family's pipeline, as the pipeline's signature annotates it (no model
+    is built)."""
+    import diffusers
+    from diffusers import ModelMixin
+
+    pipeline = getattr(diffusers, adapter.pipeline_class_name)
+    annotation = inspect.signature(pipeline.__init__).parameters["transformer"].annotation
+    annotation = getattr(diffusers, annotation) if isinstance(annotation, str) else annotation
+    candidates = (annotation, *typing.get_args(annotation))  # X or X | None
+    return next(c for c in candidates if isinstance(c, type) and issubclass(c, ModelMixin))
+
+
+def test_every_registered_family_has_a_plan_or_a_refusal_of_its_own():
+    """Over the whole family registry: a family whose transformer has a plan counts the tokens the plan splits
+    (``context_parallel_lengths`` of its own, not the base's empty one); a family without one says why in a refusal
+    of its own (not the base's default, which is for adapters registered from outside flowalign)."""
+    from flowalign.models import MODEL_FAMILIES, FlowModel
+
+    planned = set()
+    for name in MODEL_FAMILIES:
+        adapter = MODEL_FAMILIES.get(name)
+        if adapter.context_parallel_plan(family_transformer(adapter)) is not None:
+            planned.add(name)
+            assert adapter.context_parallel_lengths.__func__ is not FlowModel.context_parallel_lengths.__func__, name
+        else:
+            assert adapter.context_parallel_refusal != FlowModel.context_parallel_refusal, name
+    assert planned == PLANNED
+
+
+def test_the_skyreels_plan_is_wans_in_diffusers_format():
+    """SkyReels-V2's transformer is Wan's layout (``rope`` returns cos and sin ``[1, L, 1, d]``, the blocks take the
+    tokens ``[B, L, D]``, ``proj_out`` ends them): flowalign's plan is diffusers' Wan plan without the per-token
+    timestep entry, which only Wan2.2 TI2V uses."""
+    from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
+    from flowalign.models.skyreels_v2 import SkyReelsV2Model
+
+    plan = SkyReelsV2Model.context_parallel_plan(SkyReelsV2Transformer3DModel)
+    wan = {k: v for k, v in WanTransformer3DModel._cp_plan.items() if k != ""}
+    assert plan == wan
+    assert SkyReelsV2Model.context_parallel_plan(WanTransformer3DModel) is None
+
+
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_a_family_whose_attention_cannot_split_is_refused_naming_it_and_why(family, root, tmp_path):
+    """Before any model loads, from the transformer's config alone (its class): the ConfigError names the family and
+    what prevents a plan (docs/guides/distributed.md, Context parallelism, has the table)."""
+    from flowalign.models import MODEL_FAMILIES
+
+    (tmp_path / "transformer").mkdir()
+    cls = family_transformer(MODEL_FAMILIES.get(family))
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"_class_name": cls.__name__}))
+    cfg = config(root, **{"model.path": str(tmp_path), "model.family": family})
+    with pytest.raises(ConfigError, match=f"the {family} family cannot run context-parallel") as caught:
+        check_context_parallel(cfg, 2, "cpu")
+    assert REFUSED[family] in str(caught.value) and caught.value.key == "distributed.context_parallel"

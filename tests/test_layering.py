@@ -16,6 +16,7 @@ from module_sources import REPO, imported_names, module_name, sources
 # The foundation: plain Python (and torch) that every layer may use; it imports only itself.
 FOUNDATION = ("flowalign.errors", "flowalign.seeding", "flowalign.registry", "flowalign.devices", "flowalign.advantages",
               "flowalign.normalization",  # the deprecated path of flowalign.advantages
+              "flowalign.gdpo",
               "flowalign.serialization", "flowalign.sharded_reading", "flowalign.lr_schedule", "flowalign.config",
               "flowalign.settings", "flowalign.components", "flowalign.outputs", "flowalign.user_code",
               "flowalign.deprecation")
@@ -72,7 +73,8 @@ RULES = [
          never(*COMPONENTS, *UPPER)),
     Rule("flowalign.rewards, flowalign.remote (rewards out of process) and flowalign.embeddings never import the "
          "components, inference, training or the CLI",
-         under("flowalign.rewards", "flowalign.remote", "flowalign.embeddings"), never(*COMPONENTS, *UPPER)),
+         under("flowalign.rewards", "flowalign.remote", "flowalign.embeddings", "flowalign.pairwise_reward"),
+         never(*COMPONENTS, *UPPER)),
     Rule("rollout shapes never import credit, losses, objectives or the layers above them", under("flowalign.rollout"),
          never("flowalign.credit", "flowalign.losses", "flowalign.objectives", *UPPER)),
     Rule("credit never imports losses, objectives or the layers above them", under("flowalign.credit"),

@@ -44,6 +44,9 @@ def test_the_quickstart_notebook_runs_and_shows_its_results(executed):
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     errors = [o for cell in code for o in cell.outputs if o.output_type == "error"]
     assert not errors, errors
+    # quiet_libraries(): the libraries' loading bars, deprecation warnings and notes stay out of the cells
+    noise = [o.text for cell in code for o in cell.outputs if o.output_type == "stream" and o.name == "stderr"]
+    assert not [t for t in noise if any(word in t for word in ("Loading", "Warning", "IProgress", "No LoRA keys"))]
     shown = {cell.source.splitlines()[0]: image_outputs(cell) for cell in code if image_outputs(cell)}
     assert sum(shown.values()) >= 5, shown  # the curve, two sample grids, the before/after bars and grids, the export
     summary = json.loads("".join(o.text for o in code[-1].outputs if o.output_type == "stream"))

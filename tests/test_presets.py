@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo", "dgpo", "crd"}
+                                         "grpo_guard", "gardo", "pref_grpo", "flow_dppo", "dgpo", "crd"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -75,6 +75,8 @@ EXPECTED = {
     "shell_lcc": (9, 2 * 2 * 10),  # the manifold reads the final latents: no decode, no NFE
     "shell_lcc_objective": (9, 2 * 2 * 10 + 2),  # and the objective's one forward per pair of its unit of 2
     "grpo_guard": (9, 2 * 2 * 10),  # RatioNorm reads the rollout's own velocities: no extra NFE
+    "pref_grpo": (9, 2 * 2 * 10),  # the pairwise judge (here the stand-in on brightness) costs no NFE
+    "flow_dppo": (5, 2 * 2 * 10),  # SDE on the first 5 steps; the mask reads the rollout's own velocities
     "gardo": (9, 2 * 2 * 10),  # the gated KL's reference pass is a training forward, not an NFE
 }
 # Objective-only presets (no rollout): NFEs of one iteration of 2 units of 1 pair. SOAR: a CFG step (2) plus the base
@@ -194,6 +196,10 @@ def test_method_preset_runs_an_iteration(preset, tiny_paths, tmp_path):
         assert history[0]["rewards/shell_lcc/mean"] <= 0 and history[0]["reward_std"] > 0
     if preset.stem == "shell_lcc_objective":
         assert history[0]["objectives/shell_lcc/distance"] > 0
+    if preset.stem == "pref_grpo":  # a win rate in [0, 1] beside the pointwise reward, GDPO's advantages
+        assert 0.0 <= history[0]["rewards/pairwise_preference/mean"] <= 1.0 and history[0]["reward_std"] > 0
+    if preset.stem == "flow_dppo":  # D = 0 on the first micro-batch; the second minibatch sees the moved policy
+        assert history[0]["first_clip_frac"] == 0.0 and history[0]["dppo/divergence_max"] > 0
 
 
 def test_euphonium_with_the_guided_log_prob_keeps_the_first_ratio_at_one(tiny_paths, tmp_path):
@@ -330,6 +336,10 @@ PRESET_DIFFS = {
                                           **{f"objectives.shell_lcc.{k}": v for k, v in SHELL_LCC_OBJECTIVE.items()}}),
     "grpo_guard": on_flow_grpo({"loss.grpo.clip_range": 2e-6, "loss.grpo.ratio_norm": True,
                                  "loss.grpo.step_reweight": "inverse_dt"}),
+    # UniRL's recipe keeps flow_grpo.yaml's two optimizer steps per rollout (num_updates_per_batch: 2)
+    "flow_dppo": ("flow_grpo", {"loss.grpo.trust_region": "dppo", "advantage.std": "global",
+                                "advantage.clip": math.inf, "sampling.window_size": 5,
+                                "step_selection.name": "random_subset", "step_selection.count": 3}),
     "gardo": on_flow_grpo({
         "reward.rewards": [{"name": "toy_geneval_soft", "weight": 1.0, "kwargs": {}},
                            {"name": "toy_geneval", "weight": 0.0, "kwargs": {"partial_credit": True}},
@@ -338,6 +348,13 @@ PRESET_DIFFS = {
         **{f"loss.gated_kl.{k}": v for k, v in GATED_KL.items()},
         "reference.name": "adaptive", "reference.reset_every": 16, "reference.kl_threshold": 3e-4,
         "reference.kl_metric": "gated_kl"}),
+    "pref_grpo": on_flow_grpo({
+        "data.prompts_per_iteration": 8, "data.group_size": 8,
+        "reward.rewards": [{"name": "pairwise_preference", "weight": 0.4,
+                            "kwargs": {"judge": "score", "judge_kwargs": {"reward": "toy_geneval_soft"}}},
+                           {"name": "toy_geneval", "weight": 0.6, "kwargs": {"partial_credit": True}}],
+        "reward.combine": "gdpo", "reward.gdpo_variant": "pref_grpo", "sampling.shared_noise": True,
+        "loss.grpo.ratio_norm": True}),
 }
 
 
@@ -551,14 +568,24 @@ def _run_state(checkpoint: Path) -> dict:
             if (checkpoint / f"{name}.safetensors").is_file()}
 
 
+# Flow-DPPO with rollout correction's bypass rejection on: no copies, its mask and the rejection read only the batch.
+# The small run moves the policy little (D about 1e-9, log-ratios about 1e-6), so both thresholds are tight enough to act.
+DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_is": "sequence",
+               "loss.grpo.rollout_rs": "token_k1,seq_max_k2",
+               "loss.grpo.rollout_rs_threshold": "'0.999999_1.000001,5e-13'"}
+
+
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
                                          ("dpo", {"objectives.dpo.ref_update_steps": 1}),
+                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"]), ("flow_dppo", DPPO_RESUME),
                                          ("dgpo", {"objectives.dgpo.switch_ema_ref": 0, "optim.minibatches": 2}),
                                          ("crd", {})],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "dgpo_switched", "crd"])
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo", "flow_dppo", "dgpo_switched",
+                              "crd"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
-    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back."""
+    one: the copies, the optimizer-step count their schedules read and the sampling policy all come back (and
+    Flow-DPPO's run, which keeps no copy, likewise)."""
     import json
 
     preset = REPO / f"configs/methods/{name}.yaml"
@@ -571,12 +598,16 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
-    assert set(a) == set(b) and ("copies" in a) == (name != "dpo" or bool(extra))
+    assert set(a) == set(b) and ("copies" in a) == (name in ("diffusion_nft", "awm", "dgpo", "crd") or name == "dpo" and bool(extra))
     for part in a:
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
               for line in (runs[r] / "metrics.jsonl").read_text().splitlines()] for r in ("full", "split")]
     assert lines[0] == lines[1] and len(lines[0]) == 2
+    if name == "flow_dppo":  # the mask and the rejection acted on the run that resumed
+        assert any(line["clip_frac"] > 0 for line in lines[0]) and any(
+            line["rollout_corr/rs_rejected"] > 0 for line in lines[0])
+        assert all(0.99 < line["rollout_corr/is_mean"] < 1.01 for line in lines[0])  # bypass: IS weights logged only
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
     assert state["optimizer_steps"] == 2 * config.optim.minibatches
     if name == "dgpo":  # iteration 1 rolled out with the copy, which after 2 steps is no longer the weights

@@ -343,14 +343,22 @@ TREE = {"rollout.name": "tree", "credit.name": "tree", "rollout.split_steps": "[
 
 SHARDED_CREDIT = {
     "tree": TREE,
-    "dense": {"credit.name": "dense"},
+    # with Flow-DPPO's divergence mask and rollout correction's bypass rejection (per transition, on each process's
+    # own micro-batches; no launch of their own)
+    "dense": {"credit.name": "dense", "loss.grpo.trust_region": "dppo", "loss.grpo.kl_mask_threshold": 1e-7,
+              "loss.grpo.rollout_rs": "token_k1", "loss.grpo.rollout_rs_threshold": "'0.99998_1.00002'"},
     "vgpo": {"credit.name": "vgpo"},  # instant rewards of every state's x0_hat, values and omega per group
     "tp_grpo": {"credit.name": "turning_point", "credit.process_rewards": "released_code", "sampling.kind": "cps"},
     # Euphonium guides and credits whole groups (its process reward here the differentiable brightness)
     "euphonium": {"credit.name": "euphonium", "credit.process_reward": "brightness", "credit.start_step": 1,
                   "credit.normalize": "true", "credit.scale": 1.0},
-    # RG-OPD's second, grad-enabled forward of the reference inside DDP's forward/backward
-    "rg_opd": {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"},
+    # RG-OPD's second, grad-enabled forward of the reference inside DDP's forward/backward; on the same launch,
+    # Pref-GRPO's reward combination: a groupwise pairwise win rate (each process judges its own groups) beside a
+    # pointwise reward, GDPO-normalised over the gathered batch (reward.combine gdpo)
+    "rg_opd": {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]",
+               "reward.rewards": "[{name: pairwise_preference, weight: 0.4, kwargs: {judge: score, judge_kwargs: "
+                                 "{reward: brightness}}}, {name: brightness, weight: 0.6, kwargs: {channel: 0}}]",
+               "reward.combine": "gdpo", "reward.gdpo_variant": "pref_grpo"},
 }
 
 
@@ -361,6 +369,15 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
     credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
     a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
     _assert_same_run(a, b)
+    if shape == "rg_opd":  # the win rates of groups of 4 judged on their own process: a mean of exactly 1/2
+        history = json.loads((b / "state.json").read_text())["history"]
+        assert all(h["rewards/pairwise_preference/mean"] == 0.5 for h in history), history
+
+    if shape == "dense":  # the mask and the rejection acted on both (the logged fractions are of the process's
+        # own micro-batches, so they are not compared; the weights are, above)
+        for run in (a, b):
+            history = json.loads((run / "state.json").read_text())["history"]
+            assert all(any(h[key] > 0 for h in history) for key in ("clip_frac", "rollout_corr/rs_rejected"))
 
 
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its

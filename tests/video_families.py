@@ -275,9 +275,11 @@ class VideoFamily:
     with the generator); ``sized_by_image``: the pipeline takes no ``height`` / ``width`` but sizes the video by its
     condition image (HunyuanVideo 1.5 I2V: ``sizes`` then lists the size its condition image gives); ``decode_atol``:
     how far one video per VAE call may be from the pipeline's batched call (fp32 rounding: batched convolutions round
-    differently). ``load_lora(pipe, folder)``: how diffusers loads a LoRA folder the adapter saved
-    into the plain pipeline (Wan2.2 A14B: one file per expert). ``training``: config overrides of the family's contract
-    training runs (tests/video_training.py), for a family the default run's trained steps do not cover."""
+    differently, by CPU: up to 1.1e-6 measured for LTX-Video's VAE under AVX2 kernels, 4e-6 for HunyuanVideo's; 1e-5
+    is still 400 times finer than one 8-bit pixel step). ``load_lora(pipe, folder)``: how diffusers loads a LoRA
+    folder the adapter saved into the plain pipeline (Wan2.2 A14B: one file per expert). ``training``: config
+    overrides of the family's contract training runs (tests/video_training.py), for a family the default run's
+    trained steps do not cover."""
 
     adapter: type
     build: Callable
@@ -295,7 +297,7 @@ class VideoFamily:
     start: Callable | None = None
     pipeline_frames: str = "num_frames"
     sized_by_image: bool = False
-    decode_atol: float = 1e-6
+    decode_atol: float = 1e-5
     load_lora: Callable = load_lora_folder
     training: dict = field(default_factory=dict)
 
@@ -365,7 +367,7 @@ VIDEO_FAMILIES: dict[str, VideoFamily] = {
     # the released visual_cond transformer (zeros and a zero mask appended in T2V), the HunyuanVideo VAE (whose
     # one-video and two-video calls differ by up to 4e-6 on CPU: decode_atol).
     "kandinsky5_t2v": VideoFamily(Kandinsky5T2VModel, tiny_kandinsky5_pipeline, kandinsky5_vae_encoding,
-                                  call=kandinsky5_call, decode_atol=1e-5,
+                                  call=kandinsky5_call,
                                   pipeline_layout=staticmethod(lambda model, latents: model.pipeline_latents(latents))),
 }
 

@@ -35,6 +35,11 @@ term, both off by default:
   ``-dt = sigma_t - sigma_{t+1}``. ``grad log rho_hat`` is proportional to ``dt`` (``d mu / d v`` is), so this
   equalises the gradient across noise levels (the reference divides a micro-batch's loss by ``mean(sqrt(-dt))^2``,
   the same number with one step per micro-batch). It also applies without RatioNorm, to the plain ratio.
+
+Two more options of the term, off by default: **Flow-DPPO** (``trust_region: dppo``), the clip replaced by a mask on
+the KL of the policy's and the rollout's step means (``flowalign.losses.flow_dppo``), and **rollout correction**
+(``rollout_is``, ``rollout_rs``), verl's importance weights and rejection against the rollout's log-probs, here in
+bypass mode: the rejection's keep mask multiplies each transition's weight (``flowalign.losses.rollout_correction``).
 """
 
 from __future__ import annotations
@@ -50,10 +55,13 @@ from flowalign.kernels import clipped_policy_loss, grpo_transition_loss
 from flowalign.kernels.loss_reference import (check_loss_settings, kl_std_scale, latent_mean_kl, transition_kl,
                                            velocity_mse_kl)
 from flowalign.losses.base import LossTerm, MicroBatch, PolicyOutput, register_loss
+from flowalign.losses.flow_dppo import dppo_transition_loss, flow_dppo_loss
+from flowalign.losses.rollout_correction import (check_rollout_correction, bypass_log_prob,
+                                                 rollout_correction_weights)
 from flowalign.settings import check, finite, option
 
-__all__ = ["grpo_loss", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl", "step_reweight",
-           "transition_grpo_loss", "velocity_mse_kl"]
+__all__ = ["flow_dppo_loss", "grpo_loss", "guard_log_ratio", "guard_transition_loss", "kl_std_scale", "latent_mean_kl",
+           "rollout_correction_weights", "step_reweight", "transition_grpo_loss", "velocity_mse_kl"]
 
 
 def grpo_loss(
@@ -71,8 +79,10 @@ def grpo_loss(
     The readable reference of ``transition_grpo_loss`` (the one training calls, which computes the log-prob and KL
     from the velocity in the same op): tests/test_loss.py checks the two agree on the same transitions.
 
-    All inputs are ``[N]``; gradients flow through ``log_prob`` and ``kl`` only (``old_log_prob``, ``advantages`` and
-    ``weights`` are constants). ``weights`` defaults to 1. ``kl`` (per transition, e.g. ``latent_mean_kl``) enters the
+    All inputs are ``[N]`` (or all ``[B, S]``: the mean is over every element); gradients flow through ``log_prob``
+    and ``kl`` only (``old_log_prob``, ``advantages`` and ``weights`` are constants). ``weights`` defaults to 1; they
+    multiply each element's clipped loss (rollout correction's weights, ``flowalign.losses.rollout_correction``, go
+    here; a rejected element still counts in the mean). fp32 arithmetic, or fp64 for fp64 inputs. ``kl`` (per transition, e.g. ``latent_mean_kl``) enters the
     loss as ``beta * mean(kl)``; it is logged even when ``beta`` is 0.
 
     Stats: ``loss``, ``policy_loss``, ``kl`` (mean, 0 without ``kl``), ``approx_kl`` = mean of
@@ -80,23 +90,25 @@ def grpo_loss(
     ``ratio_max``.
     """
     check_loss_settings(clip_range, beta, kl_given=kl is not None, kl_source="a per-transition kl tensor")
-    if log_prob.ndim != 1 or log_prob.numel() == 0:
-        raise ValueError(f"log_prob must be a non-empty 1-D tensor [N], got shape {tuple(log_prob.shape)}")
+    if log_prob.ndim not in (1, 2) or log_prob.numel() == 0:
+        raise ValueError(f"log_prob must be a non-empty 1-D tensor [N] (or [B, S]), got shape "
+                         f"{tuple(log_prob.shape)}")
     n = log_prob.shape
     _check_shape("old_log_prob", old_log_prob, n)
     _check_shape("advantages", advantages, n)
+    dtype = torch.promote_types(log_prob.dtype, torch.float32)  # fp32, or fp64 kept for float64 checks
 
-    log_ratio = log_prob.float() - old_log_prob.detach().float()
-    per_transition = clipped_policy_loss(log_ratio, advantages.detach().float(), clip_range)
+    log_ratio = log_prob.to(dtype) - old_log_prob.detach().to(dtype)
+    per_transition = clipped_policy_loss(log_ratio, advantages.detach().to(dtype), clip_range)
     if weights is not None:
         _check_shape("weights", weights, n)
-        per_transition = weights.detach().float() * per_transition
+        per_transition = weights.detach().to(dtype) * per_transition
     policy_loss = per_transition.mean()
 
-    kl_mean = torch.zeros((), device=log_prob.device)
+    kl_mean = torch.zeros((), device=log_prob.device, dtype=dtype)
     if kl is not None:
         _check_shape("kl", kl, n)
-        kl_mean = kl.float().mean()
+        kl_mean = kl.to(dtype).mean()
     loss = policy_loss + beta * kl_mean if beta > 0 else policy_loss
 
     return loss, loss_stats(loss, policy_loss, kl_mean, log_ratio, clip_range)
@@ -263,6 +275,37 @@ class GRPOLossConfig(ComponentConfig):
     step_reweight: Literal["none", "inverse_dt"] = option(
         "none", "GRPO-Guard's per-timestep gradient reweighting: divide each transition's policy loss by "
         "-dt = sigma_t - sigma_{t+1} (inverse_dt), or not")
+    trust_region: Literal["clip", "dppo"] = option(
+        "clip", "how far an update may move the policy: clip, PPO's ratio clip (clip_range); dppo, Flow-DPPO's "
+        "divergence mask (docs/methods/flow_dppo.md): no clip, a transition is dropped when the KL between its "
+        "policy and rollout step means reaches kl_mask_threshold and its ratio moved in its advantage's direction "
+        "(the rollout then keeps its velocities, to rebuild its step means)")
+    kl_mask_threshold: float = option(
+        1e-5, "Flow-DPPO's divergence threshold delta: transitions with D >= delta may be dropped (the released >=)")
+    add_kl_coefficient: bool = option(
+        True, "Flow-DPPO: D = mean (mu - mu_old)^2 / (2 sigma^2) (true), or mean (mu - mu_old)^2 / 2 (false)")
+    kl_reduction: Literal["mean", "sum"] = option(
+        "mean", "Flow-DPPO's D over the latent dimensions: mean (both released codes; delta is calibrated to it) or "
+        "sum (the paper's KL)")
+    sigma_at_one: Literal["sampler", "clamp_0.99"] = option(
+        "sampler", "Flow-DPPO's sigma in D: sampler, the step's own transition std (flowalign's and verl-omni's; at "
+        "s = 1 the flow_grpo kind uses 1 - s_next in the denominator), or clamp_0.99, UniRL's std with s clamped to "
+        "0.99 in 1 - s (10 eta sqrt(-dt) at s = 1; flow_grpo kind only)")
+    rollout_is: Literal["token", "sequence"] | None = option(
+        None, "rollout correction's importance weights (verl's rollout_is): token or sequence, or null for none. "
+        "flowalign's rollouts store their own log-probs (bypass mode), so the PPO ratio already is the importance "
+        "weight and these are logged only (rollout_corr/is_*)")
+    rollout_is_threshold: float | str = option(
+        2.0, "rollout correction's IS threshold: a float u truncates the weights at u (TIS); a string 'l_u' (e.g. "
+        "'0.5_2.0', quoted) zeroes those outside [l, u] (IcePop)")
+    rollout_is_batch_normalize: bool = option(False, "rollout correction: normalise the IS weights to mean 1")
+    rollout_rs: str | None = option(
+        None, "rollout correction's rejection (verl's rollout_rs), per step on log p_theta - log p_rollout: "
+        "comma-chained modes of token_k1/k2/k3, seq_sum_k1/k2/k3, seq_mean_k1/k2/k3, seq_max_k2/k3 (a step is one "
+        "sequence element here); a rejected transition's loss is zeroed but still counts in the mean; null = off")
+    rollout_rs_threshold: float | str | None = option(
+        None, "rollout_rs's thresholds, one for all modes or one per mode (comma-separated): k1 modes 'l_u' ratio "
+        "bounds (quoted: '0.5_2.0') or one float u (l = 1/u); k2/k3 modes an upper bound")
 
     def validate(self) -> None:
         finite("clip_range", self.clip_range, 0.0, strict=True)
@@ -272,6 +315,15 @@ class GRPOLossConfig(ComponentConfig):
               "kl: latent_mean")
         check(self.ratio_norm or self.ratio_norm_bias == "batch", "ratio_norm_bias",
               f"= {self.ratio_norm_bias!r} is RatioNorm's setting: set ratio_norm: true, or drop it")
+        dppo = self.trust_region == "dppo"
+        finite("kl_mask_threshold", self.kl_mask_threshold, 0.0)
+        for key, default in (("kl_mask_threshold", 1e-5), ("add_kl_coefficient", True), ("kl_reduction", "mean"),
+                             ("sigma_at_one", "sampler")):
+            check(dppo or getattr(self, key) == default, key,
+                  f"= {getattr(self, key)!r} is Flow-DPPO's setting: set trust_region: dppo, or drop it")
+        check(not (dppo and self.ratio_norm), "trust_region",
+              "= 'dppo' replaces the ratio clip that ratio_norm (GRPO-Guard) normalises: use one of them")
+        check_rollout_correction(self)
 
 
 @register_loss("grpo", config=GRPOLossConfig)
@@ -283,8 +335,22 @@ class GRPOLoss(LossTerm):
         return self.config.beta > 0 or self.config.kl == "velocity_mse"
 
     def rollout_fields(self) -> frozenset[str]:
-        """RatioNorm rebuilds the old transition mean from the rollout's own velocity."""
-        return frozenset({"velocity"}) if self.config.ratio_norm else frozenset()
+        """RatioNorm and Flow-DPPO rebuild the old transition mean from the rollout's own velocity."""
+        return frozenset({"velocity"}) if self.config.ratio_norm or self.config.trust_region == "dppo" else frozenset()
+
+    def check(self, config) -> None:
+        """Flow-DPPO needs the rollout's step means (rebuilt from its stored velocities) and, for UniRL's sigma, the
+        flow_grpo SDE."""
+        if self.config.trust_region != "dppo":
+            return
+        shape = config.components().shape
+        check("velocity" in shape.fields, "loss.grpo.trust_region",
+              f"= 'dppo' needs the rollout's step means (rebuilt from the velocities it stores), but rollout.name = "
+              f"{config.rollout.name!r} stores no velocities: use a rollout shape that keeps them (group, tree, "
+              "probe), or trust_region: clip")
+        check(self.config.sigma_at_one != "clamp_0.99" or config.sampling.kind == "flow_grpo",
+              "loss.grpo.sigma_at_one", f"= 'clamp_0.99' is UniRL's flow_grpo std, but sampling.kind = "
+              f"{config.sampling.kind!r}: use sigma_at_one: sampler")
 
     def loss(self, micro: MicroBatch, policy: PolicyOutput) -> tuple[Tensor, dict[str, float]]:
         st, cfg = micro.transitions, self.config
@@ -297,6 +363,33 @@ class GRPOLoss(LossTerm):
         if cfg.step_reweight != "none":
             weights = weights * step_reweight(st.sigma, st.sigma_next, cfg.step_reweight).to(weights.device)
         v_ref = policy.v_ref if self.wants_reference() else None
+        corrected = cfg.rollout_is is not None or cfg.rollout_rs is not None
+        if corrected:  # bypass mode: rejection on the current policy's log-prob against the rollout's, per step
+            current = bypass_log_prob(policy.v, x_t, x_next, st)
+            _, keep, correction = rollout_correction_weights(
+                current, st.log_prob, rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
+                rollout_is_batch_normalize=cfg.rollout_is_batch_normalize, rollout_rs=cfg.rollout_rs,
+                rollout_rs_threshold=cfg.rollout_rs_threshold)
+            weights = weights * keep.to(weights)
+        loss, stats = self.policy_loss(micro, policy, x_t, x_next, weights, v_ref)
+        if corrected:
+            stats.update(correction)
+        return loss, stats
+
+    def policy_loss(self, micro: MicroBatch, policy: PolicyOutput, x_t: Tensor, x_next: Tensor, weights: Tensor,
+                    v_ref: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+        """The clipped (or RatioNorm-clipped, or Flow-DPPO-masked) loss of the micro-batch, with its stats."""
+        st, cfg = micro.transitions, self.config
+        if cfg.trust_region == "dppo":
+            if st.velocity is None:
+                raise RuntimeError("loss.grpo.trust_region = 'dppo' needs the rollout's velocities "
+                                   "(Transitions.velocity): the rollout shape did not keep them")
+            return dppo_transition_loss(
+                policy.v, st.velocity, x_t, x_next, st.sigma, st.sigma_next, micro.advantages, kind=st.kind,
+                noise_level=st.noise_level, noise_scale=st.noise_scale, reduce=st.reduce,
+                kl_mask_threshold=cfg.kl_mask_threshold, add_kl_coefficient=cfg.add_kl_coefficient,
+                kl_reduction=cfg.kl_reduction, sigma_at_one=cfg.sigma_at_one, weights=weights, v_ref=v_ref,
+                beta=cfg.beta, kl=cfg.kl, kl_std=cfg.kl_std)
         if cfg.ratio_norm:
             if st.velocity is None:
                 raise RuntimeError("loss.grpo.ratio_norm needs the rollout's velocities (Transitions.velocity): the "

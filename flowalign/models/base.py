@@ -207,9 +207,11 @@ class FlowModel:
     ddp_find_unused_parameters: bool = False
 
     # Context parallelism (``distributed.context_parallel``, ``flowalign.training.context_parallel``): why a family
-    # without a plan cannot split its sequence, in the refusal's words.
-    context_parallel_refusal: str = ("neither diffusers nor flowalign has a plan for its transformer, and its "
-                                     "sequence lengths are not wired to the context-parallel checks")
+    # without a plan cannot split its sequence, in the refusal's words. Every built-in family either has a plan or
+    # says here which attention call, mask or layer prevents one (tests/test_context_parallel.py holds them to it);
+    # this default is for an adapter registered from outside flowalign that defines neither.
+    context_parallel_refusal: str = ("its adapter defines no context-parallel plan (FlowModel.context_parallel_plan) "
+                                     "and no context_parallel_refusal saying why")
 
     @classmethod
     def context_parallel_plan(cls, transformer_class: type) -> dict | None:
@@ -224,6 +226,15 @@ class FlowModel:
             The plan, or None.
         """
         return None
+
+    @classmethod
+    def after_context_parallel(cls, transformer) -> None:
+        """Adjust ``transformer`` after diffusers' ``enable_parallelism`` applied the family's plan to it (default:
+        nothing). SkyReels-V2 uses it to keep its cross-attention local, as diffusers' Wan processor does.
+
+        Args:
+            transformer: the diffusers transformer (each expert of a pair, a full fine-tune's reference copy).
+        """
 
     @classmethod
     def context_parallel_lengths(cls, model_dir: Path, config) -> dict[str, int]:

@@ -31,6 +31,15 @@ class ChromaModel(FluxModel):
     """Adapter over ``diffusers.ChromaPipeline`` (FLUX's layout and LoRA targets, T5 only, masked text, true CFG)."""
 
     family = "chroma"
+    # FluxAttnProcessor dispatches, but ChromaTransformerBlock / ChromaSingleTransformerBlock turn the [text, image]
+    # padding mask into mask[:, None, None, :] * mask[:, None, :, None], a [B, 1, S, S] mask over the tokens a process
+    # holds; diffusers' Ulysses attention gathers a key mask ([..., S_local]) only, and its ring applies one mask to
+    # every process's keys, so the padded text cannot be masked under a split. Measured with FLUX's diffusers plan on
+    # 2 gloo processes, the tiny Chroma: one padded text token puts the output 1.7e-2 off one process's, with no
+    # error (the whole-sequence mask lands on the exchanged tokens in another order); no padding, 1.4e-7.
+    context_parallel_refusal = ("its blocks turn the text padding mask into a query-by-key mask over the joint text "
+                                "and image sequence, and diffusers' Ulysses and ring attention can only carry a key "
+                                "mask across a split sequence")
     pipeline_class_name = "ChromaPipeline"
 
     def default_max_sequence_length(self) -> int:

@@ -41,6 +41,9 @@ class CogView4Model(FlowModel):
     """Adapter over ``diffusers.CogView4Pipeline``."""
 
     family = "cogview4"
+    context_parallel_refusal = ("its attention processor (CogView4AttnProcessor) calls scaled_dot_product_attention "
+                                "itself, not diffusers' attention dispatcher, so a split sequence would attend only "
+                                "to each process's own tokens")
     pipeline_class_name = "CogView4Pipeline"
     lora_targets = COGVIEW4_ATTENTION_TARGETS
 

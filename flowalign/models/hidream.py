@@ -53,6 +53,9 @@ class HiDreamModel(FlowModel):
     """Adapter over ``diffusers.HiDreamImagePipeline``."""
 
     family = "hidream"
+    context_parallel_refusal = ("its attention processor (HiDreamAttnProcessor) calls scaled_dot_product_attention "
+                                "itself, not diffusers' attention dispatcher, so a split sequence would attend only "
+                                "to each process's own tokens")
     pipeline_class_name = "HiDreamImagePipeline"
     lora_targets = HIDREAM_ATTENTION_TARGETS
 

@@ -54,6 +54,16 @@ class HunyuanVideo15Model(VideoFlowModel):
     """Adapter over ``diffusers.HunyuanVideo15Pipeline`` (HunyuanVideo 1.5 T2V)."""
 
     family = "hunyuan_video15"
+    # HunyuanVideo15AttnProcessor2_0 dispatches (the video tokens, then the text tokens, in one joint attention), but
+    # it builds from the text mask a dense [B, 1, S, S] query-by-key mask over the tokens a process holds (mask AND its
+    # transpose); under Ulysses the queries become the whole sequence while that mask keeps the local queries (only a
+    # key mask [..., S_local] is gathered), and diffusers' ring applies one mask to every process's keys. Without the
+    # mask the padded text tokens would be attended: the sample would change. Measured with Wan's plan written for it
+    # (rope, the first block's tokens, proj_out) on 2 gloo processes, the tiny model: "The size of tensor a (156)
+    # must match the size of tensor b (78) at non-singleton dimension 2".
+    context_parallel_refusal = ("its attention processor (HunyuanVideo15AttnProcessor2_0) builds a query-by-key mask "
+                                "from the padded text over the tokens each process holds, and diffusers' Ulysses and "
+                                "ring attention can only carry a key mask across a split sequence")
     pipeline_class_name = "HunyuanVideo15Pipeline"
     lora_targets = HUNYUAN_VIDEO15_LORA_TARGETS
     default_num_frames = 9

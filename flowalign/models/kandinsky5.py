@@ -49,6 +49,15 @@ class Kandinsky5T2VModel(VideoFlowModel):
     """Adapter over ``diffusers.Kandinsky5T2VPipeline`` (Kandinsky 5 T2V)."""
 
     family = "kandinsky5_t2v"
+    # Kandinsky5AttnProcessor dispatches, but the video tokens and their rotary table are flattened by a function
+    # inside forward (fractal_flatten) and reshaped with the whole video's shape (fractal_unflatten) before out_layer:
+    # the last place to gather them is the last visual block, whose name depends on the checkpoint's depth, which a
+    # plan of the class cannot name; the Pro checkpoints' NABLA attention builds a flex-attention block mask over the
+    # whole sequence.
+    context_parallel_refusal = ("its video tokens are flattened and reshaped back with the whole video's shape inside "
+                                "the transformer's forward (fractal_flatten / fractal_unflatten), so diffusers' plan "
+                                "format has no fixed submodule at which to gather them, and its sparse (NABLA) "
+                                "attention masks the whole sequence")
     pipeline_class_name = "Kandinsky5T2VPipeline"
     lora_targets = KANDINSKY5_LORA_TARGETS
     default_num_frames = 9

@@ -37,6 +37,9 @@ class Lumina2Model(FlowModel):
     """Adapter over ``diffusers.Lumina2Pipeline``."""
 
     family = "lumina2"
+    context_parallel_refusal = ("its attention processor (Lumina2AttnProcessor2_0) calls scaled_dot_product_attention "
+                                "itself, not diffusers' attention dispatcher, so a split sequence would attend only "
+                                "to each process's own tokens")
     pipeline_class_name = "Lumina2Pipeline"
     lora_targets = LUMINA2_ATTENTION_TARGETS
 

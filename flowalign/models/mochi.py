@@ -56,6 +56,10 @@ class MochiModel(VideoFlowModel):
     """Adapter over ``diffusers.MochiPipeline`` (Mochi 1 T2V)."""
 
     family = "mochi"
+    context_parallel_refusal = ("its attention processor (MochiAttnProcessor2_0) calls scaled_dot_product_attention "
+                                "itself, one sample at a time over that sample's unpadded text, not through "
+                                "diffusers' attention dispatcher, so a split sequence would attend only to each "
+                                "process's own tokens")
     pipeline_class_name = "MochiPipeline"
     lora_targets = MOCHI_LORA_TARGETS
     default_num_frames = 7

@@ -116,6 +116,12 @@ class SanaModel(FlowModel):
     """Adapter over ``diffusers.SanaPipeline``."""
 
     family = "sana"
+    # SanaLinearAttnProcessor2_0: ReLU(q) (ReLU(k)^T v) / ReLU(q) sum ReLU(k), matmuls over the whole sequence, not a
+    # dispatched softmax attention; GLUMBConv reshapes the tokens to the latent grid for a 3x3 depthwise convolution.
+    context_parallel_refusal = ("its self-attention is linear attention (SanaLinearAttnProcessor2_0: key-value sums "
+                                "over the whole sequence in its own matmuls, not diffusers' attention dispatcher), "
+                                "and its feed-forward's 3x3 convolution needs each token's neighbours on the latent "
+                                "grid")
     pipeline_class_name = "SanaPipeline"
     lora_targets = SANA_ATTENTION_TARGETS
 

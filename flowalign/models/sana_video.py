@@ -57,6 +57,12 @@ class SanaVideoModel(VideoFlowModel):
     """
 
     family = "sana_video"
+    # SanaLinearAttnProcessor3_0: ReLU kernels and key-value sums in its own matmuls (only the cross-attention
+    # dispatches); GLUMBConv reshapes the tokens to the latent grid for a 3x3 depthwise convolution.
+    context_parallel_refusal = ("its self-attention is linear attention (SanaLinearAttnProcessor3_0: key-value sums "
+                                "over the whole sequence in its own matmuls, not diffusers' attention dispatcher), "
+                                "and its feed-forward's 3x3 convolution needs each token's neighbours on the latent "
+                                "grid")
     pipeline_class_name = "SanaVideoPipeline"
     lora_targets = SANA_VIDEO_LORA_TARGETS
     default_num_frames = 9

@@ -87,11 +87,17 @@ class WanModel(VideoFlowModel):
         vae = json.loads((model_dir / "vae" / "config.json").read_text())
         transformer = json.loads((model_dir / "transformer" / "config.json").read_text())
         t, s = int(vae.get("scale_factor_temporal", 4)), int(vae.get("scale_factor_spatial", 8))
-        sample = transformer.get("sample_size")
-        height, width = as_image_size(config.sampling.image_size, (sample * s, sample * s) if sample else (480, 832))
+        height, width = as_image_size(config.sampling.image_size, cls.configured_image_size(transformer, s))
         frames = config.sampling.num_frames or cls.default_num_frames
         pt, ph, pw = (int(p) for p in transformer["patch_size"])
         return {"video token sequence": ((frames - 1) // t + 1) // pt * (height // s // ph) * (width // s // pw)}
+
+    @classmethod
+    def configured_image_size(cls, transformer: dict, scale: int) -> tuple[int, int]:
+        """``default_image_size`` before loading, from the transformer's config (``scale``: the VAE's spatial
+        downsampling)."""
+        sample = transformer.get("sample_size")
+        return (int(sample) * scale, int(sample) * scale) if sample else (480, 832)
 
     @property
     def default_image_size(self) -> tuple[int, int]:

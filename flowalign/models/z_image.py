@@ -54,6 +54,14 @@ class ZImageModel(FlowModel):
     """Adapter over ``diffusers.ZImagePipeline``. Latents ``[B, 16, H/8, W/8]`` in fp32."""
 
     family = "z_image"
+    # ZSingleStreamAttnProcessor dispatches with a key mask, but the transformer refines the image and the caption
+    # tokens separately, then builds the joint sequence, its rotary table and its padding mask inside forward
+    # (_build_unified_sequence, a method), and hands all three to every main layer: no submodule's input or output
+    # carries them once, so the plan format cannot split them together (splitting them at each layer would split the
+    # hidden states again).
+    context_parallel_refusal = ("its joint image and caption sequence, with its rotary table and padding mask, is "
+                                "assembled inside the transformer's forward rather than by a submodule, so diffusers' "
+                                "plan format has no boundary at which to split them together")
     pipeline_class_name = "ZImagePipeline"
     lora_targets = Z_IMAGE_ATTENTION_TARGETS
 

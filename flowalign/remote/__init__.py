@@ -7,6 +7,8 @@
   circuit breaker; NaN, an invalid sample, for a request that still fails), and the opt-in flow_grpo protocol.
 * ``flowalign.remote.judge``: the ``vlm_judge`` reward, a vision-language model asked for a score over
   chat completions.
+* ``flowalign.remote.pairwise_judge``: the ``vlm`` pairwise judge of the ``pairwise_preference`` reward (Pref-GRPO),
+  a vision-language model asked which of two images is better over chat completions.
 * ``flowalign.remote.wire`` the wire format (JSON with safetensors or PNG payloads; never pickle), and
   ``flowalign.remote.transport`` the client's HTTP, retries and circuit breaker (standard library only).
 

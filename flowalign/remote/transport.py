@@ -107,13 +107,17 @@ def _error_text(body: bytes) -> str:
 
 
 def request(url: str, *, data: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 60.0, method: str | None = None) -> Response:
+            timeout: float = 60.0, method: str | None = None, max_bytes: int | None = None) -> Response:
     """One HTTP request; a 2xx answer is returned, anything else raises ``TransientError`` or ``RequestError``
-    (module docstring). ``timeout`` bounds the connection and each read, in seconds."""
+    (module docstring). ``timeout`` bounds the connection and each read, in seconds; an answer body longer than
+    ``max_bytes`` (None: no limit) is a ``TransientError``, refused before anything parses it."""
     req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as answer:
-            return Response(answer.status, answer.read(), answer.headers.get("Content-Type", ""))
+            body = answer.read() if max_bytes is None else answer.read(max_bytes + 1)
+            if max_bytes is not None and len(body) > max_bytes:
+                raise TransientError(f"{url}: the answer is larger than {max_bytes} bytes; refused")
+            return Response(answer.status, body, answer.headers.get("Content-Type", ""))
     except urllib.error.HTTPError as error:
         body = error.read() if error.fp is not None else b""
         message = f"{url}: HTTP {error.code}: {_error_text(body)}"

@@ -359,10 +359,24 @@ class RewardConfig:
     rewards: list[RewardSpec] = option(
         [RewardSpec(kwargs={"partial_credit": True})], "reward models, each {name, weight, kwargs, frames}"
     )
-    combine: Literal["sum_then_normalize", "normalize_then_sum"] = option(
+    combine: Literal["sum_then_normalize", "normalize_then_sum", "gdpo"] = option(
         "sum_then_normalize",
-        "weight-sum the raw rewards and then normalize within groups, or normalize each reward first and then sum",
+        "weight-sum the raw rewards and then normalize within groups; or normalize each reward first (population std "
+        "+ 1e-4), sum, and normalize the sum within groups again; or gdpo (GDPO, flowalign.gdpo): normalize each "
+        "reward within its group with reward.gdpo_variant's rule, sum, and renormalize over the batch. gdpo's output "
+        "is the final advantage: only advantage.clip follows (advantage.std does not apply), and only credit.name "
+        "group takes it",
     )
+    gdpo_variant: Literal["nvlabs", "flow_factory", "pref_grpo"] = option(
+        "nvlabs", "reward.combine gdpo: whose rule (flowalign.gdpo): nvlabs (unbiased stds + 1e-4; one reward falls "
+        "back to GRPO), flow_factory (population stds floored at 1e-6), pref_grpo (unbiased stds + 1e-8)")
+    gdpo_aggregation: Literal["gdpo", "sum"] = option(
+        "gdpo", "reward.combine gdpo: gdpo (per-reward group normalization, then the batch step) or sum (the variant's "
+        "GRPO rule: no batch step; pref_grpo's --apply_gdpo off)")
+    gdpo_scale_rewards: bool = option(
+        True, "reward.combine gdpo, variant nvlabs, GRPO rule: divide by the group std (false: subtract the mean only)")
+    gdpo_global_std: bool = option(
+        True, "reward.combine gdpo, variant flow_factory, aggregation sum: the std over the batch (false: the group's)")
     max_invalid_fraction: float = option(
         1.0, "stop the run with an error when more than this fraction of an iteration's samples has an invalid "
         "reward (NaN: a remote reward whose request failed, a judge's unparseable answer); 1 = never stop. Invalid "
@@ -387,6 +401,13 @@ class RewardConfig:
                 from flowalign.reward_models.frames import parse_frames
 
                 parse_frames(spec.frames, f"reward.rewards[{i}].frames")
+        if self.combine == "gdpo" and self.gdpo_variant == "nvlabs" and len(self.rewards) == 1 and (
+                self.gdpo_aggregation == "gdpo"):
+            raise ConfigError(
+                "reward.combine = 'gdpo' with one reward and reward.gdpo_variant = 'nvlabs': the released code only "
+                "applies GDPO with more than one reward and falls back to GRPO; set reward.gdpo_aggregation: sum to "
+                "ask for that GRPO rule, add a reward, or use reward.gdpo_variant flow_factory or pref_grpo (which "
+                "still normalise over the batch)", key="reward.gdpo_aggregation")
         for key in ("max_invalid_fraction", "skip_invalid_fraction"):
             value = getattr(self, key)
             _check(math.isfinite(value) and 0.0 <= value <= 1.0, f"reward.{key}", f"must be in [0, 1], got {value}")
@@ -780,6 +801,10 @@ class TrainConfig:
                "hands the rollout's last steps to the base model, but the rollouts already sample with the reference "
                "model (a component's sampling policy): drop it")
         parts.credit.check_shape(self)
+        _check(self.reward.combine != "gdpo" or self.credit.name == "group", "reward.combine",
+               f"= 'gdpo' gives the final advantages (normalised per reward and over the batch), but credit.name = "
+               f"{self.credit.name!r} normalises the combined reward per group again: use credit.name group with gdpo, "
+               "or reward.combine sum_then_normalize with this credit")
         for part in parts.all():
             part.check(self)
         for section, part in parts.named().items():

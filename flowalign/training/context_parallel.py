@@ -239,5 +239,6 @@ def enable_context_parallel(model, settings, device_type: str) -> None:
         if settings.ring > 1:  # an attention backend that returns the log-sum-exp (module docstring)
             transformer.set_attention_backend(RING_BACKEND)
         transformer.enable_parallelism(config=cp_config, cp_plan=plan)
+        type(model).after_context_parallel(transformer)
     model.collective_forwards = True
     model.context_parallel_degree = settings.degree

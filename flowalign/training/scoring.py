@@ -18,7 +18,8 @@ from flowalign.credit import BatchScores
 from flowalign.advantages import group_advantages
 from flowalign.rewards import RewardScores, combine_rewards, score_all
 
-__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "score_iteration", "skip_reason", "state_reward"]
+__all__ = ["ChunkScoring", "Scores", "check_invalid_fraction", "gdpo_iteration_advantages", "score_iteration",
+           "skip_reason", "state_reward"]
 
 
 @dataclass
@@ -122,10 +123,14 @@ def score_iteration(trainer, batches, overlap: ChunkScoring | None = None) -> Sc
     valid = accelerator.gather(scores.valid.to(device)).cpu()
     check_invalid_fraction(valid, config.reward.max_invalid_fraction, scores.names)
     group_ids = torch.arange(trainer.layout.global_samples) // config.data.group_size
-    combined = combine_rewards(raw, scores.weights.cpu(), valid, group_ids, mode=config.reward.combine,
-                               std=config.advantage.std)
-    advantages, adv_stats = group_advantages(combined, group_ids, valid, std=config.advantage.std,
-                                             clip=config.advantage.clip)
+    if config.reward.combine == "gdpo":
+        combined = combine_rewards(raw, scores.weights.cpu(), valid, group_ids)  # the weighted sum, for the logs
+        advantages, adv_stats = gdpo_iteration_advantages(raw, scores.weights.cpu(), valid, group_ids, config)
+    else:
+        combined = combine_rewards(raw, scores.weights.cpu(), valid, group_ids, mode=config.reward.combine,
+                                   std=config.advantage.std)
+        advantages, adv_stats = group_advantages(combined, group_ids, valid, std=config.advantage.std,
+                                                 clip=config.advantage.clip)
     kept = combined[valid]
     stats = {
         "reward": float(kept.mean()) if len(kept) else math.nan,
@@ -138,6 +143,33 @@ def score_iteration(trainer, batches, overlap: ChunkScoring | None = None) -> Sc
     display = (scores.weights[:, None] * scores.raw).sum(0).cpu()
     return Scores(advantages[ids], combined[ids], valid[ids], stats, images.cpu(), display, advantages,
                   names=list(scores.names), raw_all=raw, valid_all=valid)
+
+
+def gdpo_iteration_advantages(raw: Tensor, weights: Tensor, valid: Tensor, group_ids: Tensor,
+                              config) -> tuple[Tensor, dict]:
+    """``reward.combine: gdpo``: ``flowalign.gdpo.gdpo_advantages`` over the valid samples (invalid ones get 0 and are
+    left out of every mean and std: flowalign's rule, where ``nvlabs`` maps NaN to 0), then only the clip to
+    ``advantage.clip``. A NaN advantage (an unbiased std of a group with one valid member) is 0. ``zero_std_frac`` is
+    the fraction of groups in which every reward is constant."""
+    from flowalign.advantages import ZERO_STD
+    from flowalign.gdpo import gdpo_advantages
+
+    reward = config.reward
+    advantages = torch.zeros(raw.shape[1], dtype=torch.float64)
+    kept = valid.nonzero().flatten()
+    if len(kept):
+        advantages[kept] = gdpo_advantages(
+            raw[:, kept].double(), weights.double(), group_ids[kept], variant=reward.gdpo_variant,
+            aggregation=reward.gdpo_aggregation, scale_rewards=reward.gdpo_scale_rewards,
+            global_std=reward.gdpo_global_std)
+    advantages = torch.nan_to_num(advantages, nan=0.0)
+    clipped = advantages.abs() > config.advantage.clip
+    advantages = advantages.clamp(-config.advantage.clip, config.advantage.clip).float()
+    groups = torch.unique(group_ids)
+    flat = [bool((raw[:, (group_ids == g) & valid].double().std(dim=1, unbiased=False) < ZERO_STD).all())
+            if int(((group_ids == g) & valid).sum()) > 1 else True for g in groups]
+    return advantages, {"zero_std_frac": sum(flat) / len(flat), "num_groups": len(flat),
+                        "clip_frac": float(clipped[valid].double().mean()) if len(kept) else 0.0}
 
 
 def check_invalid_fraction(valid: Tensor, limit: float, names) -> None:
