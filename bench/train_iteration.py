@@ -19,12 +19,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PRESETS = ("flow_grpo", "flow_grpo_fast", "dance_grpo", "mix_grpo", "branch_grpo", "tempflow_grpo", "dense_grpo",
            "tp_grpo", "tp_grpo_paper", "vgpo", "euphonium", "register_grpo", "drl", "drl_adjoint", "shell_lcc",
-           "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo", "grpo_guard", "gardo", "pref_grpo")
+           "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo", "grpo_guard", "gardo", "pref_grpo", "flow_dppo",
+           "dgpo", "crd")
 # register_grpo reads outputs/registers/registers.pt (flowalign prep registers); drl and drl_adjoint read
 # outputs/discriminator/discriminator.safetensors (flowalign prep train-discriminator); shell_lcc and
 # shell_lcc_objective read outputs/manifolds/shell_lcc.safetensors (flowalign prep fit-manifold); soar and sft are
-# objective-only runs (no rollout or reward time); diffusion_nft, awm and dpo roll out and score but train objectives
-# on the final samples (no credit)
+# objective-only runs (no rollout or reward time); diffusion_nft, awm, dpo, dgpo and crd roll out and score but train
+# objectives on the final samples (no credit)
 
 CHILD = r"""
 import json, resource, sys, torch

@@ -240,7 +240,8 @@ def _slice(rollout, part, parts):
 
 CONFIG = SimpleNamespace(sampling=SimpleNamespace(num_steps=4, batch_size=2), data=SimpleNamespace(group_size=4))
 SETTINGS = {"diffusion_nft": {"batch_size": 2}, "awm": {"batch_size": 2, "train_sigmas": 3},
-            "dpo": {"timestep_fraction": 0.99}}
+            "dpo": {"timestep_fraction": 0.99}, "dgpo": {"num_train_timesteps": 3, "trunc_steps": 3},
+            "crd": {"kl_cfg": 1.0}}
 
 
 def _units(name, rollout, part=0, parts=1):
@@ -254,7 +255,7 @@ def _by_slot(units):
     return {slot: [u for u in units if u.data["slot"] == slot] for slot in sorted({u.data["slot"] for u in units})}
 
 
-@pytest.mark.parametrize("name", ["diffusion_nft", "awm", "dpo"])
+@pytest.mark.parametrize("name", ["diffusion_nft", "awm", "dpo", "dgpo", "crd"])
 def test_units_are_keyed_by_sample_and_the_same_on_two_processes(name):
     """Each process makes the units of its own samples; slot by slot, its units are the 1-process units of those
     samples (the noise, the noise levels, the targets and the weights), whatever the layout."""

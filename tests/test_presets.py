@@ -44,7 +44,7 @@ def test_the_expected_presets_ship():
                                          "tempflow_grpo", "dense_grpo", "tp_grpo", "tp_grpo_paper",
                                          "register_grpo", "vgpo", "euphonium", "drl", "drl_adjoint", "shell_lcc",
                                          "shell_lcc_objective", "soar", "sft", "diffusion_nft", "awm", "dpo",
-                                         "grpo_guard", "gardo", "pref_grpo", "flow_dppo"}
+                                         "grpo_guard", "gardo", "pref_grpo", "flow_dppo", "dgpo", "crd"}
     assert {p.stem for p in MODELS} == {"sd35_medium", "flux_dev", "flux2_dev", "qwen_image", "z_image",
                                         "flux2_klein", "flux_kontext", "qwen_image_edit_plus", "ltx_video", "ltx2", "mochi",
                                         "skyreels_v2", "sana_video", "hunyuan_video15", "kandinsky5_t2v", "wan21_t2v",
@@ -87,8 +87,11 @@ OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1, "drl_adjoint": 2 * (10 + 9 
 # Objectives on rollouts (no loss term): NFEs of one iteration, the rollout's 2 x 2 x 10 plus the objective's passes
 # per trained row. DiffusionNFT: 9 levels per sample, each evaluated by the policy, theta_old and the reference (KL);
 # AWM: 6 levels, the policy, the reference and theta_ema; DPO: 9 draws per pair, its 2 rows by the policy and the
-# reference.
-ROLLOUT_OBJECTIVES = {"diffusion_nft": 40 + 4 * 9 * 3, "awm": 40 + 4 * 6 * 3, "dpo": 40 + 2 * 9 * 2 * 2}
+# reference. DGPO: 4 levels, the policy, the reference (the DPO reference and the KL) and v_old (the clip); CRD: 9
+# levels, the policy, v_old, the reference (KL) and the sampling copy (the trainer evaluates every copy an objective
+# keeps).
+ROLLOUT_OBJECTIVES = {"diffusion_nft": 40 + 4 * 9 * 3, "awm": 40 + 4 * 6 * 3, "dpo": 40 + 2 * 9 * 2 * 2,
+                      "dgpo": 40 + 4 * 4 * 3, "crd": 40 + 4 * 9 * 4}
 
 
 def assert_rollout_objective_run(name, history):
@@ -107,6 +110,14 @@ def assert_rollout_objective_run(name, history):
         assert [h["copies/kl_ema/eta"] for h in history] == pytest.approx([0.001, 0.002])
     if name == "dpo":  # at theta = ref the loss is log 2, whatever the pairs
         assert first["dpo_loss"] == pytest.approx(math.log(2)) and first["inside"] == 0.0
+    if name == "dgpo":  # theta = ref = v_old: S_g = 0 (weights 1/2, DPO loss log 2), no clip, no KL
+        assert first["dpo_loss"] == pytest.approx(math.log(2)) and first["weight_mean"] == 0.5
+        assert first["dsm"] == first["dsm_ref"] and first["clip_frac"] == 0.0 and first["kl_loss"] == 0.0
+        assert [h["copies/dgpo_old/eta"] for h in history] == pytest.approx([0.0, 0.001])
+    if name == "crd":  # theta = v_old: no implicit reward, no deviation, no KL; the copies' schedules
+        assert first["r_theta"] == 0.0 and first["old_deviate"] == 0.0 and first["kl"] == 0.0
+        assert [h["copies/crd_old/eta"] for h in history] == pytest.approx([0.255, 0.26])
+        assert [h["copies/crd_sampling/eta"] for h in history] == [0.0, 0.0]
 
 
 def assert_kl_follows_the_lora(config, history):
@@ -370,6 +381,17 @@ FORWARD_PRESETS = {
              "clip_range": 1.0, "adv_clip_max": 5.0, "advantage_max": 1.0, "kl_beta": 1e-3, "kl_weighting": "uniform",
              "ema_kl_beta": 1.0, "ema_kl_weighting": "uniform", "ema_kl_decay": "linear", "ema_kl_decay_max": 0.3,
              "batch_size": 4}),
+    "dgpo": ({**OWN_MINIBATCHES, "sampling.noise_level": 0.0, "advantage.std": "global"},
+             {"beta_dpo": 100.0, "kl_beta": 0.02, "kl_cfg": 1.0, "clip_range": 1e-2, "clip_dsm": True, "clip_kl": False,
+              "use_ema_ref": False, "switch_ema_ref": 200, "noise": "per_timestep", "num_train_timesteps": 4,
+              "trunc_steps": 6, "adv_clip_max": 5.0, "old_decay_rate": 0.001, "old_decay_max": 0.3,
+              "groups_per_unit": 1}),
+    "crd": ({"optim.minibatches": 1, "optim.minibatch_split": "steps", "sampling.noise_level": 0.0,
+             "advantage.std": "global"},
+            {"crd_beta": 1.0, "loss_type": "mse", "use_old_for_loss": True, "adaptive_logp": True, "weight_temp": -1.0,
+             "centering": "batch", "old_model_decay": "0-0.25-0.005-0.999", "sampling_model_decay": "75-0.0-0.0075-0.999",
+             "sample_with_copy": True, "adv_clip_max": 5.0, "kl_beta": 0.1, "kl_cfg": 1.0, "reward_adaptive_kl": True,
+             "timestep_fraction": 0.99, "timestep_range": 0.99, "batch_size": None}),
     "dpo": (OWN_MINIBATCHES, {"beta": 100.0, "pairs": "best_worst", "ties": "skip", "timestep_fraction": 0.99, "logit_mean": 0.0,
                  "logit_std": 1.0, "table_shift": 1.0, "ref_update_steps": None, "sample_with_reference": True,
                  "groups_per_unit": 1}),
@@ -524,6 +546,20 @@ def test_register_pass_policy_reads_the_rollout_and_matches_the_reference_pass_a
     assert rewards["policy"].std() > 0
 
 
+def test_a_cfg_reference_for_dgpo_and_crd(tiny_paths, tmp_path):
+    """kl_cfg > 1: the base model's guided velocity is the reference (DGPO's DPO reference and KL, CRD's KL), made with
+    the units. At iteration 0 the LoRA is zero, so the policy is the unguided base: dsm != dsm_ref, both KLs > 0.
+    Both objectives on one iteration (the rollout samples with CRD's copy; DGPO's switch is off)."""
+    extra = {"train.iterations": 1, "sampling.guidance_scale": 3.0, "objectives.dgpo.kl_cfg": 3.0,
+             "objectives.dgpo.switch_ema_ref": "null", "objectives.dgpo.num_train_timesteps": 2,
+             "objectives.crd.kl_cfg": 3.0, "objectives.crd.timestep_fraction": 0.2}
+    config = load_config(TrainConfig, REPO / "configs/methods/dgpo.yaml", small_run(tiny_paths["sd3"], tmp_path, **extra))
+    (first,) = Trainer(config).train()
+    assert first["objectives/dgpo/dsm"] != first["objectives/dgpo/dsm_ref"]
+    assert first["objectives/dgpo/kl_loss"] > 0 and first["objectives/crd/kl"] > 0
+    assert first["objectives/crd/r_theta"] == 0.0  # v_old is the policy at iteration 0
+
+
 def _run_state(checkpoint: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -541,8 +577,11 @@ DPPO_RESUME = {"loss.grpo.kl_mask_threshold": 1e-10, "loss.grpo.rollout_is": "se
 
 @pytest.mark.parametrize("name, extra", [("diffusion_nft", {}), ("awm", {}), ("dpo", {}),
                                          ("dpo", {"objectives.dpo.ref_update_steps": 1}),
-                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"]), ("flow_dppo", DPPO_RESUME)],
-                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo", "flow_dppo"])
+                                         ("pref_grpo", SMALL_RUN_SHAPE["pref_grpo"]), ("flow_dppo", DPPO_RESUME),
+                                         ("dgpo", {"objectives.dgpo.switch_ema_ref": 0, "optim.minibatches": 2}),
+                                         ("crd", {})],
+                         ids=["diffusion_nft", "awm", "dpo", "online_dpo", "pref_grpo", "flow_dppo", "dgpo_switched",
+                              "crd"])
 def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_path):
     """A run resumed after iteration 1 of 2 writes the weights, EMA, policy copies and metrics of an uninterrupted
     one: the copies, the optimizer-step count their schedules read and the sampling policy all come back (and
@@ -559,7 +598,7 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
         Trainer(config).train()
         runs[run] = tmp_path / run
     a, b = (_run_state(runs[r] / "checkpoint-000002") for r in ("full", "split"))
-    assert set(a) == set(b) and ("copies" in a) == (name in ("diffusion_nft", "awm") or name == "dpo" and bool(extra))
+    assert set(a) == set(b) and ("copies" in a) == (name in ("diffusion_nft", "awm", "dgpo", "crd") or name == "dpo" and bool(extra))
     for part in a:
         assert a[part].keys() == b[part].keys() and all(torch.equal(a[part][k], b[part][k]) for k in a[part]), part
     lines = [[{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
@@ -570,4 +609,6 @@ def test_forward_process_presets_resume_bitwise(name, extra, tiny_paths, tmp_pat
             line["rollout_corr/rs_rejected"] > 0 for line in lines[0])
         assert all(0.99 < line["rollout_corr/is_mean"] < 1.01 for line in lines[0])  # bypass: IS weights logged only
     state = json.loads((runs["split"] / "checkpoint-000002" / "state.json").read_text())
-    assert state["optimizer_steps"] == (4 if name == "flow_dppo" else 2)  # flow_dppo: 2 minibatches per iteration
+    assert state["optimizer_steps"] == 2 * config.optim.minibatches
+    if name == "dgpo":  # iteration 1 rolled out with the copy, which after 2 steps is no longer the weights
+        assert [line["dgpo/sampled_with_old"] for line in lines[1]] == [0.0, 1.0]

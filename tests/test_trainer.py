@@ -385,6 +385,8 @@ def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, 
 # group (each process holds one) and its reference copy, refreshed every 3 optimizer steps. With them two objectives on
 # keyed data units, 6 each over the 3 minibatches (unit_keys): flow matching on the toy scenes, and adjoint matching
 # (trajectories, lean adjoints on the reference, and the outlier threshold moved through every unit's quantile).
+# DGPO's group noise and shared levels (each process holds one group) with its clip copy, and CRD's dual-softmax
+# centring over a unit (one group) with its old copy.
 FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "advantage.std": "global",
                    "objectives.diffusion_nft.batch_size": 2, "objectives.awm.train_sigmas": 3,
                    "objectives.awm.batch_size": 2, "objectives.dpo.ref_update_steps": 3,
@@ -392,7 +394,10 @@ FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "advantage.
                    "objectives.flow_matching.data": "toy", "objectives.flow_matching.batch_size": 1,
                    "objectives.flow_matching.units_per_iteration": 6,
                    "objectives.adjoint_matching.reward": "brightness", "objectives.adjoint_matching.reward_kwargs": "{}",
-                   "objectives.adjoint_matching.batch_size": 1, "objectives.adjoint_matching.units_per_iteration": 6}
+                   "objectives.adjoint_matching.batch_size": 1, "objectives.adjoint_matching.units_per_iteration": 6,
+                   "objectives.dgpo.num_train_timesteps": 3, "objectives.dgpo.trunc_steps": 3,
+                   "objectives.crd.kl_cfg": 1.0, "objectives.crd.sample_with_copy": "false",
+                   "objectives.crd.weight_temp": 0.5}
 
 
 @pytest.mark.slow
@@ -405,7 +410,7 @@ def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny
     taus = [[h["adjoint_matching/tau"] for h in json.loads((c / "state.json").read_text())["history"]] for c in (a, b)]
     assert taus[0] == pytest.approx(taus[1], rel=1e-3) and all(t > 0 for t in taus[0]), taus  # all-reduce rounding
     ca, cb = load_file(str(a / "copies.safetensors")), load_file(str(b / "copies.safetensors"))
-    assert sorted({k.split("/")[0] for k in ca}) == ["kl_ema", "old", "ref"] and ca.keys() == cb.keys()
+    assert sorted({k.split("/")[0] for k in ca}) == ["crd_old", "dgpo_old", "kl_ema", "old", "ref"] and ca.keys() == cb.keys()
     difference = max((ca[k] - cb[k]).abs().max().item() for k in ca)
     assert difference < 1e-4, difference
     history = json.loads((b / "state.json").read_text())["history"]

@@ -1,5 +1,6 @@
 """Objectives: losses on data units instead of rollout transitions: on a dataset (supervised flow matching, SOAR,
-Shell-LCC) or on the iteration's rollouts (the forward-process objectives DiffusionNFT, AWM and online DPO).
+Shell-LCC) or on the iteration's rollouts (the forward-process objectives DiffusionNFT, AWM, online DPO, DGPO and
+CRD).
 
 An ``Objective`` is registered in ``OBJECTIVES`` with its settings (``objectives: {flow_matching: {data: ...}}``, several
 may be on). Each iteration it makes this process's ``DataUnit``s (``units(iteration, context)``): latents ``x`` the
@@ -29,7 +30,7 @@ from flowalign.objectives.base import (OBJECTIVES, DataUnit, Objective, Objectiv
                                        RolloutSamples, process_slice, register_objective, unit_keys)
 # The built-in objectives register themselves on import.
 from flowalign.objectives import (  # noqa: F401
-    adjoint_matching, awm, diffusion_nft, dpo, flow_matching, shell_lcc, soar)
+    adjoint_matching, awm, crd, dgpo, diffusion_nft, dpo, flow_matching, shell_lcc, soar)
 
 __all__ = ["OBJECTIVES", "DataUnit", "Objective", "ObjectiveContext", "PolicyOutput", "RolloutSamples", "process_slice",
            "register_objective", "unit_keys"]

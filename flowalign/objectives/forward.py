@@ -29,10 +29,12 @@ from flowalign.objectives.base import Objective, RolloutSamples
 from flowalign.seeding import Purpose, generator
 from flowalign.settings import check, finite, option
 
-__all__ = ["ForwardObjective", "ForwardObjectiveConfig", "KIND", "forward_generator", "latent_mse", "noised"]
+__all__ = ["ForwardObjective", "ForwardObjectiveConfig", "KIND", "forward_generator", "latent_mse", "noised",
+           "reference_with_cfg"]
 
 # The second element of a draw's key: which objective draws it, and what for.
-KIND = {"nft": 0, "awm_sample": 1, "awm_unit": 2, "dpo_group": 3}
+KIND = {"nft": 0, "awm_sample": 1, "awm_unit": 2, "dpo_group": 3, "dgpo_group": 4, "dgpo_sample": 5,
+        "dgpo_steps": 6, "crd_sample": 7, "crd_unit": 8}
 
 
 def forward_generator(seed: int, iteration: int, key: int, kind: str) -> torch.Generator:
@@ -49,6 +51,18 @@ def noised(x0: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
 def latent_mse(a: Tensor, b: Tensor) -> Tensor:
     """``||a - b||^2_m`` per row: the mean over every dimension but the first."""
     return (a - b).pow(2).flatten(1).mean(dim=1)
+
+
+@torch.no_grad()
+def reference_with_cfg(model, unit, guidance_scale: float) -> Tensor:
+    """The base model's velocity (the LoRA off) at a unit, classifier-free guided at ``guidance_scale`` (DGPO's and
+    CRD's ``kl_cfg``), computed when the unit is made: the base is frozen, so it is the velocity a training-time pass
+    would give (without the run's autocast). The unit's conditioning must hold the negative prompts. Its evaluations
+    (2 per row with true CFG) are added to ``unit.nfe``."""
+    with model.reference():
+        v_ref = model.velocity(unit.x, unit.sigma, unit.cond, guidance_scale).float()
+    unit.nfe += len(unit) * (2 if model.uses_cfg(guidance_scale) else 1)
+    return v_ref
 
 
 @dataclass
