@@ -2,7 +2,8 @@
 and 2, compared bit for bit (the trained weights, the EMA and every logged metric but the wall times).
 
 Each run is a process of its own: ``iterations`` of the config on the toy world, no evaluation, no checkpoints
-between. The answer holds for this machine's CPU and library versions only (docs/guides/threads.md).
+between. The answer holds for this machine's CPU and library versions only (docs/guides/training.md, "Threads on a
+shared CPU").
 
     python bench/threads_bitwise.py [--iterations 2] [--configs default flow_grpo_fast dense_grpo]
         [--out bench/results/threads_bitwise.json]
@@ -38,8 +39,8 @@ def digest(tensors):
 weights = digest(trainer.trainable_state())
 ema = None if trainer.ema is None else digest(trainer.ema.state_dict())
 metrics = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in history]
-print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "weights": weights, "ema": ema,
-                              "metrics": hashlib.sha256(json.dumps(metrics, sort_keys=True).encode()).hexdigest()[:16]}))
+metrics = hashlib.sha256(json.dumps(metrics, sort_keys=True).encode()).hexdigest()[:16]
+print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "weights": weights, "ema": ema, "metrics": metrics}))
 """
 
 

@@ -57,8 +57,8 @@ def _signature(tensors: tuple, module: torch.nn.Module) -> tuple:
 
 
 class Placement:
-    """The device and dtype of the module ``device()`` and ``dtype()`` are given, cached while its signature holds (module
-    docstring)."""
+    """The device and dtype of the module ``device()`` and ``dtype()`` are given, cached while its signature holds
+    (module docstring)."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None

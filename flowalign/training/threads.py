@@ -15,8 +15,8 @@ touches a count the user chose with ``OMP_NUM_THREADS``). ``train.threads: N`` s
 load on CPUs the process is allowed: on a machine shared without quotas, set ``train.threads: 1`` (or export
 ``OMP_NUM_THREADS=1``).
 
-The count can change a run's floats (a reduction split over another number of threads adds in another order); on
-the machine this was measured on, 1 and 2 threads gave bit-identical toy runs (docs/guides/threads.md).
+The count can change a run's floats (a reduction split over another number of threads adds in another order); what
+1 and 2 threads did on this project's machine is in docs/guides/training.md ("Threads on a shared CPU").
 """
 
 from __future__ import annotations
