@@ -4,7 +4,7 @@ torch's default is one OpenMP thread per physical core of the machine, whatever 
 the process is confined to fewer CPUs (``taskset``, a container's ``cpuset``) or to a CPU quota (a container's
 ``--cpus``: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``), the extra threads wait for each other: OpenMP
 threads spin at every barrier while their partner is descheduled. On this project's 2-core machines a toy run beside
-one other busy process took 62-70 s an iteration with 2 threads and 10.4 s with 1 (issue #47).
+one other busy process took 62-70 s an iteration with 2 threads and 10.4 s with 1.
 
 ``train.threads: null`` (auto) lowers torch's count to the CPUs free to the process:
 
