@@ -268,6 +268,8 @@ REWARDS.register("jpeg_compressibility", _lazy("jpeg", "JpegCompressibility",
                                                negative_scores="it scores minus the JPEG size in kB, always negative"))
 REWARDS.register("jpeg_incompressibility", _lazy("jpeg", "JpegCompressibility", incompressible=True))
 REWARDS.register("geneval", _lazy("geneval", "GenEvalReward", score_range=(0.0, 1.0)))
+# Flow-GRPO's OCR reward: PP-OCRv4 reads the image, the prompt's first "..." span is the target (the ocr extra).
+REWARDS.register("ocr", _lazy("ocr", "OcrReward", score_range=(0.0, 1.0)))
 # Editing: how much of its condition image (the prompt line's "images") a sample keeps.
 REWARDS.register("source_similarity", _lazy("source_similarity", "SourceSimilarity"))
 # DRL's discriminator logit (`flowalign prep train-discriminator` writes the checkpoint its path= names).
@@ -538,10 +540,15 @@ def _has_entry_point(reward: Any) -> bool:
     return callable(getattr(reward, "forward", None))
 
 
-def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, Any]], path: Any) -> None:
-    """ValueError naming ``key`` when the registered reward ``name`` scores a prompt by its GenEval metadata (its class
-    says ``reads_geneval_metadata = True``: toy_geneval, toy_geneval_soft, geneval) and an entry of ``prompts`` (read
-    from ``path``) has none; checked on the class, so nothing is built and no weights load."""
+def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, Any]], path: Any,
+                            kwargs: Mapping[str, Any] | None = None) -> None:
+    """ValueError naming ``key`` when the registered reward ``name`` cannot score the prompts of ``prompts`` (read
+    from ``path``), checked on its class, so nothing is built and no weights load:
+
+    * a reward that scores a prompt by its GenEval metadata (its class says ``reads_geneval_metadata = True``:
+      toy_geneval, toy_geneval_soft, geneval) and an entry without it;
+    * a reward whose class declares ``check_prompts(prompts, *, kwargs, key, path)`` (``ocr``: every prompt quotes
+      the text to render) and refuses them; ``kwargs`` are the reward's constructor arguments."""
     from flowalign.data.prompts import is_geneval_entry
 
     plain = next((entry for entry in prompts if not is_geneval_entry(entry)), None)
@@ -550,6 +557,13 @@ def require_prompt_metadata(name: str, key: str, prompts: Sequence[Mapping[str, 
             f"{key} = {name!r} scores a prompt by its GenEval metadata (tag, include), but {path} has prompts "
             f"without it (e.g. {plain['prompt']!r}): use GenEval-format prompts (docs/guides/rewards.md) or a reward "
             "that reads only the prompt text (pickscore, hps, ...)")
+    try:
+        cls = reward_class(name)
+    except ValueError:  # an unknown name: the checks that build or look up the reward name it
+        return
+    check = getattr(cls, "check_prompts", None)
+    if callable(check):
+        check(prompts, kwargs=dict(kwargs or {}), key=key, path=path)
 
 
 def differentiable_rewards() -> list[str]:

@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _schemas():
     from flowalign.evaluation.geneval_eval import GenEvalRunConfig
     from flowalign.evaluation.hpd_eval import HPDRunConfig
+    from flowalign.evaluation.ocr_eval import OcrRunConfig
     from flowalign.evaluation.toy_eval import EvalConfig
     from flowalign.inference.sample import SampleConfig
     from flowalign.toy.pretrain import PretrainConfig
@@ -28,7 +29,7 @@ def _schemas():
     from flowalign.prep.train_registers import RegisterTrainConfig
 
     return {("sample",): SampleConfig, ("eval", "toy"): EvalConfig, ("eval", "geneval"): GenEvalRunConfig,
-            ("eval", "hpd"): HPDRunConfig, ("prep", "registers"): RegisterTrainConfig,
+            ("eval", "hpd"): HPDRunConfig, ("eval", "ocr"): OcrRunConfig, ("prep", "registers"): RegisterTrainConfig,
             ("toy", "pretrain"): PretrainConfig, ("toy", "segmenter"): SegmenterRun}
 
 
@@ -182,7 +183,7 @@ def test_no_option_is_declared_twice():
         for flag in command.all_flags().values():  # each option sets a key of the schema
             head = flag.key.split(".")[0]
             assert head in {f.name for f in dataclasses.fields(schema)} or flag.option in command.aliases, flag
-    assert {("sample",), ("eval", "toy"), ("eval", "geneval"), ("eval", "hpd"), ("prep", "registers"),
+    assert {("sample",), ("eval", "toy"), ("eval", "geneval"), ("eval", "hpd"), ("eval", "ocr"), ("prep", "registers"),
             ("prep", "calibrate"), ("prep", "fit-manifold"), ("prep", "train-discriminator"), ("toy", "pretrain"),
             ("toy", "segmenter"), ("train",), ("calibrate",), ("registers", "train")} <= seen
     for source in (REPO / "flowalign" / "cli").glob("*.py"):
@@ -218,8 +219,8 @@ def test_every_documented_command_line_still_parses():
     pages = [REPO / "README.md", REPO / "Makefile", *documented_pages()]
     text = "\n".join(code_of(page) for page in pages)
     lines = set()
-    for match in re.finditer(r"flowalign ((?:sample|eval toy|eval hpd|eval geneval|prep registers|toy pretrain|"
-                             r"toy segmenter)\b[^`|#)\n]*)", text):
+    for match in re.finditer(r"flowalign ((?:sample|eval toy|eval hpd|eval ocr|eval geneval|prep registers|"
+                             r"toy pretrain|toy segmenter)\b[^`|#)\n]*)", text):
         line = match.group(1).strip()
         if " " not in line.replace("eval ", "eval_").replace("prep ", "p_").replace("toy ", "t_"):
             continue  # the command's name alone (a table naming `flowalign eval geneval`), not a command line

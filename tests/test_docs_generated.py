@@ -96,12 +96,12 @@ def test_a_registered_component_without_a_label_is_named(repo_copy):
     data = repo_copy / "docs/data/comparison.yaml"
     comparison = yaml.safe_load(data.read_text())
     del comparison["labels"]["guided_samplers"]["satisdive"]
-    comparison["labels"]["rewards"]["ocr"] = "OCR"
+    comparison["labels"]["rewards"]["deqa"] = "DeQA"
     data.write_text(yaml.safe_dump(comparison, allow_unicode=True, sort_keys=False))
     inputs = generate.Inputs(repo_copy)
     with pytest.raises(generate.DocsDataError, match=r"labels\.guided_samplers: add \['satisdive'\]"):
         generate.comparison_summary(inputs)
-    with pytest.raises(generate.DocsDataError, match=r"labels\.rewards: remove \['ocr'\] \(not registered\)"):
+    with pytest.raises(generate.DocsDataError, match=r"labels\.rewards: remove \['deqa'\] \(not registered\)"):
         generate.comparison_features(inputs)
 
 

@@ -1,6 +1,7 @@
 """Bad input to ``flowalign train`` is refused before any model loads, with exit status 2, the key or file named and
 the fix, and no traceback: a tracker whose package is missing, a model preset run that names no reward or prompts,
-a reward keyword that is misspelt or of the wrong type, a prompt path that is a directory or not UTF-8.
+a reward keyword that is misspelt or of the wrong type, a prompt path that is a directory or not UTF-8, an OCR reward
+on prompts without a quoted target or without its extra.
 
 Each command line points ``model.path`` at a model that does not exist (named ``toy-sd3``, so the toy world's
 defaults still apply where a test wants them): a refusal that names anything else proves it ran before the model
@@ -128,6 +129,25 @@ def test_a_prompt_file_that_is_not_utf8_is_refused_naming_the_file_and_line(tmp_
     err = refused([f"data.train_prompts={prompts}", missing_model(tmp_path), f"train.out_dir={tmp_path / 'run'}"],
                   capsys, monkeypatch)
     assert f"{prompts}:2: not UTF-8 text (byte 0xe9): save the file as UTF-8" in err
+
+
+def test_an_ocr_reward_on_prompts_without_a_quoted_target_is_refused_naming_the_first(tmp_path, capsys, monkeypatch):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('a sign that says "Open"\na plain sign\na sign without quotes\n')
+    err = refused(["reward.rewards=[{name: ocr}]", f"data.train_prompts={prompts}", missing_model(tmp_path),
+                   f"train.out_dir={tmp_path / 'run'}"], capsys, monkeypatch)
+    assert (f"reward.rewards[0].name: the 'ocr' reward cannot score prompt 2 of {prompts}: OCR prompt 'a plain sign' "
+            "has no double-quoted text") in err
+
+
+def test_the_ocr_reward_without_the_ocr_extra_is_refused_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)  # Python's way to block an import
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text('a sign that says "Open"\n')
+    err = refused(["reward.rewards=[{name: ocr}]", f"data.train_prompts={prompts}", missing_model(tmp_path),
+                   f"train.out_dir={tmp_path / 'run'}"], capsys, monkeypatch)
+    assert "the 'ocr' reward (reward.rewards[0]) needs the rapidocr-onnxruntime package" in err
+    assert "pip install -e '.[ocr]'" in err
 
 
 # ------------------------------------------------------------------------------------------------ the docs

@@ -36,6 +36,8 @@ from flowalign.rewards import build_reward, check_reward_run
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
+from golden_runs import torch_threads
+
 REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 TOKEN = "s3cret-token"
@@ -143,9 +145,11 @@ def test_remote_scores_equal_in_process_scores_bit_for_bit(server, name, kwargs)
     images, prompts, metadata = toy_batch(20)
     reward = build_reward(name, **kwargs)
     if name == "toy_geneval_soft":
-        # a network: its float32 rounding depends on the batch it runs in, so the in-process reference scores the
-        # batches the server scores (requests of 8, one at a time: none merged)
-        local = torch.cat([reward(images[i:i + 8], prompts[i:i + 8], metadata[i:i + 8]) for i in range(0, 20, 8)])
+        # a network: its float32 rounding depends on the batch it runs in and on the thread count, so the in-process
+        # reference scores the batches the server scores (requests of 8, one at a time: none merged) in the server's
+        # one thread (with two, under pytest -n 0, the sums split differently)
+        with torch_threads(1):
+            local = torch.cat([reward(images[i:i + 8], prompts[i:i + 8], metadata[i:i + 8]) for i in range(0, 20, 8)])
         client = remote(server, name, batch_size=8, concurrency=1)
     else:  # one image at a time, whatever the batch: any split and merge of the requests gives the same scores
         local = torch.as_tensor(reward(images, prompts, metadata), dtype=torch.float32)

@@ -379,11 +379,12 @@ def test_registry_resolves_each_zoo_name_to_its_class_without_building_it():
                                         "pickscore", "shell_lcc", "source_similarity", "temporal_consistency",
                                         "toy_geneval_soft", "video_brightness", "videoalign"]
     # scorers without a gradient: the detector stack, JPEG sizes, the exact toy verifiers (images and videos), optical
-    # flow (OpenCV), and the out-of-process ones (a reward server's scores and a VLM judge's answers come back as
-    # numbers)
+    # flow (OpenCV), OCR, pairwise win rates (a judge's verdicts), and the out-of-process ones (a reward server's scores
+    # and a VLM judge's answers come back as numbers)
     assert set(REWARDS) - set(differentiable_rewards()) == {"geneval", "jpeg_compressibility",
                                                            "jpeg_incompressibility", "toy_geneval", "toy_video",
-                                                           "motion", "remote", "vlm_judge"}
+                                                           "motion", "ocr", "pairwise_preference", "remote",
+                                                           "vlm_judge"}
     from flowalign.remote.client import RemoteReward
     from flowalign.remote.judge import VLMJudge
 

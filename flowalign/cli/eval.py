@@ -1,5 +1,6 @@
-"""``flowalign eval toy|toy-video|geneval|hpd``: each built from its settings dataclass (``EvalConfig``, ``GenEvalRunConfig``,
-``HPDRunConfig``, all extending ``SamplingRun``) by the config loader; the options are generated from their fields."""
+"""``flowalign eval toy|toy-video|geneval|hpd|ocr``: each built from its settings dataclass (``EvalConfig``,
+``GenEvalRunConfig``, ``HPDRunConfig``, ``OcrRunConfig``, all extending ``SamplingRun``) by the config loader; the
+options are generated from their fields."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ def _run_eval_hpd(config, args: argparse.Namespace) -> None:
     run_hpd(config)
 
 
+def _run_eval_ocr(config, args: argparse.Namespace) -> None:
+    from flowalign.evaluation.ocr_eval import run_ocr
+
+    run_ocr(config)
+
+
 def add_eval_commands(group) -> None:
     add_config_command(
         group, "toy", ConfigCommand("flowalign.evaluation.toy_eval:EvalConfig", _run_eval_toy),
@@ -69,4 +76,11 @@ def add_eval_commands(group) -> None:
         help="HPD v2: HPS v2.1 of generated images, per style (mean of 10 chunk means, std) and Average",
         description="Sample the HPD v2 prompts (--prompts DIR with anime.json, concept-art.json, paintings.json, "
         "photo.json) and score them with HPS v2.1; writes results.json and summary.md to --out.",
+    )
+    add_config_command(
+        group, "ocr", ConfigCommand("flowalign.evaluation.ocr_eval:OcrRunConfig", _run_eval_ocr),
+        help="Flow-GRPO's OCR reward (PP-OCRv4) of generated images: the text-rendering benchmark",
+        description="Sample every prompt of --prompts (default: Flow-GRPO's OCR test prompts, each quoting the text "
+        "to render), read each image with PP-OCRv4 and score it with Flow-GRPO's rule; writes results.json and "
+        "summary.md to --out. Needs the ocr extra (pip install -e '.[ocr]').",
     )

@@ -327,13 +327,13 @@ def run_sample(config: SampleConfig) -> dict:
         metadata = load_prompts(prompts_path)
         if config.max_prompts is not None:
             metadata = metadata[: config.max_prompts]
-        require_prompt_metadata(config.reward, "--reward", metadata, prompts_path)
+        require_prompt_metadata(config.reward, "--reward", metadata, prompts_path, config.reward_kwargs)
         if names_adapter(model_path):  # an image reward scores a video model's clips through --reward-frames
             check_sample_reward(config, getattr(adapter_class(model_path), "modality", "image"))
         if has_condition_images(metadata) or names_adapter(model_path):  # condition images for the families (only)
             check_family_takes(adapter_class(model_path), metadata, "--prompts", prompts_path)  # that take them
         if guide is not None:
-            require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path)
+            require_prompt_metadata(guide[0], "--rgs-reward", metadata, prompts_path, guide[1])
         registers, register_path = None, sampler.registers_checkpoint() if "registers" in needs else None
         if register_path is not None:
             from flowalign.reward_models.latent_registers import (check_transformer_config, load_registers,

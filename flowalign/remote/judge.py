@@ -26,21 +26,16 @@ template itself (it must contain ``{prompt}``) and then needs its ``pattern``.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import math
 import re
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, ServerRefused, TransientError, request
-from flowalign.remote.wire import png_bytes
+from flowalign.remote.chat import ChatEndpoint, image_part, probe
 
 __all__ = ["TEMPLATES", "VLMJudge", "parse_score"]
 
@@ -124,25 +119,25 @@ class VLMJudge:
                         concurrency=concurrency, resize=resize, log_every=log_every, min_constant=min_constant,
                         video_frames=video_frames)
         resolved = self.resolve(settings, "vlm_judge")
-        self.url, self.model, self.system = url.rstrip("/"), model, system
         self.text, self.pattern = resolved["text"], resolved["pattern"]
         self.labels, self.low, self.high = resolved["labels"], resolved["low"], resolved["high"]
-        self.normalize, self.max_tokens, self.temperature = normalize, max_tokens, temperature
-        self.timeout, self.resize, self.log_every, self.min_constant = timeout, resize, log_every, min_constant
+        self.normalize, self.resize, self.log_every, self.min_constant = normalize, resize, log_every, min_constant
         self.video_frames = video_frames
-        self.headers = {"Content-Type": "application/json"}
-        if api_key_file is not None:
-            self.headers["Authorization"] = f"Bearer {resolved['api_key']}"
-        self.retrying = Retrying(retries=retries, backoff=backoff, backoff_max=backoff_max,
-                                 breaker=CircuitBreaker(breaker_failures, breaker_reset))
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="vlm-judge")
-        self._lock = threading.Lock()
+        self.endpoint = ChatEndpoint(url, model, label="vlm_judge", system=system, api_key_file=api_key_file,
+                                     max_tokens=max_tokens, temperature=temperature, timeout=timeout,
+                                     retries=retries, backoff=backoff, backoff_max=backoff_max,
+                                     breaker_failures=breaker_failures, breaker_reset=breaker_reset,
+                                     concurrency=concurrency)
         self.answers = 0  # answers received so far (the log_every sample counts them)
         self.unparsed = 0
-        self.failed = 0
+
+    @property
+    def failed(self) -> int:
+        """Requests without a usable answer (each an invalid score)."""
+        return self.endpoint.failed
 
     def __repr__(self) -> str:
-        return f"VLMJudge(url={self.url!r}, model={self.model!r})"
+        return f"VLMJudge(url={self.endpoint.url!r}, model={self.endpoint.model!r})"
 
     # ---------------------------------------------------------------------------------------- settings
     @staticmethod
@@ -213,14 +208,7 @@ class VLMJudge:
             if name not in kwargs:
                 raise ValueError(f"{key}.{name} is required")
         cls.resolve(kwargs, key)
-        try:
-            request(f"{kwargs['url'].rstrip('/')}/models", timeout=min(float(kwargs.get("timeout", 120.0)), 30.0))
-        except TransientError as error:
-            if error.status is None:  # no answer at all (a 5xx still proves a server is there)
-                raise ValueError(f"{key}.url = {kwargs['url']!r}: no chat-completions server answers there "
-                                 f"({error})") from None
-        except RequestError:
-            pass  # it answered (a server without /models, or one that wants a key there)
+        probe(kwargs["url"], kwargs.get("timeout", 120.0), key)
 
     # ---------------------------------------------------------------------------------------- scoring
     def message(self, image: Tensor, prompt: str, metadata: Mapping[str, Any]) -> dict:
@@ -229,49 +217,19 @@ class VLMJudge:
         from flowalign.reward_models.frames import frame_indices
 
         frames = image[frame_indices(image.shape[0], count=self.video_frames)] if image.ndim == 4 else image[None]
-        if self.resize is not None and tuple(frames.shape[-2:]) != (self.resize, self.resize):
-            frames = torch.nn.functional.interpolate(frames.float(), size=(self.resize, self.resize),
-                                                     mode="bilinear", antialias=True, align_corners=False)
-        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
-                                                            + base64.b64encode(png_bytes(frame)).decode("ascii")}}
-                 for frame in frames]
         fields = _Fill({k: v for k, v in metadata.items() if isinstance(v, (str, int, float))})
         fields["prompt"] = prompt
-        text = self.text.format_map(fields)
-        messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-        messages.append({"role": "user", "content": [*parts, {"type": "text", "text": text}]})
-        return {"model": self.model, "messages": messages, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}
+        return self.endpoint.body([image_part(frame, self.resize) for frame in frames], self.text.format_map(fields))
 
     def ask(self, image: Tensor, prompt: str, metadata: Mapping[str, Any]) -> str | None:
         """The judge's answer for one image, or None when the request failed after its retries."""
-        body = json.dumps(self.message(image, prompt, metadata)).encode("utf-8")
-        try:
-            answer = self.retrying(lambda: request(f"{self.url}/chat/completions", data=body, headers=self.headers,
-                                                   timeout=self.timeout)).json()
-            content = answer["choices"][0]["message"]["content"]
-        except RequestError as error:  # permanent: a wrong key, a model the server does not serve
-            raise ServerRefused(f"vlm_judge {self.model!r}", error) from None
-        except TransientError as error:
-            with self._lock:
-                self.failed += 1
-            logger.warning("vlm_judge %r: request failed, score NaN (invalid): %s", self.model, error)
-            return None
-        except (ValueError, KeyError, IndexError, TypeError) as error:
-            with self._lock:
-                self.failed += 1
-            logger.warning("vlm_judge %r: an answer not in the chat-completions shape, score NaN (invalid): %s",
-                           self.model, error)
-            return None
-        if isinstance(content, list):  # content parts
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        return content if isinstance(content, str) else None
+        return self.endpoint.ask(self.message(image, prompt, metadata), "score NaN (invalid)")
 
     def __call__(self, images: Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> Tensor:
         """Scores ``[B]`` float32: the parsed (and normalised) scores, NaN where invalid (module docstring)."""
         prompts = list(prompts)
         metadata = [{} for _ in prompts] if metadata is None else list(metadata)
-        answers = list(self._pool.map(lambda i: self.ask(images[i], prompts[i], metadata[i]), range(len(prompts))))
+        answers = self.endpoint.map(lambda i: self.ask(images[i], prompts[i], metadata[i]), len(prompts))
         scores, unparsed = [], []
         for i, answer in enumerate(answers):
             value = None if answer is None else parse_score(answer, self.pattern, self.labels, self.low, self.high)
@@ -280,25 +238,26 @@ class VLMJudge:
             if value is not None and self.normalize:
                 value = (value - self.low) / (self.high - self.low)
             scores.append(math.nan if value is None else value)
-            with self._lock:
+            with self.endpoint.lock:
                 self.answers += answer is not None
                 number = self.answers
             if answer is not None and self.log_every and number % self.log_every == 1 % self.log_every:
-                logger.info("vlm_judge %r answer %d for %r: %r -> %s", self.model, number, prompts[i], answer,
-                            "invalid" if value is None else f"{value:g}")
+                logger.info("vlm_judge %r answer %d for %r: %r -> %s", self.endpoint.model, number, prompts[i],
+                            answer, "invalid" if value is None else f"{value:g}")
         if unparsed:
-            with self._lock:
+            with self.endpoint.lock:
                 self.unparsed += len(unparsed)
             first = unparsed[0]
             logger.warning("vlm_judge %r: %d of %d answers do not match the pattern %r and score NaN (invalid); the "
-                           "first, for %r: %r", self.model, len(unparsed), len(prompts), self.pattern.pattern,
-                           prompts[first], answers[first])
+                           "first, for %r: %r", self.endpoint.model, len(unparsed), len(prompts),
+                           self.pattern.pattern, prompts[first], answers[first])
         valid = [s for s in scores if not math.isnan(s)]
         if len(valid) >= self.min_constant and len(valid) == len(scores) and len(set(valid)) == 1:
             logger.warning("vlm_judge %r gave all %d images of this batch the same score %g: a judge that answers a "
                            "constant trains nothing (every group has zero variance; flow_grpo issue #18). Check the "
-                           "model name, the template and that the images reach it", self.model, len(valid), valid[0])
+                           "model name, the template and that the images reach it", self.endpoint.model, len(valid),
+                           valid[0])
         return torch.tensor(scores, dtype=torch.float32)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self.endpoint.close()

@@ -17,23 +17,14 @@ stops the run (``ServerRefused``).
 
 from __future__ import annotations
 
-import base64
-import json
-import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
 from torch import Tensor
 
-from flowalign.remote.transport import CircuitBreaker, RequestError, Retrying, ServerRefused, TransientError, request
-from flowalign.remote.wire import png_bytes
+from flowalign.remote.chat import ChatEndpoint, image_part, probe
 
 __all__ = ["PAIRWISE_TEMPLATES", "PairwiseVLMJudge"]
-
-logger = logging.getLogger(__name__)
 
 PAIRWISE_TEMPLATES = {
     "think": ("You compare two images generated from the same text prompt.\nPrompt: \"{prompt}\"\nThe first image "
@@ -66,22 +57,25 @@ class PairwiseVLMJudge:
                         timeout=timeout, retries=retries, concurrency=concurrency, resize=resize,
                         max_answer_bytes=max_answer_bytes, temperature=temperature)
         self.check(settings, "judge_kwargs")
-        self.url, self.model, self.system = url.rstrip("/"), model, system
-        self.text = PAIRWISE_TEMPLATES.get(template, template)
-        self.max_tokens, self.temperature, self.timeout = max_tokens, temperature, timeout
-        self.resize, self.max_answer_bytes = resize, max_answer_bytes
-        self.headers = {"Content-Type": "application/json"}
-        if api_key_file is not None:
-            self.headers["Authorization"] = f"Bearer {Path(api_key_file).expanduser().read_text().strip()}"
-        self.retrying = Retrying(retries=retries, backoff=backoff, backoff_max=backoff_max,
-                                 breaker=CircuitBreaker(breaker_failures, breaker_reset))
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="pairwise-judge")
-        self._lock = threading.Lock()
-        self.requests = 0  # pairs sent (each one request, however many retries)
-        self.failed = 0
+        self.text, self.resize = PAIRWISE_TEMPLATES.get(template, template), resize
+        self.endpoint = ChatEndpoint(url, model, label="pairwise judge", system=system, api_key_file=api_key_file,
+                                     max_tokens=max_tokens, temperature=temperature, timeout=timeout,
+                                     retries=retries, backoff=backoff, backoff_max=backoff_max,
+                                     breaker_failures=breaker_failures, breaker_reset=breaker_reset,
+                                     concurrency=concurrency, max_answer_bytes=max_answer_bytes)
+
+    @property
+    def requests(self) -> int:
+        """Pairs sent (each one request, however many retries)."""
+        return self.endpoint.requests
+
+    @property
+    def failed(self) -> int:
+        """Pairs without a usable answer."""
+        return self.endpoint.failed
 
     def __repr__(self) -> str:
-        return f"PairwiseVLMJudge(url={self.url!r}, model={self.model!r})"
+        return f"PairwiseVLMJudge(url={self.endpoint.url!r}, model={self.endpoint.model!r})"
 
     @staticmethod
     def check(settings: Mapping[str, Any], key: str) -> None:
@@ -111,55 +105,21 @@ class PairwiseVLMJudge:
     def check_run(cls, settings: Mapping[str, Any], key: str) -> None:
         """Before anything is built or loaded: the settings, and that something answers at ``url``."""
         cls.check(settings, key)
-        try:
-            request(f"{settings['url'].rstrip('/')}/models", timeout=min(float(settings.get("timeout", 120.0)), 30.0))
-        except TransientError as error:
-            if error.status is None:
-                raise ValueError(f"{key}.url = {settings['url']!r}: no chat-completions server answers there "
-                                 f"({error})") from None
-        except RequestError:
-            pass  # it answered
-
-    def _part(self, image: Tensor) -> dict:
-        if self.resize is not None and tuple(image.shape[-2:]) != (self.resize, self.resize):
-            image = torch.nn.functional.interpolate(image[None].float(), size=(self.resize, self.resize),
-                                                    mode="bilinear", antialias=True, align_corners=False)[0]
-        data = base64.b64encode(png_bytes(image)).decode("ascii")
-        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+        probe(settings["url"], settings.get("timeout", 120.0), key)
 
     def message(self, first: Tensor, second: Tensor, prompt: str) -> dict:
         """The chat-completions request body for one pair of images ``[3, H, W]`` (``first`` shown first)."""
-        text = self.text.replace("{prompt}", prompt)
-        messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-        messages.append({"role": "user", "content": [self._part(first), self._part(second),
-                                                     {"type": "text", "text": text}]})
-        return {"model": self.model, "messages": messages, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}
+        return self.endpoint.body([image_part(first, self.resize), image_part(second, self.resize)],
+                                  self.text.replace("{prompt}", prompt))
 
     def ask(self, first: Tensor, second: Tensor, prompt: str) -> str | None:
         """The judge's answer for one pair, or None when the request failed after its retries."""
-        body = json.dumps(self.message(first, second, prompt)).encode("utf-8")
-        with self._lock:
-            self.requests += 1
-        try:
-            answer = self.retrying(lambda: request(f"{self.url}/chat/completions", data=body, headers=self.headers,
-                                                   timeout=self.timeout, max_bytes=self.max_answer_bytes))
-            content = answer.json()["choices"][0]["message"]["content"]
-        except RequestError as error:
-            raise ServerRefused(f"pairwise judge {self.model!r}", error) from None
-        except (TransientError, ValueError, KeyError, IndexError, TypeError) as error:
-            with self._lock:
-                self.failed += 1
-            logger.warning("pairwise judge %r: no usable answer, the pair counts as a tie: %s", self.model, error)
-            return None
-        if isinstance(content, list):
-            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-        return content if isinstance(content, str) else None
+        return self.endpoint.ask(self.message(first, second, prompt), "the pair counts as a tie")
 
     def __call__(self, first: Tensor, second: Tensor, prompts: Sequence[str],
                  metadata: Sequence[dict] | None = None) -> list[str | None]:
         """One answer per pair ``(first[p], second[p])`` with ``prompts[p]``, in order."""
-        return list(self._pool.map(lambda p: self.ask(first[p], second[p], prompts[p]), range(len(prompts))))
+        return self.endpoint.map(lambda p: self.ask(first[p], second[p], prompts[p]), len(prompts))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        self.endpoint.close()

@@ -97,13 +97,15 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
 
 
 def check_prompts_fit_rewards(config, prompts: list[dict]) -> None:
-    """Before any reward is built: each configured reward that reads GenEval metadata finds it in every training
-    prompt (``flowalign.rewards.require_prompt_metadata``), and a reward whose class has a ``check_run(kwargs, *, key,
-    model, image_size)`` classmethod (a fitted checkpoint it reads) accepts the run's model path and image size."""
+    """Before any reward is built: each configured reward can score every training prompt (GenEval metadata where it
+    reads it, a quoted text for ``ocr``: ``flowalign.rewards.require_prompt_metadata``), and a reward whose class has
+    a ``check_run(kwargs, *, key, model, image_size)`` classmethod (a fitted checkpoint it reads, an extra it needs)
+    accepts the run's model path and image size."""
     from flowalign.rewards import check_reward_run, require_prompt_metadata
 
     for i, spec in enumerate(config.reward.rewards):
-        require_prompt_metadata(spec.name, f"reward.rewards[{i}].name", prompts, config.data.train_prompts)
+        require_prompt_metadata(spec.name, f"reward.rewards[{i}].name", prompts, config.data.train_prompts,
+                                spec.kwargs)
         check_reward_run(spec.name, spec.kwargs, key=f"reward.rewards[{i}].kwargs", model=config.model.path,
                          image_size=config.sampling.image_size)
 

@@ -91,7 +91,8 @@ class CollapseMetrics:
         from flowalign.rewards import require_prompt_metadata
 
         if config.collapse.enabled and config.collapse.held_out not in (None, "auto"):
-            require_prompt_metadata(config.collapse.held_out, "collapse.held_out", prompts, config.data.train_prompts)
+            require_prompt_metadata(config.collapse.held_out, "collapse.held_out", prompts, config.data.train_prompts,
+                                    config.collapse.held_out_kwargs)
 
     @torch.no_grad()
     def measure(self, trainer, batches, scores) -> dict[str, float]:

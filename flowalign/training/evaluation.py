@@ -82,10 +82,11 @@ def _duration(seconds: float | None) -> str:
 @torch.no_grad()
 def score_with_rewards(rewards, results: list[dict], images, metadata: list[dict]) -> list[str]:
     """Score the evaluation's images with the run's rewards: each result gets ``reward/<name>`` (NaN where a reward
-    found a sample invalid). A latent reward is left out. Returns the names scored."""
+    found a sample invalid). A latent reward is left out, and so is a reward whose ``check_inputs`` refuses the
+    evaluation's prompts (``ocr`` on toy prompts, which quote no text). Returns the names scored."""
     from flowalign.rewards import reads_latents, score_all
 
-    rewards = [spec for spec in rewards if not reads_latents(spec[2])]
+    rewards = [spec for spec in rewards if not reads_latents(spec[2]) and _scores_prompts(spec, metadata)]
     if not rewards or not results:
         return [spec[0] for spec in rewards]
     for start in range(0, len(results), REWARD_BATCH):
@@ -97,6 +98,23 @@ def score_with_rewards(rewards, results: list[dict], images, metadata: list[dict
             for result, value in zip(rows, row.tolist()):
                 result[f"reward/{name}"] = value if math.isfinite(value) else math.nan  # invalid for this reward
     return [spec[0] for spec in rewards]
+
+
+def _scores_prompts(spec, metadata: list[dict]) -> bool:
+    """Whether the reward of ``spec`` (name, weight, reward) accepts the evaluation's prompts (its ``check_inputs``,
+    when it declares one); logged when it does not."""
+    from flowalign.errors import RewardInputError
+
+    check = getattr(spec[2], "check_inputs", None)
+    if not callable(check):
+        return True
+    try:
+        check([entry["prompt"] for entry in metadata], metadata)
+    except RewardInputError as error:
+        logger.info("the evaluation leaves reward %r out: it cannot score the evaluation's prompts (%s)", spec[0],
+                    error)
+        return False
+    return True
 
 
 def paired_rewards(before: list[dict], after: list[dict], names: list[str]) -> dict[str, dict]:
