@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from flowalign.registry import Registry
+from flowalign.models.placement import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +305,19 @@ class FlowModel:
             return self.reference_transformer(**inputs)
         return (self.forward_module or self.transformer)(**inputs)
 
+    # The transformer's device and dtype as diffusers reports them, cached while its weights stay where they were
+    # (``flowalign.models.placement``): diffusers' properties walk every submodule on each read, and ``velocity``
+    # reads them on every transformer call.
+    _placement: Placement | None = None
+
+    @property
+    def placement(self) -> Placement:
+        """The cache behind ``device`` and ``dtype`` (``forget()`` it after adding a diffusers hook that changes
+        them: layerwise casting, group offloading)."""
+        if self._placement is None:
+            self._placement = Placement()
+        return self._placement
+
     @property
     def device(self) -> torch.device:
         """The transformer's device; a pipeline loaded without one (text encoders only) answers its first text
@@ -312,12 +326,12 @@ class FlowModel:
             encoders = self.text_encoders()
             if encoders:
                 return next(encoders[0].parameters()).device
-        return self.transformer.device
+        return self.placement.device(self.transformer)
 
     @property
     def dtype(self) -> torch.dtype:
         """The transformer's dtype."""
-        return self.transformer.dtype
+        return self.placement.dtype(self.transformer)
 
     @property
     def vae_scale_factor(self) -> int:

@@ -24,6 +24,7 @@ from flowalign.training.collectives import check_distributed_type, check_ranks_a
 from flowalign.training.context_parallel import DataParallelView, check_context_parallel, enable_context_parallel
 from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
+from flowalign.training.threads import set_threads
 
 __all__ = ["build_rewards", "build_trainer", "check_prompts_fit_model", "check_prompts_fit_rewards",
            "check_rewards_fit_modality", "check_video_settings", "enable_xformers", "load_policy"]
@@ -42,6 +43,7 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
 
     t, cfg = trainer, config.train
     t.config = config
+    set_threads(cfg.threads)  # before anything computes: the CPUs free to the process, or train.threads
     t.accelerator = accelerator or Accelerator(
         mixed_precision=config.model.mixed_precision, log_with=None if cfg.tracker == "none" else cfg.tracker,
         project_dir=cfg.out_dir)

@@ -471,10 +471,15 @@ class RunConfig:
     resumable: ClassVar[tuple[str, ...]] = (
         "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
         "eval_images_per_prompt", "eval_steps", "eval_seed", "keep_checkpoints", "checkpoint_every", "out_dir",
-        "overwrite", "restart_ema", "video_fps", "strip_frames", "project", "run_name", "wandb_entity")
+        "overwrite", "restart_ema", "video_fps", "strip_frames", "project", "run_name", "wandb_entity", "threads")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")
+    threads: int | None = option(
+        None, "torch's intra-op CPU threads; null = auto: torch's count lowered to the CPUs free to the process (its "
+        "CPU affinity and cgroup CPU quota), or left as OMP_NUM_THREADS set it (flowalign.training.threads). On a "
+        "machine shared without quotas, 1 avoids spinning OpenMP threads"
+    )
     out_dir: str = option("outputs/train", "where logs, sample grids, checkpoints and the resolved config go")
     log_every: int = option(1, "log metrics every this many iterations")
     sample_every: int = option(10, "save a sample grid every this many iterations; 0 = never")
@@ -532,6 +537,7 @@ class RunConfig:
             ("eval_steps", 1),
             ("eval_seed", 0),
             ("strip_frames", 0),
+            ("threads", 1),
         ):
             _at_least(f"train.{name}", getattr(self, name), low)
         if self.video_fps is not None:
