@@ -95,8 +95,15 @@ def _fork_server():
     import multiprocessing
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["crash_matrix", "flowalign.training.trainer"])
+    context.set_forkserver_preload(PRELOAD)
     return context
+
+
+# What a child would otherwise import itself (seconds each): the trainer, and the tiny SD3 pipeline's classes. Only
+# imports: a model loaded in the server would start threads (transformers loads weights in a thread pool).
+PRELOAD = ["crash_matrix", "flowalign.training.trainer", "flowalign.models.sd3", "peft",
+           "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
+           "transformers.models.clip.modeling_clip", "transformers.models.t5.modeling_t5"]
 
 
 def _train_child(model, out, engine, fault, resave, extra) -> None:
