@@ -9,23 +9,7 @@ import torch
 from flowalign.config import ConfigError
 from flowalign.objectives.crd import DECAY_PRESETS, crd_decay, crd_loss, crd_strata
 
-D = torch.float64
-
-
-def tensors(batch, seed, shape=(2, 2, 3)):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn((batch, *shape), generator=g, dtype=D) for _ in range(4)]
-
-
-def grad_of(fn, v):
-    v = v.clone().requires_grad_(True)
-    value = fn(v)
-    (g,) = torch.autograd.grad(value, v)
-    return value.detach(), g
-
-
-def mse(a, b):
-    return ((a - b) ** 2).reshape(len(a), -1).mean(1)
+from float64_cases import D, grad_of, mse, tensors
 
 
 # ------------------------------------------------------------------------------------------------- CRD, by hand
