@@ -23,6 +23,8 @@ from flowalign.toy.prompts import split_prompts
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
+from train_runs_worker import runs_in_the_background
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 # `flowalign train` with these tests' overrides: the Flow-GRPO-Fast preset (TrainConfig's own defaults, what the
@@ -286,20 +288,24 @@ def test_cli_reports_bad_config_with_exit_code_2(tmp_path):
     assert result.returncode == 2 and "missing.yaml" in result.stderr
 
 
-def _one_vs_two_processes(tiny_model, tmp_path, **extra):
-    """Train 2 iterations with 1 process and with ``torchrun --nproc_per_node 2`` (gloo on CPU); return the two final
-    checkpoints."""
-    settings = {"train.iterations": 2, "optim.minibatches": 3, **extra}
-    one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), timeout=300)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", *TRAIN_CLI,
-         *overrides(tiny_model, tmp_path / "two", **settings)],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1"}, capture_output=True, text=True, timeout=300,
-    )
-    assert two.returncode == 0, two.stderr[-2000:]
-    _one_vs_two_processes.stdout = one.stdout, two.stdout
-    return final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
+def _one_vs_two_processes_each(tiny_model, tmp_path, runs: dict[str, dict]) -> dict[str, tuple[Path, Path]]:
+    """Train each of ``runs`` (a name and its overrides) for 2 iterations on 2 processes (torchrun, gloo on CPU; every
+    run in one launch of tests/train_runs_worker.py) and, meanwhile, on this one; return each run's two final
+    checkpoints (one process's, two processes')."""
+    def settings(name, processes):
+        return overrides(tiny_model, tmp_path / name / processes, **{"train.iterations": 2, "optim.minibatches": 3,
+                                                                        **runs[name]})
+
+    with runs_in_the_background([(TRAIN_CLI[1], settings(name, "two")) for name in runs], tmp_path / "launch"):
+        for name in runs:
+            Trainer(load_config(TrainConfig, TRAIN_CLI[1], settings(name, "one"))).train()
+    return {name: (final_checkpoint(tmp_path / name / "one"), final_checkpoint(tmp_path / name / "two"))
+            for name in runs}
+
+
+def _one_vs_two_processes(tiny_model, tmp_path, **extra) -> tuple[Path, Path]:
+    """One run's two final checkpoints (``_one_vs_two_processes_each``)."""
+    return _one_vs_two_processes_each(tiny_model, tmp_path, {"run": extra})["run"]
 
 
 def _assert_same_run(a: Path, b: Path) -> None:
@@ -321,19 +327,31 @@ def _assert_same_run(a: Path, b: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process(tiny_model, tmp_path):
-    """torchrun --nproc_per_node 2 with gloo on CPU: same advantages and same updated weights as one process."""
-    evaluation = {"train.eval_at_end": "true", "train.eval_images_per_prompt": 1, "train.eval_steps": 2}
-    a, b = _one_vs_two_processes(tiny_model, tmp_path, **evaluation)
+    """``flowalign train`` on one process and under torchrun --nproc_per_node 2 with gloo on CPU: same advantages,
+    same updated weights and the same evaluation table printed."""
+    settings = {"train.iterations": 2, "optim.minibatches": 3, "train.eval_at_end": "true",
+                "train.eval_images_per_prompt": 1, "train.eval_steps": 2}
+    # one intra-op thread in both, as torchrun gives each of its processes: the reference model's evaluation is then
+    # the same bitwise (2 threads sum in another order: 2e-10 apart)
+    one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), {"OMP_NUM_THREADS": "1"}, timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", *TRAIN_CLI,
+         *overrides(tiny_model, tmp_path / "two", **settings)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = final_checkpoint(tmp_path / "one"), final_checkpoint(tmp_path / "two")
     assert (b / "rng-1.pt").is_file()  # both processes wrote their RNG state
     _assert_same_run(a, b)
     # The final evaluation, sharded over the 2 processes (66 samples: one batch each), prints the same table
-    one, two = (json.loads((tmp_path / n / "eval" / "before_after.json").read_text()) for n in ("one", "two"))
-    assert one["samples"] == two["samples"] == 66 and one["paired"] == two["paired"]
-    tables = [[line for line in out.splitlines() if line.startswith("| ")] for out in _one_vs_two_processes.stdout]
+    reports = [json.loads((tmp_path / n / "eval" / "before_after.json").read_text()) for n in ("one", "two")]
+    assert reports[0]["samples"] == reports[1]["samples"] == 66 and reports[0]["paired"] == reports[1]["paired"]
+    tables = [[line for line in out.stdout.splitlines() if line.startswith("| ")] for out in (one, two)]
     assert len(tables[0]) == 8 + 2 and tables[0][:9] == tables[1][:9]  # toy GenEval, the run's rewards' header
     # the run's brightness on the same images: the reference's exactly, the trained policy's up to the all-reduce's
     # rounding (above), which a continuous reward shows where toy GenEval's verdicts do not
-    ra, rb = one["rewards"]["brightness"]["overall"], two["rewards"]["brightness"]["overall"]
+    ra, rb = reports[0]["rewards"]["brightness"]["overall"], reports[1]["rewards"]["brightness"]["overall"]
     assert ra["mean_a"] == rb["mean_a"] and math.isclose(ra["mean_b"], rb["mean_b"], rel_tol=1e-5), (ra, rb)
 
 
@@ -362,24 +380,6 @@ SHARDED_CREDIT = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", list(SHARDED_CREDIT))
-def test_two_processes_match_one_process_for_trees_and_step_rewards(tiny_model, tmp_path, shape):
-    """Each process grows whole trees / scores whole groups' intermediate states (and VGPO's and TP-GRPO's per-step
-    credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
-    a, b = _one_vs_two_processes(tiny_model, tmp_path, **SHARDED_CREDIT[shape])
-    _assert_same_run(a, b)
-    if shape == "rg_opd":  # the win rates of groups of 4 judged on their own process: a mean of exactly 1/2
-        history = json.loads((b / "state.json").read_text())["history"]
-        assert all(h["rewards/pairwise_preference/mean"] == 0.5 for h in history), history
-
-    if shape == "dense":  # the mask and the rejection acted on both (the logged fractions are of the process's
-        # own micro-batches, so they are not compared; the weights are, above)
-        for run in (a, b):
-            history = json.loads((run / "state.json").read_text())["history"]
-            assert all(any(h[key] > 0 for h in history) for key in ("clip_frac", "rollout_corr/rs_rejected"))
-
-
 # The three forward-process objectives on one run (summed): ODE rollouts sampled with DiffusionNFT's theta_old, its
 # r from global-std advantages, AWM's strata shared per unit of 2 samples and its theta_ema, online DPO's pairs per
 # group (each process holds one) and its reference copy, refreshed every 3 optimizer steps. With them two objectives on
@@ -400,12 +400,24 @@ FORWARD_PROCESS = {"loss.grpo": "null", "sampling.noise_level": 0.0, "advantage.
                    "objectives.crd.weight_temp": 0.5}
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny_model, tmp_path):
+def _check_sharded_credit(shape: str, a: Path, b: Path) -> None:
+    """Each process grows whole trees / scores whole groups' intermediate states (and VGPO's and TP-GRPO's per-step
+    credit reads only its own groups, Euphonium guides whole groups): the run does not depend on the process count."""
+    _assert_same_run(a, b)
+    if shape == "rg_opd":  # the win rates of groups of 4 judged on their own process: a mean of exactly 1/2
+        history = json.loads((b / "state.json").read_text())["history"]
+        assert all(h["rewards/pairwise_preference/mean"] == 0.5 for h in history), history
+    if shape == "dense":  # the mask and the rejection acted on both (the logged fractions are of the process's
+        # own micro-batches, so they are not compared; the weights are, above)
+        for run in (a, b):
+            history = json.loads((run / "state.json").read_text())["history"]
+            assert all(any(h[key] > 0 for h in history) for key in ("clip_frac", "rollout_corr/rs_rejected"))
+
+
+def _check_forward_process(a: Path, b: Path) -> None:
     """Each process re-noises its own samples with draws keyed by sample, unit and group, DPO pairs whole groups on
     their process, the data units are keyed alike, and the policy copies move alike: the run, copies and the adjoint
     matching threshold included, does not depend on the process count."""
-    a, b = _one_vs_two_processes(tiny_model, tmp_path, **FORWARD_PROCESS)
     _assert_same_run(a, b)
     taus = [[h["adjoint_matching/tau"] for h in json.loads((c / "state.json").read_text())["history"]] for c in (a, b)]
     assert taus[0] == pytest.approx(taus[1], rel=1e-3) and all(t > 0 for t in taus[0]), taus  # all-reduce rounding
@@ -415,6 +427,22 @@ def test_two_processes_match_one_process_for_the_forward_process_objectives(tiny
     assert difference < 1e-4, difference
     history = json.loads((b / "state.json").read_text())["history"]
     assert all(h["objectives/dpo/tie_frac"] == 0.0 for h in history)  # brightness never ties
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_for_every_credit_and_the_forward_process_objectives(tiny_model, tmp_path):
+    """The sharded credit estimators (``SHARDED_CREDIT``) and the forward-process objectives (``FORWARD_PROCESS``),
+    each trained on 2 processes and on 1: one torchrun launch holds every 2-process run, since a process's start-up
+    costs more than a tiny run. Every run is checked, and the failures are named together."""
+    runs = {**SHARDED_CREDIT, "forward_process": FORWARD_PROCESS}
+    checkpoints = _one_vs_two_processes_each(tiny_model, tmp_path, runs)
+    failures = {}
+    for name, (a, b) in checkpoints.items():
+        try:
+            _check_forward_process(a, b) if name == "forward_process" else _check_sharded_credit(name, a, b)
+        except AssertionError as error:
+            failures[name] = str(error)[:1500]
+    assert not failures, failures
 
 
 @pytest.mark.slow
