@@ -22,6 +22,7 @@ from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
 from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
+from train_runs_worker import runs_in_the_background
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[1]
@@ -151,52 +152,88 @@ EVALUATION = {"train.eval_at_end": "true", "train.eval_images_per_prompt": 2, "t
               "data.eval_prompts": str(REPO / "assets/prompts/test.jsonl")}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("finetune,shape", [("lora", "group"), ("full", "group"), ("lora", "tree"), ("full", "tree")])
-def test_two_processes_match_one_process_under_fsdp2(finetune, shape, tiny_model, tmp_path):
-    """2 FSDP2 processes against 1 at the same global batch and seed, for the default rollout (with the final
-    evaluation sharded over the processes) and a tree: the weights agree to the reduce-scatter's rounding
-    (docs/guides/distributed.md gives the measured differences)."""
-    extra = {"model.finetune": finetune, **(TREE if shape == "tree" else EVALUATION)}
-    train_here(tiny_model, tmp_path / "one", **extra)
-    launch(tiny_model, tmp_path / "two", **extra)
-    one, two = (json.loads((tmp_path / n / "checkpoint-000002" / "state.json").read_text())["history"]
-                for n in ("one", "two"))
-    assert [m["reward"] for m in one] == pytest.approx([m["reward"] for m in two], abs=1e-6)
-    if shape == "group":  # the sharded evaluation sampled every image, as one process does
-        reports = [json.loads((tmp_path / n / "eval" / "before_after.json").read_text()) for n in ("one", "two")]
+RG_OPD = {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"}
+# The runs 2 FSDP2 processes train as 1 does: LoRA and full fine-tuning, the default rollout (with the final
+# evaluation sharded over the processes) and a tree; and RG-OPD's second forward of the reference, which all-gathers
+# the blocks again
+ONE_VS_TWO = {"lora-group": {"model.finetune": "lora", **EVALUATION}, "full-group": {"model.finetune": "full", **EVALUATION},
+              "lora-tree": {"model.finetune": "lora", **TREE}, "full-tree": {"model.finetune": "full", **TREE},
+              "rg_opd": RG_OPD}
+
+
+def _check_one_vs_two(name: str, one: Path, two: Path, base_model: Path) -> None:
+    histories = [json.loads((run / "checkpoint-000002" / "state.json").read_text())["history"] for run in (one, two)]
+    assert [m["reward"] for m in histories[0]] == pytest.approx([m["reward"] for m in histories[1]], abs=1e-6)
+    if name.endswith("group"):  # the sharded evaluation sampled every image, as one process does
+        reports = [json.loads((run / "eval" / "before_after.json").read_text()) for run in (one, two)]
         assert reports[0]["samples"] == reports[1]["samples"] == 2 * 66
         assert reports[0]["paired"] == reports[1]["paired"]
-    if finetune == "lora":
-        assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "one", 2)) < 1e-3
+    if not name.startswith("full"):
+        assert relative_difference(lora(two, 2), lora(one, 2)) < 1e-3
         return
     from diffusers import SD3Transformer2DModel
 
-    def weights(run):
-        return dict(SD3Transformer2DModel.from_pretrained(run / "checkpoint-000002" / "transformer").state_dict())
+    def weights(path):
+        return dict(SD3Transformer2DModel.from_pretrained(path).state_dict())
 
-    base = dict(SD3Transformer2DModel.from_pretrained(tiny_model / "transformer").state_dict())
-    assert relative_difference(weights(tmp_path / "two"), weights(tmp_path / "one"), base) < 1e-3
+    base = weights(base_model / "transformer")
+    assert relative_difference(weights(two / "checkpoint-000002" / "transformer"),
+                               weights(one / "checkpoint-000002" / "transformer"), base) < 1e-3
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to_two(tiny_model, tmp_path):
-    """Saved on 2 processes, resumed on 1 (and the reverse): the resumed run continues the same run, agreeing
-    with the uninterrupted one to the reduce-scatter's rounding; a checkpoint that did not load would be an update
-    away."""
+def test_two_processes_match_one_process_under_fsdp2(tiny_model, tmp_path):
+    """2 FSDP2 processes against 1 at the same global batch and seed, for every run of ``ONE_VS_TWO``: the weights
+    agree to the reduce-scatter's rounding (docs/guides/distributed.md gives the measured differences). One torchrun
+    launch trains every 2-process run (a process's start-up costs more than a tiny run) while this process trains the
+    references; every run is checked, and the failures are named together."""
+    with runs_in_the_background([(TRAIN_CLI[1], settings(tiny_model, tmp_path / name / "two", **extra))
+                                 for name, extra in ONE_VS_TWO.items()], tmp_path / "launch"):
+        for name, extra in ONE_VS_TWO.items():
+            train_here(tiny_model, tmp_path / name / "one", **extra)
+    failures = {}
+    for name in ONE_VS_TWO:
+        try:
+            _check_one_vs_two(name, tmp_path / name / "one", tmp_path / name / "two", tiny_model)
+        except AssertionError as error:
+            failures[name] = str(error)[:1500]
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_two_nodes_on_the_loopback_train_as_two_processes_and_their_checkpoint_reshards(tiny_model, tmp_path):
+    """``torchrun --nnodes 2 --nproc-per-node 1`` twice on one machine, over a c10d rendezvous at 127.0.0.1: the
+    multi-node code path (node ranks, a rendezvous, a shared run directory) runs, and trains as 2 processes on one
+    node do. Its sharded checkpoints then reshard: saved on 2 processes, resumed on 1 (and the reverse), the resumed
+    run continues the same run, agreeing with the uninterrupted one to the reduce-scatter's rounding; a checkpoint
+    that did not load would be an update away."""
     from flowalign.sharded_reading import read_sharded
 
-    launch(tiny_model, tmp_path / "two")  # 2 iterations, a checkpoint after each
+    port = free_port()
+    command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-test", "-m", "flowalign.cli", *TRAIN_CLI,
+               *settings(tiny_model, tmp_path / "nodes")]  # 2 iterations, a checkpoint after each
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    train_here(tiny_model, tmp_path / "one")  # meanwhile, one process
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    two = tmp_path / "nodes"
+    assert (two / "checkpoint-000002" / "rng-1.pt").is_file()
+    # 2 processes on one node, and 1 -> 2: the one-process run's first checkpoint resumed on two (one launch)
+    with runs_in_the_background([(TRAIN_CLI[1], settings(tiny_model, tmp_path / "one-node")),
+                                 (TRAIN_CLI[1], settings(tiny_model, tmp_path / "one-to-two", **{
+                                     "train.resume": str(tmp_path / "one" / "checkpoint-000001")}))],
+                                tmp_path / "launch"):
+        # 2 -> 1: the 2-process run's first checkpoint resumed on one process (into a run directory of its own)
+        train_here(tiny_model, tmp_path / "two-to-one", **{"train.resume": str(two / "checkpoint-000001")})
+    assert relative_difference(lora(two, 2), lora(tmp_path / "one-node", 2)) < 1e-6
     # the two processes' shards read back whole in this one, without a process group: the run's last weights
-    whole = read_sharded(tmp_path / "two" / "checkpoint-000002" / "sharded", "trainable")
-    saved = lora(tmp_path / "two", 2)
+    whole = read_sharded(two / "checkpoint-000002" / "sharded", "trainable")
+    saved = lora(two, 2)
     assert all(torch.equal(whole[name], saved["transformer." + name.replace(".default", "")]) for name in whole)
-    train_here(tiny_model, tmp_path / "one")
-    # 2 -> 1: the 2-process run's first checkpoint resumed on one process (into a run directory of its own)
-    train_here(tiny_model, tmp_path / "two-to-one", **{"train.resume": str(tmp_path / "two" / "checkpoint-000001")})
-    assert relative_difference(lora(tmp_path / "two-to-one", 2), lora(tmp_path / "two", 2)) < 1e-3
-    # 1 -> 2
-    launch(tiny_model, tmp_path / "one-to-two", **{"train.resume": str(tmp_path / "one" / "checkpoint-000001")})
+    assert relative_difference(lora(tmp_path / "two-to-one", 2), lora(two, 2)) < 1e-3
     assert relative_difference(lora(tmp_path / "one-to-two", 2), lora(tmp_path / "one", 2)) < 1e-3
     # and the weights a resume loads are the checkpoint's, bitwise
     trainer = Trainer(load_config(TrainConfig, None, settings(
@@ -206,25 +243,6 @@ def test_a_sharded_checkpoint_reshards_from_two_processes_to_one_and_from_one_to
     loaded = trainer.model.lora_state_dict(trainer.engine.export_state(trainer))
     assert {f"transformer.{k}" for k in loaded} == set(saved)
     assert all(torch.equal(loaded[k], saved[f"transformer.{k}"]) for k in loaded)
-
-
-@pytest.mark.slow
-def test_two_nodes_rendezvous_on_the_loopback_and_train_as_two_processes(tiny_model, tmp_path):
-    """``torchrun --nnodes 2 --nproc-per-node 1`` twice on one machine, over a c10d rendezvous at 127.0.0.1: the
-    multi-node code path (node ranks, a rendezvous, a shared run directory) runs, and trains as 2 processes on one
-    node do."""
-    port = free_port()
-    command = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "flowalign-test", "-m", "flowalign.cli", *TRAIN_CLI,
-               *settings(tiny_model, tmp_path / "nodes")]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
-    outputs = [node.communicate(timeout=600) for node in nodes]
-    assert all(node.returncode == 0 for node in nodes), outputs[0][1][-2000:] + outputs[1][1][-2000:]
-    launch(tiny_model, tmp_path / "one-node")
-    assert (tmp_path / "nodes" / "checkpoint-000002" / "rng-1.pt").is_file()
-    assert relative_difference(lora(tmp_path / "nodes", 2), lora(tmp_path / "one-node", 2)) < 1e-6
 
 
 def test_fsdp2_refuses_a_transformer_without_blocks_before_the_model_loads(tiny_model, tmp_path):
@@ -263,19 +281,14 @@ def test_nodes_launched_with_different_configs_are_refused_naming_the_key(tiny_m
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-RG_OPD = {"loss.rg_opd.weight": 0.5, "loss.rg_opd.reward": "toy_geneval_soft", "loss.rg_opd.bands": "[[0.2, 1.0]]"}
-
-
-@pytest.mark.slow
-def test_rg_opd_second_forward_under_both_engines_and_two_processes(tiny_model, tmp_path):
+def test_rg_opd_second_forward_under_fsdp2_is_bitwise_the_ddp_run(tiny_model, tmp_path):
     """RG-OPD differentiates the soft reward through a second forward of the reference (the LoRA-disabled model):
-    under FSDP2 that forward all-gathers the blocks again. One process matches DDP bitwise, two match one."""
+    under FSDP2 that forward all-gathers the blocks again. One process matches DDP bitwise (two match one:
+    ``test_two_processes_match_one_process_under_fsdp2``)."""
     sharded = train_here(tiny_model, tmp_path / "fsdp2", **RG_OPD)
     whole = train_here(tiny_model, tmp_path / "ddp", **RG_OPD, **{"distributed.engine": "ddp"})
     assert [m["rg_opd"] for m in sharded] == [m["rg_opd"] for m in whole] and sharded[0]["rg_opd"] > 0
     assert all(torch.equal(a, b) for a, b in zip(lora(tmp_path / "fsdp2", 2).values(), lora(tmp_path / "ddp", 2).values()))
-    launch(tiny_model, tmp_path / "two", **RG_OPD)
-    assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "fsdp2", 2)) < 1e-3
 
 
 @pytest.mark.slow
