@@ -14,12 +14,13 @@ from flowalign.toy.prompts import split_prompts
 
 def test_short_pretrain_writes_a_loadable_pipeline(tmp_path):
     out = tmp_path / "toy"
-    assert cli.main(["toy", "pretrain", "--out", str(out), "--vae-steps", "2", "--steps", "3", "--batch-size", "4"]) == 0
+    assert cli.main(["toy", "pretrain", "--out", str(out), "--vae-steps", "2", "--steps", "3", "--batch-size", "4",
+                     "--calibration-images", "64", "--threads", "1"]) == 0
     assert (out / "model_index.json").is_file() and not (tmp_path / "toy.tmp").exists()
     weights = list(out.rglob("*.safetensors"))
     assert {w.parent.name for w in weights} >= {"transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3"}
     log = json.loads((out / "pretrain_log.json").read_text())
-    assert log["config"]["steps"] == 3 and len(log["flow_loss"]) >= 1
+    assert log["config"]["steps"] == 3 and log["config"]["calibration_images"] == 64 and len(log["flow_loss"]) >= 1
     pipe = StableDiffusion3Pipeline.from_pretrained(out)
     assert pipe.vae.config.shift_factor == log["latent_shift"]
     model = load_flow_model(out)

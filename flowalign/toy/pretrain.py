@@ -53,6 +53,7 @@ class PretrainConfig:
     vae_batch_size: int = option(64, "VAE batch size")
     vae_lr: float = option(2e-3, "VAE learning rate")
     kl_weight: float = option(1e-6, "weight of the VAE's KL term")
+    calibration_images: int = option(2048, "images whose latents set the VAE's shift and scale (batches of 256)")
     steps: int = option(6200, "transformer training steps")
     batch_size: int = option(64, "transformer batch size")
     lr: float = option(1e-3, "transformer learning rate (AdamW, warmup then cosine decay)")
@@ -65,7 +66,7 @@ class PretrainConfig:
     tag_weights: dict = option({"color_attr": 2.0}, "sampling weight per tag (tags not listed weigh 1)")
 
     def validate(self) -> None:
-        for name in ("vae_steps", "vae_batch_size", "steps", "batch_size", "threads"):
+        for name in ("vae_steps", "vae_batch_size", "calibration_images", "steps", "batch_size", "threads"):
             at_least(name, getattr(self, name), 1)
         at_least("warmup_steps", self.warmup_steps, 0)
         at_least("seed", self.seed, 0)
@@ -163,17 +164,19 @@ def train_vae(vae, stream: SceneStream, config: PretrainConfig, log: dict) -> No
 
 @torch.no_grad()
 def calibrate_latents(vae, stream: SceneStream, samples: int = 2048) -> tuple[float, float, float]:
-    """Set shift/scaling so latents are zero-mean, unit-variance; returns (shift, scale, recon MSE in [0,1] units)."""
-    latents, errors = [], []
-    for _ in range(samples // 256):
-        _, pixels = stream.batch(256)
+    """Set shift/scaling so the latents of ``samples`` images (drawn in batches of 256) are zero-mean, unit-variance;
+    returns (shift, scale, recon MSE in [0,1] units)."""
+    latents, errors, sizes = [], [], []
+    for start in range(0, samples, 256):
+        _, pixels = stream.batch(min(256, samples - start))
         z = vae.encode(pixels).latent_dist.mode()
         latents.append(z)
         errors.append(F.mse_loss((vae.decode(z).sample.clamp(-1, 1) + 1) / 2, (pixels + 1) / 2).item())
+        sizes.append(len(pixels))
     z = torch.cat(latents)
     shift, scale = z.mean().item(), 1.0 / z.std().item()
     vae.register_to_config(shift_factor=shift, scaling_factor=scale)
-    return shift, scale, float(np.mean(errors))
+    return shift, scale, float(np.average(errors, weights=sizes))  # each batch weighs its images
 
 
 def trainable_modules(pipe) -> list[torch.nn.Module]:
@@ -262,7 +265,7 @@ def pretrain(config: PretrainConfig) -> Path:
     log = {"config": asdict(config), "vae_mse": [], "flow_loss": []}
     start = time.time()
     train_vae(pipe.vae, stream, config, log)
-    shift, scale, recon = calibrate_latents(pipe.vae, stream)
+    shift, scale, recon = calibrate_latents(pipe.vae, stream, config.calibration_images)
     log.update(vae_seconds=time.time() - start, latent_shift=shift, latent_scale=scale, vae_recon_mse=recon)
     logger.info("vae: recon MSE %.4f (pixels in [0,1]), latent shift %.3f, scale %.3f", recon, shift, scale)
     ema = train_flow(pipe, stream, config, log)
