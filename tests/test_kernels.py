@@ -359,7 +359,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     def run(kernels):
         overrides = {
             "model.path": str(model), "model.lora_rank": 4, "model.lora_alpha": 8, "model.kernels": kernels,
-            "reward.rewards": "[{name: brightness}]", "data.prompts_per_iteration": 2, "data.group_size": 4,
+            "reward.rewards": "[{name: brightness}]", "data.prompts_per_iteration": 1, "data.group_size": 4,
             "sampling.num_steps": 4, "sampling.batch_size": 4, "optim.lr": 3e-3, "optim.eps": 1.0, "loss.grpo.beta": 0.01,
             "sampling.window_size": "null", "sampling.window_start": "fixed", "sampling.window_last": "null",
             "train.iterations": 1, "train.tracker": "none", "train.eval_at_end": "false", "train.sample_every": 0,
@@ -372,7 +372,7 @@ def test_trainer_runs_rollouts_and_loss_through_the_kernels(tmp_path, monkeypatc
     ref_metrics, ref_params = run("torch")
     assert calls == {"step": 0, "loss": 0}
     metrics, params = run("triton")
-    assert calls["step"] == 2 * 3 and calls["loss"] == 2 * 3  # 2 chunks x 3 SDE steps, rollout and update
+    assert calls["step"] == 3 and calls["loss"] == 3  # one chunk (a group of 4) x 3 SDE steps, rollout and update
     assert metrics["first_ratio_max"] == 1.0 and metrics["first_ratio_mean"] == 1.0
     assert metrics["reward"] == pytest.approx(ref_metrics["reward"], abs=1e-5)
     assert metrics["kl"] == pytest.approx(ref_metrics["kl"], rel=1e-3, abs=1e-9)
