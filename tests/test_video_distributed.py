@@ -1,7 +1,8 @@
 """Two processes equal one on video (torchrun with gloo on CPU), under DDP and FSDP2: the tiny Wan2.1 T2V
 (5 frames, 16 px, ``video_brightness``), 2 iterations of the Flow-GRPO-Fast preset at the same global batch and seed.
-The launch and the comparison are tests/test_fsdp2.py's: the rewards agree to 1e-6 and the LoRA weights to the
-reduction's rounding (relative difference < 1e-3 of the update); FSDP2 shards the Wan transformer per block.
+Both engines' 2-process runs train in one torchrun launch (tests/train_runs_worker.py); the comparison is
+tests/test_fsdp2.py's: the rewards agree to 1e-6 and the LoRA weights to the reduction's rounding (relative
+difference < 1e-3 of the update); FSDP2 shards the Wan transformer per block.
 
 And FSDP2 on every video family (tests/video_families.py), LoRA and full fine-tuning, in one torchrun launch whose
 processes train the families one after another (tests/video_fsdp2_worker.py): two processes against the contract's
@@ -18,7 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_fsdp2 import BIN, launch, lora, one_world_per_test, relative_difference, train_here  # noqa: F401
+from test_fsdp2 import BIN, lora, one_world_per_test, relative_difference, settings, train_here  # noqa: F401
+from test_trainer import TRAIN_CLI
+from train_runs_worker import runs_in_the_background
 from video_families import VIDEO_FAMILIES, tiny_video_pipeline
 from video_training import FINETUNES, history, last_checkpoint, video_runs  # noqa: F401 - the session's runs
 
@@ -35,19 +38,22 @@ def wan_path(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_two_processes_match_one_process_on_video(engine, wan_path, tmp_path):
-    extra = {**VIDEO, "distributed.engine": engine}
-    history = train_here(wan_path, tmp_path / "one", **extra)
-    assert history[0]["first_ratio_max"] == 1.0
-    launch(wan_path, tmp_path / "two", **extra)
-    one, two = (json.loads((tmp_path / n / "checkpoint-000002" / "state.json").read_text())["history"]
-                for n in ("one", "two"))
-    assert [m["reward"] for m in one] == pytest.approx([m["reward"] for m in two], abs=1e-6)
-    assert [m["nfe"] for m in one] == [m["nfe"] for m in two]
-    if engine == "fsdp2":
-        assert (tmp_path / "two" / "checkpoint-000002" / "sharded" / ".metadata").is_file()
-    assert relative_difference(lora(tmp_path / "two", 2), lora(tmp_path / "one", 2)) < 1e-3
+def test_two_processes_match_one_process_on_video_under_ddp_and_fsdp2(wan_path, tmp_path):
+    """Both engines' 2-process runs in one torchrun launch (tests/train_runs_worker.py), while this process trains
+    the one-process runs."""
+    extra = {engine: {**VIDEO, "distributed.engine": engine} for engine in ("ddp", "fsdp2")}
+    with runs_in_the_background([(TRAIN_CLI[1], settings(wan_path, tmp_path / engine / "two", **extra[engine]))
+                                 for engine in extra], tmp_path / "launch"):
+        for engine in extra:
+            history = train_here(wan_path, tmp_path / engine / "one", **extra[engine])
+            assert history[0]["first_ratio_max"] == 1.0
+    for engine in extra:
+        one, two = (json.loads((tmp_path / engine / n / "checkpoint-000002" / "state.json").read_text())["history"]
+                    for n in ("one", "two"))
+        assert [m["reward"] for m in one] == pytest.approx([m["reward"] for m in two], abs=1e-6), engine
+        assert [m["nfe"] for m in one] == [m["nfe"] for m in two], engine
+        assert relative_difference(lora(tmp_path / engine / "two", 2), lora(tmp_path / engine / "one", 2)) < 1e-3, engine
+    assert (tmp_path / "fsdp2" / "two" / "checkpoint-000002" / "sharded" / ".metadata").is_file()
 
 
 # Two FSDP2 processes against one, for every video family: the fp32 tolerances of the comparison. A gradient is summed
