@@ -49,13 +49,14 @@ def local_bytes(tensors) -> int:
     return total
 
 
-def worker(engine: str, out: Path) -> None:
-    """One process of the measured run: train one iteration and write this process's figures."""
+def worker(engine: str, out: Path, extra: list[str]) -> None:
+    """One process of the measured run (``RUN`` and ``extra`` overrides): train one iteration and write this
+    process's figures."""
     from flowalign.config import load_config
     from flowalign.training.config import TrainConfig
     from flowalign.training.trainer import Trainer
 
-    config = load_config(TrainConfig, None, RUN + [f"distributed.engine={engine}", f"train.out_dir={out / engine}"])
+    config = load_config(TrainConfig, None, RUN + extra + [f"distributed.engine={engine}", f"train.out_dir={out / engine}"])
     trainer = Trainer(config)
     seen = {}
     step = trainer.optimizer.step
@@ -78,12 +79,13 @@ def worker(engine: str, out: Path) -> None:
     (out / f"{engine}-rank{rank}.json").write_text(json.dumps(figures))
 
 
-def measure(out: Path, processes: int = 2) -> dict:
-    """The measured run for each engine (``torchrun``); the figures of every process."""
+def measure(out: Path, processes: int = 2, extra: tuple[str, ...] = ()) -> dict:
+    """The measured run for each engine (``torchrun``), with ``extra`` overrides (the test's shorter rollouts: the
+    state measured does not depend on them); the figures of every process."""
     rows = {}
     for engine in ("ddp", "fsdp2"):
         done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node",
-                               str(processes), __file__, "--worker", engine, "--out", str(out)],
+                               str(processes), __file__, "--worker", engine, "--out", str(out), *extra],
                               env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, cwd=REPO,
                               capture_output=True, text=True)
         if done.returncode != 0:
@@ -152,11 +154,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "bench/results/scale"))
     parser.add_argument("--worker", choices=["ddp", "fsdp2"], help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help=argparse.SUPPRESS)  # the worker's overrides (``measure``)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.worker:
-        worker(args.worker, out)
+        worker(args.worker, out, args.extra)
         return
     measured, computed = measure(out), computed_sd35_medium()
     for path in out.glob("*-rank*.json"):  # the processes' own files, folded into scale.json

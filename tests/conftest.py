@@ -48,3 +48,42 @@ def fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+# The modules whose tests run for 15 s or more (most start processes), with what the whole module cost in a full
+# `make test` (pytest --durations=0, 2 idle cores, 2026-12-06). pytest-xdist's worksteal scheduler first deals the
+# collection to its workers in equal contiguous chunks, then lets an idle worker steal the tail half of a busy one's
+# queue: a long test that starts late runs alone at the end while the other core idles. So these modules open the
+# chunks, shared between the chunks by their cost (the longest first, each to the chunk with the least so far), and
+# the rest fill each chunk to its size: the run ends on short tests, which stealing spreads. Only the order changes;
+# a module missing here, or a cost gone stale, costs time, never a test.
+LONG_MODULES = {
+    "test_trainer.py": 160, "test_fsdp2.py": 153, "test_video_distributed.py": 131, "test_crash_matrix.py": 102,
+    "test_full_finetune.py": 70, "test_context_parallel.py": 63, "test_launch_configs.py": 62,
+    "test_remote_rewards.py": 57, "test_kernels_interpreter.py": 57, "test_memory_options.py": 40, "test_export.py": 36,
+    "test_reward_server_hostile.py": 35, "test_untrusted_checkpoints.py": 28, "test_video_wan.py": 24,
+    "test_toy_video_model.py": 24, "test_notebook.py": 23, "test_user_code.py": 22, "test_gardo.py": 20,
+    "test_memory_plan.py": 15,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))  # set in the workers, which collect
+    if workers < 2:
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.path.name, []).append(item)
+    chunks, loads = [[] for _ in range(workers)], [0.0] * workers
+    for name in sorted((m for m in modules if m in LONG_MODULES), key=lambda m: -LONG_MODULES[m]):
+        least = loads.index(min(loads))
+        chunks[least] += modules[name]
+        loads[least] += LONG_MODULES[name]
+    rest = iter(item for name, module in modules.items() if name not in LONG_MODULES for item in module)
+    left = len(items)
+    for index, chunk in enumerate(chunks):  # worksteal's first split: len(pending) // workers_left each
+        size = left // (workers - index)
+        left -= size
+        chunk += [item for _, item in zip(range(size - len(chunk)), rest)]
+    chunks[-1] += list(rest)
+    items[:] = [item for chunk in chunks for item in chunk]
