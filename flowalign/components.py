@@ -70,11 +70,15 @@ class PolicyCopy:
 
     ``decay(k)`` is the weight ``eta`` in [0, 1] the copy keeps at the end of an iteration, after ``k`` optimizer steps
     in all: ``theta_c <- eta theta_c + (1 - eta) theta``. ``eta = 0`` makes it the current weights, ``eta = 1``
-    leaves it where it is (a copy that always keeps 1 is the initial weights: the base model for a LoRA)."""
+    leaves it where it is (a copy that always keeps 1 is the initial weights: the base model for a LoRA).
+
+    ``evaluated``: whether the component's loss reads the copy's velocity at its data units (``PolicyOutput.v_copies``);
+    a copy only the rollouts sample with (``sampling_policy``) is not, and costs no forward in training."""
 
     name: str
     decay: Callable[[int], float]
     help: str = ""
+    evaluated: bool = True
 
     def eta(self, steps: int) -> float:
         """``decay(steps)``, checked to lie in [0, 1]."""

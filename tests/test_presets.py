@@ -88,10 +88,10 @@ OBJECTIVE_ONLY = {"soar": 2 * (2 + 7), "sft": 2 * 1, "drl_adjoint": 2 * (10 + 9 
 # per trained row. DiffusionNFT: 9 levels per sample, each evaluated by the policy, theta_old and the reference (KL);
 # AWM: 6 levels, the policy, the reference and theta_ema; DPO: 9 draws per pair, its 2 rows by the policy and the
 # reference. DGPO: 4 levels, the policy, the reference (the DPO reference and the KL) and v_old (the clip); CRD: 9
-# levels, the policy, v_old, the reference (KL) and the sampling copy (the trainer evaluates every copy an objective
-# keeps).
+# levels, the policy, v_old and the reference (KL), not the sampling copy, which only the rollouts read
+# (``PolicyCopy.evaluated``).
 ROLLOUT_OBJECTIVES = {"diffusion_nft": 40 + 4 * 9 * 3, "awm": 40 + 4 * 6 * 3, "dpo": 40 + 2 * 9 * 2 * 2,
-                      "dgpo": 40 + 4 * 4 * 3, "crd": 40 + 4 * 9 * 4}
+                      "dgpo": 40 + 4 * 4 * 3, "crd": 40 + 4 * 9 * 3}
 
 
 def assert_rollout_objective_run(name, history):

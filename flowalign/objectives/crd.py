@@ -265,7 +265,8 @@ class CRD(ForwardObjective):
         if cfg.use_old_for_loss:
             copies.append(PolicyCopy(OLD, _copy_decay(cfg.old_model_decay), "CRD's old model v_old"))
         if cfg.sample_with_copy:
-            copies.append(PolicyCopy(SAMPLING, _copy_decay(cfg.sampling_model_decay), "CRD's sampling model"))
+            copies.append(PolicyCopy(SAMPLING, _copy_decay(cfg.sampling_model_decay), "CRD's sampling model",
+                                     evaluated=False))  # the rollouts sample with it; the loss never reads it
         return copies
 
     def sampling_policy(self) -> str | None:

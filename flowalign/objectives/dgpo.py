@@ -207,7 +207,8 @@ class DGPO(ForwardObjective):
         cfg = self.config
         if not (self.clipping or cfg.use_ema_ref or cfg.switch_ema_ref is not None):
             return []
-        return [PolicyCopy(OLD, self.old_decay, "DGPO's lagging copy v_old (the clip, the EMA reference)")]
+        return [PolicyCopy(OLD, self.old_decay, "DGPO's lagging copy v_old (the clip, the EMA reference)",
+                           evaluated=self.clipping or cfg.use_ema_ref)]  # else only the rollout switch samples with it
 
     def sampling_policy(self) -> str | None:
         switch = self.config.switch_ema_ref

@@ -21,7 +21,7 @@ def objective_nfe(trainer, data: dict[str, list]) -> int:
     total = 0
     for name, units in data.items():
         objective = trainer.parts.objectives[name]
-        passes = 1 + int(objective.needs_reference) + len(objective.policy_copies())
+        passes = 1 + int(objective.needs_reference) + sum(copy.evaluated for copy in objective.policy_copies())
         per_row = evals * passes * config.optim.inner_epochs
         total += sum(unit.nfe + per_row * len(unit) for unit in units)
     return total

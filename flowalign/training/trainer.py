@@ -267,7 +267,7 @@ class Trainer:
     def objective_loss(self, name: str, unit) -> tuple[Tensor, dict]:
         """Objective ``name``'s loss on one data unit, its policy evaluated at the objective's guidance scale."""
         objective = self.parts.objectives[name]
-        copies = {copy.name: self.copies.swapped_in for copy in objective.policy_copies()}
+        copies = {copy.name: self.copies.swapped_in for copy in objective.policy_copies() if copy.evaluated}
         policy = unit_output(self.model, unit, guidance_scale=objective.guidance_scale,
                              autocast=self.accelerator.autocast, reference=objective.needs_reference, copies=copies,
                              reference_policy=partial(self.parts.reference.active, self.model))
