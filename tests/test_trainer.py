@@ -274,6 +274,17 @@ def test_bad_configs_fail_before_any_model_loads(tmp_path):
             load_config(TrainConfig, None, overrides(missing_model, tmp_path, **extra))
 
 
+def test_a_missing_prompt_file_is_named_by_its_key_before_any_model_loads(tmp_path):
+    """The README's SD3.5 quickstart run where its prompts.txt is not there yet: the error names the key, the path and
+    where a relative path is read from (the model path does not exist either: nothing loaded)."""
+    config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run", **{
+        "data.train_prompts": "prompts.txt"}))
+    with pytest.raises(ValueError, match=r"data.train_prompts = 'prompts.txt': no such file \(a relative path is read "
+                                         r"from the working directory, .*\.txt with one prompt a line"):
+        Trainer(config)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def run_cli(args, env_extra=None, **kwargs):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     command = list(TRAIN_CLI) if args and "=" in args[0] else ["train"]

@@ -28,14 +28,19 @@ def is_geneval_entry(entry: dict) -> bool:
     return any(field in entry for field in GENEVAL_FIELDS)
 
 
-def load_prompts(path: str | PathLike[str]) -> list[dict]:
+def load_prompts(path: str | PathLike[str], key: str | None = None) -> list[dict]:
     """Training prompts as ``{"prompt": ..., ...}`` entries, from a ``.txt`` file (one prompt a line) or JSONL (one
     object a line with a non-empty string ``prompt``; other keys travel with it as the prompt's metadata). Entries
     with GenEval's fields are checked as GenEval metadata (``flowalign.evaluation.geneval.validate_metadata``); an
     editing prompt's ``images`` (condition-image paths relative to the file) become absolute paths, each checked to
     exist (``flowalign.data.condition_images``). Blank lines are skipped; a bad line raises ``GenEvalError`` naming
-    the file and line."""
+    the file and line; a missing file, one naming ``key`` (the config key that gave the path) when there is one."""
     path = Path(path)
+    if not path.exists():
+        given = f"{key} = {str(path)!r}" if key else str(path)
+        raise GenEvalError(f"{given}: no such file (a relative path is read from the working directory, {Path.cwd()}); "
+                           "give a prompt file: .txt with one prompt a line, or .jsonl with one {\"prompt\": ...} "
+                           "object a line")
     entries = []
     for where, line in located_lines(path):
         if path.suffix == ".txt":

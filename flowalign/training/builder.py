@@ -58,7 +58,7 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     t.checkpoint = t.checkpointer.check_run_directory()  # the checkpoint to resume; before any model loads
     t.parts = config.components()
     t.schedule = noise_schedule(config.noise_schedule_spec())
-    train_prompts = load_prompts(config.data.train_prompts)
+    train_prompts = load_prompts(config.data.train_prompts, key="data.train_prompts")
     if rewards is None:
         check_prompts_fit_rewards(config, train_prompts)
     check_prompts_fit_model(config, train_prompts, model)
