@@ -51,19 +51,19 @@ def fresh_accelerate_state():
 
 
 # The modules whose tests run for 15 s or more (most start processes), with what the whole module cost in a full
-# `make test` (pytest --durations=0, 2 idle cores, 2026-12-06). pytest-xdist's worksteal scheduler first deals the
+# `make test` (pytest --durations=0, 2 idle cores, 2026-12-06, after tests/forked_launch.py). pytest-xdist's worksteal scheduler first deals the
 # collection to its workers in equal contiguous chunks, then lets an idle worker steal the tail half of a busy one's
 # queue: a long test that starts late runs alone at the end while the other core idles. So these modules open the
 # chunks, shared between the chunks by their cost (the longest first, each to the chunk with the least so far), and
 # the rest fill each chunk to its size: the run ends on short tests, which stealing spreads. Only the order changes;
 # a module missing here, or a cost gone stale, costs time, never a test.
 LONG_MODULES = {
-    "test_trainer.py": 160, "test_fsdp2.py": 153, "test_video_distributed.py": 131, "test_crash_matrix.py": 102,
-    "test_full_finetune.py": 70, "test_context_parallel.py": 63, "test_launch_configs.py": 62,
-    "test_remote_rewards.py": 57, "test_kernels_interpreter.py": 57, "test_memory_options.py": 40, "test_export.py": 36,
-    "test_reward_server_hostile.py": 35, "test_untrusted_checkpoints.py": 28, "test_video_wan.py": 24,
-    "test_toy_video_model.py": 24, "test_notebook.py": 23, "test_user_code.py": 22, "test_gardo.py": 20,
-    "test_memory_plan.py": 15,
+    "test_trainer.py": 212, "test_fsdp2.py": 126, "test_crash_matrix.py": 117, "test_video_distributed.py": 75,
+    "test_launch_configs.py": 50, "test_golden.py": 57, "test_remote_rewards.py": 54, "test_export.py": 48,
+    "test_reward_server_hostile.py": 46, "test_full_finetune.py": 38, "test_context_parallel.py": 37,
+    "test_untrusted_checkpoints.py": 36, "test_kernels_interpreter.py": 35, "test_video_wan.py": 27,
+    "test_user_code.py": 25, "test_toy_video_model.py": 24, "test_notebook.py": 20, "test_memory_options.py": 18,
+    "test_memory_plan.py": 16,
 }
 
 

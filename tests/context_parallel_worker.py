@@ -1,4 +1,6 @@
-"""A torchrun worker that trains the context-parallel runs of tests/test_context_parallel.py in one launch.
+"""The worker that trains the context-parallel runs of tests/test_context_parallel.py in one launch of N processes:
+``train_runs(ROOT, OUT, NAMES)``, through tests/forked_launch.py on CPU, or as a script on GPUs
+(bench/context_parallel.py):
 
     torchrun --standalone --nproc_per_node N tests/context_parallel_worker.py ROOT OUT NAME [NAME ...]
 
@@ -23,7 +25,6 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from flowalign.cli.train import _leave_process_group
-
 from flowalign.training.context_parallel import split_transformers
 
 from context_parallel_runs import one_iteration, trainer_for
@@ -38,7 +39,7 @@ def save(figures: dict[str, torch.Tensor], out: Path, name: str) -> None:
         os.replace(tmp, out / f"{name}.safetensors")
 
 
-def main(root: Path, out: Path, names: list[str]) -> None:
+def train_runs(root: Path, out: Path, names: list[str]) -> None:
     for name in names:
         if name == "ring":
             save(ring_check(), out, name)
@@ -55,9 +56,9 @@ def main(root: Path, out: Path, names: list[str]) -> None:
             trainer.train()
             trainer_for(root, name, out / f"{name}-resumed",
                         **{"train.resume": str(out / name / "checkpoint-000001")}).train()
-    # as flowalign.cli.train leaves a multi-process run: wait, tear the group down, exit without meeting gloo's threads
-    _leave_process_group(SimpleNamespace(wait_for_everyone=dist.barrier))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+    train_runs(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:])
+    # as flowalign.cli.train leaves a multi-process run: wait, tear the group down, exit without meeting gloo's threads
+    _leave_process_group(SimpleNamespace(wait_for_everyone=dist.barrier))

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from flowalign.serialization import safe_load
 from flowalign.training.kill_points import FAULT_VARIABLE
+from forked_launch import fork_server
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_CLI = ("train", str(REPO / "configs/methods/flow_grpo_fast.yaml"))
@@ -76,34 +77,14 @@ def launch(model, out, engine: str, nproc: int, *, fault: str | None = None, tim
 
 
 def train_in_fork(model, out, engine: str, fault: str | None = None, *, resave: bool = False, **extra) -> int:
-    """Train in a child forked from this process's fork server (``_fork_server``) in one intra-op thread, with
+    """Train in a child forked from this process's fork server (tests/forked_launch.py ``fork_server``: never a
+    fork of the pytest process, whose state broke children) in one intra-op thread, with
     ``FLOWALIGN_FAULT=fault``; ``resave`` saves the last iteration once more after ``train()``, and then only that
     save has the fault. Returns the child's exit code (``-SIGKILL`` when a kill point fired)."""
-    child = _fork_server().Process(target=_train_child, args=(model, out, engine, fault, resave, extra))
+    child = fork_server().Process(target=_train_child, args=(model, out, engine, fault, resave, extra))
     child.start()
     child.join()
     return child.exitcode
-
-
-def _fork_server():
-    """multiprocessing's fork server, with the trainer's modules imported once: each child is a fork of that
-    single-threaded server, never of the pytest process. A fork of the pytest process inherits what earlier tests
-    left there, and two such states broke a child (both seen in the suite): a gloo process group, which the child's
-    garbage collector finalised and whose destructor then waited forever on a thread that exists only in the parent
-    (a worker hung for the rest of the suite), and autograd's worker threads after a backward pass in the parent
-    ("Unable to handle autograd's threading in combination with fork-based multiprocessing")."""
-    import multiprocessing
-
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(PRELOAD)
-    return context
-
-
-# What a child would otherwise import itself (seconds each): the trainer, and the tiny SD3 pipeline's classes. Only
-# imports: a model loaded in the server would start threads (transformers loads weights in a thread pool).
-PRELOAD = ["crash_matrix", "flowalign.training.trainer", "flowalign.models.sd3", "peft",
-           "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3",
-           "transformers.models.clip.modeling_clip", "transformers.models.t5.modeling_t5"]
 
 
 def _train_child(model, out, engine, fault, resave, extra) -> None:

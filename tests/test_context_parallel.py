@@ -1,14 +1,15 @@
 """Context parallelism (``distributed.context_parallel``): each sample's sequence split over a group of processes
-through diffusers' ``enable_parallelism`` (Ulysses attention), on real torchrun processes with gloo on CPU.
+through diffusers' ``enable_parallelism`` (Ulysses attention), on real processes with gloo on CPU.
 
-Two launches (tests/context_parallel_worker.py, the runs of tests/context_parallel_runs.py) train: on 2 processes
-(data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one iteration compared, then a second, checkpointed, the
-end-of-run evaluation, and a resume of the first checkpoint at the same layout), the tiny Wan2.1's full fine-tune
-under DDP, one iteration of each other family with a diffusers plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V,
-Wan2.2 A14B I2V) and of SkyReels-V2 T2V and I2V under flowalign's plan; the tiny FLUX as data 2 x context 1 under
-DDP; then diffusers' ring attention over the 2 (tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x
-context 2 under DDP and under HSDP. This process trains the one-process runs and resumes the FSDP2 checkpoint on one
-process (another layout: DCP reshards). The measured figures are in docs/guides/distributed.md (Context parallelism).
+Two launches (tests/context_parallel_worker.py through tests/forked_launch.py, the runs of
+tests/context_parallel_runs.py) train: on 2 processes (data 1 x context 2), the tiny FLUX's LoRA under FSDP2 (one
+iteration compared, then a second, checkpointed, the end-of-run evaluation, and a resume of the first checkpoint at
+the same layout), the tiny Wan2.1's full fine-tune under DDP, one iteration of each other family with a diffusers
+plan (Qwen-Image, FLUX.2, Wan2.2 A14B, Wan2.1 I2V, Wan2.2 A14B I2V) and of SkyReels-V2 T2V and I2V under flowalign's
+plan; the tiny FLUX as data 2 x context 1 under DDP; then diffusers' ring attention over the 2
+(tests/ring_attention.py); on 4 processes, the tiny FLUX as data 2 x context 2 under DDP and under HSDP. This
+process trains the one-process runs and resumes the FSDP2 checkpoint on one process (another layout: DCP reshards).
+The measured figures are in docs/guides/distributed.md (Context parallelism).
 
 The config checks (before any model loads) run without processes, and so does the check over the family registry:
 every family has a plan, or a refusal of its own that names what prevents one."""
@@ -17,8 +18,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
-import subprocess
 import typing
 from pathlib import Path
 
@@ -33,9 +32,10 @@ from context_parallel_runs import (METHOD, prompt_files, one_iteration, relative
 from flowalign.config import ConfigError, load_config
 from flowalign.training.config import TrainConfig
 from flowalign.training.context_parallel import check_context_parallel
-from test_fsdp2 import BIN, LORA_FILE, one_world_per_test  # noqa: F401 - a world of one per test
+from forked_launch import launch
+from context_parallel_worker import train_runs
+from test_fsdp2 import LORA_FILE, one_world_per_test  # noqa: F401 - a world of one per test
 
-TESTS = Path(__file__).resolve().parent
 OFF = {"distributed.context_parallel.ulysses": 1}
 # The collectives change the order of a few sums (the all-to-all's heads, the gradient reduction over 2 or 4
 # processes): the rollouts agree to fp32 rounding (<= 1.4e-8 measured), the gradient norms to ~1e-7 (the second
@@ -71,21 +71,12 @@ def root(tmp_path_factory):
     return path
 
 
-def launch(root: Path, out: Path, nproc: int, names: list[str]) -> None:
-    done = subprocess.run(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", str(nproc),
-         str(TESTS / "context_parallel_worker.py"), str(root), str(out), *names],
-        cwd=TESTS, env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, capture_output=True,
-        text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def launched(root, tmp_path_factory):
     """The two launches (module docstring); their figures under the returned folder."""
     out = tmp_path_factory.mktemp("context-parallel-runs")
-    launch(root, out, 2, ["flux-cp2", "wan-cp2", "flux-d2", *FAMILIES, "ring"])
-    launch(root, out, 4, ["flux-d2-cp2", "flux-hsdp-cp2"])
+    launch(2, train_runs, root, out, ["flux-cp2", "wan-cp2", "flux-d2", *FAMILIES, "ring"], log_dir=out / "launch-2")
+    launch(4, train_runs, root, out, ["flux-d2-cp2", "flux-hsdp-cp2"], log_dir=out / "launch-4")
     return out
 
 

@@ -27,6 +27,7 @@ from flowalign.training.kill_points import KILL_POINTS
 from flowalign.training.trainer import Trainer
 
 from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
+from train_runs_worker import runs_in_the_background
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +138,13 @@ def test_two_ddp_processes_one_failing_to_save_all_end_with_the_error_and_lose_n
 
 def test_two_fsdp2_processes_one_killed_before_the_rename_lose_nothing(tiny_model, tmp_path):
     """Process 1 killed once its shards and RNG file are in the temporary directory: nothing is renamed or pruned,
-    and the resumed run writes checkpoint-000002 bitwise, with the RNG files of both processes."""
-    reference = tmp_path / "reference"
-    assert matrix.launch(tiny_model, reference, "fsdp2", 2, **{"train.keep_checkpoints": 9}).returncode == 0
-    run = tmp_path / "run"
-    killed = matrix.launch(tiny_model, run, "fsdp2", 2, fault=matrix.fault("rng", rank=1))
+    and the resumed run writes checkpoint-000002 bitwise, with the RNG files of both processes. The killed and the
+    resumed runs are the command line's (``torchrun -m flowalign.cli train``); the uninterrupted run trains meanwhile
+    in a launch of tests/forked_launch.py."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    with runs_in_the_background([(matrix.TRAIN_CLI[1], matrix.settings(tiny_model, reference, "fsdp2", **{
+            "train.keep_checkpoints": 9}))], tmp_path / "launch"):  # the uninterrupted run, meanwhile
+        killed = matrix.launch(tiny_model, run, "fsdp2", 2, fault=matrix.fault("rng", rank=1))
     assert killed.returncode != 0 and "Signal 9 (SIGKILL) received" in killed.stderr
     assert matrix.losses_after_kill(run, reference) == [] and not (run / "checkpoint-000002").exists()
     resumed = matrix.launch(tiny_model, run, "fsdp2", 2, **{"train.resume": "latest"})

@@ -42,10 +42,12 @@ def test_the_shipped_launch_config_trains_on_two_cpu_processes(launch, tiny_mode
                                             "--main_process_ip", "127.0.0.1", "--main_process_port", port] + train,
                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 for rank in range(machines)]
-    outputs = [run.communicate(timeout=600) for run in runs]
+    try:  # meanwhile, one process
+        train_here(tiny_model, tmp_path / "one", **{"distributed.engine": engine})
+    finally:
+        outputs = [run.communicate(timeout=600) for run in runs]
     assert all(run.returncode == 0 for run in runs), "\n".join(err[-2000:] for _, err in outputs)
     checkpoint = tmp_path / "run" / "checkpoint-000002"
     assert (checkpoint / "rng-1.pt").is_file()  # two processes wrote the checkpoint
     assert (checkpoint / "sharded").is_dir() == (engine == "fsdp2")
-    train_here(tiny_model, tmp_path / "one", **{"distributed.engine": engine})
     assert relative_difference(lora(tmp_path / "run", 2), lora(tmp_path / "one", 2)) < 1e-3

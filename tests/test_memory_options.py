@@ -1,14 +1,12 @@
-"""Memory that scales (``flowalign.memory``, ``distributed.*``): selective activation checkpointing per block, FSDP2's
-CPU offload of parameters, gradients and optimizer state, a full fine-tune's reference copy sharded and offloaded, and
-HSDP (replicate x shard). Each trains the tiny SD3 to the same weights as the plain run: in this process (one
-process; FSDP2 over a world of one) and in one ``torchrun`` launch of 4 CPU processes on gloo
-(tests/memory_options_worker.py), where HSDP's 2 x 2 mesh is compared with FSDP2 over the 4."""
+"""Memory that scales (``flowalign.memory``, ``distributed.*``): selective activation checkpointing per block,
+FSDP2's CPU offload of parameters, gradients and optimizer state, a full fine-tune's reference copy sharded and
+offloaded, and HSDP (replicate x shard). Each trains the tiny SD3 to the same weights as the plain run: in this
+process (one process; FSDP2 over a world of one) and in one launch of 4 CPU processes on gloo
+(tests/memory_options_worker.py through tests/forked_launch.py), where HSDP's 2 x 2 mesh is compared with FSDP2 over
+the 4."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,10 +17,11 @@ from flowalign.config import ConfigError, load_config
 from flowalign.memory.checkpointing import checkpointed_blocks
 from flowalign.training.config import TrainConfig
 
-from test_fsdp2 import BIN, one_world_per_test, relative_difference, settings, train_here  # noqa: F401
+from forked_launch import launch
+from memory_options_worker import train_runs
+from test_fsdp2 import one_world_per_test, relative_difference, settings, train_here  # noqa: F401
 from test_trainer import tiny_model  # noqa: F401 - the module's tiny SD3
 
-TESTS = Path(__file__).resolve().parent
 ONE = {"train.iterations": 1, "optim.minibatches": 1, "sampling.num_steps": 6, "sampling.window_last": 3,
        "data.group_size": 2}
 
@@ -82,14 +81,8 @@ def test_four_processes_hsdp_and_offload_train_as_fsdp2_over_four(tiny_model, tm
     runs = {"plain": common, "hsdp": common + ",distributed.replicate:2",
             "offload": common + ",distributed.cpu_offload:true,model.reference_offload:true,"
                                 "distributed.activation_checkpointing:1"}
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as output:
-        done = subprocess.run(
-            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "4", str(TESTS / "memory_options_worker.py"),
-             str(tiny_model), str(tmp_path), *(f"{name}={values}" for name, values in runs.items())],
-            env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, stdout=output, stderr=output,
-            timeout=600)
-    assert done.returncode == 0, log.read_text()[-3000:]
+    launch(4, train_runs, tiny_model, tmp_path, [f"{name}={values}" for name, values in runs.items()],
+           log_dir=tmp_path / "launch")
     plain = trained(tmp_path / "plain", "full")
     assert_bitwise(trained(tmp_path / "offload", "full"), plain)
     base = load_file(str(tiny_model / "transformer/diffusion_pytorch_model.safetensors"))

@@ -1,31 +1,29 @@
-"""Two processes equal one on video (torchrun with gloo on CPU), under DDP and FSDP2: the tiny Wan2.1 T2V
+"""Two processes equal one on video (gloo on CPU, tests/forked_launch.py), under DDP and FSDP2: the tiny Wan2.1 T2V
 (5 frames, 16 px, ``video_brightness``), 2 iterations of the Flow-GRPO-Fast preset at the same global batch and seed.
-Both engines' 2-process runs train in one torchrun launch (tests/train_runs_worker.py); the comparison is
+Both engines' 2-process runs train in one launch (tests/train_runs_worker.py); the comparison is
 tests/test_fsdp2.py's: the rewards agree to 1e-6 and the LoRA weights to the reduction's rounding (relative
 difference < 1e-3 of the update); FSDP2 shards the Wan transformer per block.
 
-And FSDP2 on every video family (tests/video_families.py), LoRA and full fine-tuning, in one torchrun launch whose
-processes train the families one after another (tests/video_fsdp2_worker.py): two processes against the contract's
-one-process runs (tests/video_training.py)."""
+And FSDP2 on every video family (tests/video_families.py), full fine-tuning (and a LoRA where its adapter differs
+from Wan2.1's), in one launch whose processes train the families one after another (tests/video_fsdp2_worker.py):
+two processes against the contract's one-process runs (tests/video_training.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_fsdp2 import BIN, lora, one_world_per_test, relative_difference, settings, train_here  # noqa: F401
+from forked_launch import in_the_background
+from test_fsdp2 import lora, one_world_per_test, relative_difference, settings, train_here  # noqa: F401
 from test_trainer import TRAIN_CLI
 from train_runs_worker import runs_in_the_background
 from video_families import VIDEO_FAMILIES, tiny_video_pipeline
-from video_training import FINETUNES, history, last_checkpoint, video_runs  # noqa: F401 - the session's runs
-
-TESTS = Path(__file__).resolve().parent
+from video_fsdp2_worker import train_every_family
+from video_training import history, last_checkpoint, video_runs  # noqa: F401 - the session's runs
 
 VIDEO = {"sampling.image_size": 16, "sampling.num_frames": 5, "reward.rewards": "[{name: video_brightness}]"}
 
@@ -39,7 +37,7 @@ def wan_path(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_on_video_under_ddp_and_fsdp2(wan_path, tmp_path):
-    """Both engines' 2-process runs in one torchrun launch (tests/train_runs_worker.py), while this process trains
+    """Both engines' 2-process runs in one launch (tests/train_runs_worker.py), while this process trains
     the one-process runs."""
     extra = {engine: {**VIDEO, "distributed.engine": engine} for engine in ("ddp", "fsdp2")}
     with runs_in_the_background([(TRAIN_CLI[1], settings(wan_path, tmp_path / engine / "two", **extra[engine]))
@@ -75,35 +73,29 @@ def trained_weights(checkpoint: Path, finetune: str) -> dict[str, dict[str, torc
             for p in sorted(checkpoint.glob("transformer*"))}
 
 
+# Under FSDP2, every family's full fine-tune (every transformer weight sharded, each expert of a pair); a LoRA on the
+# families whose adapter differs from Wan2.1's (the first test's LoRA under FSDP2): Wan2.2 A14B's on both experts,
+# LTX-2's beside its audio stream, and HunyuanVideo 1.5's, which has no LoRA loader and exports in the transformer's
+# own format. Every family's LoRA trains on one process in the contract tests (tests/test_video_families.py).
+FSDP2_LORA = ("wan22", "ltx2", "hunyuan_video15")
+
+
 @pytest.mark.slow
 def test_two_fsdp2_processes_train_every_video_family_as_one_process(video_runs, tmp_path):
-    """One torchrun launch (2 CPU processes on gloo, tests/video_fsdp2_worker.py) trains every family's contract run
-    under FSDP2, LoRA and full fine-tuning, every transformer parameter (both experts of Wan2.2 A14B) sharded over the
-    two; meanwhile this process trains the one-process runs (tests/video_training.py's, which the contract tests
-    check). Two processes agree with one: the rewards to 1e-6, the gradient norms and the trained weights (the LoRA's
-    ``lora_B`` matrices, which start at zero; every transformer weight of a full fine-tune, against the base) to the
-    tolerances above."""
+    """One launch (2 CPU processes on gloo, tests/video_fsdp2_worker.py through tests/forked_launch.py) trains every
+    family's contract run under FSDP2 with full fine-tuning, and three families' with a LoRA (``FSDP2_LORA``), every
+    transformer parameter (both experts of Wan2.2 A14B) sharded over the two; meanwhile this process trains the
+    one-process runs (tests/video_training.py's, which the contract tests check). Two processes agree with one: the
+    rewards to 1e-6, the gradient norms and the trained weights (the LoRA's ``lora_B`` matrices, which start at zero;
+    every transformer weight of a full fine-tune, against the base) to the tolerances above."""
     names = list(VIDEO_FAMILIES)
     for name in names:
         video_runs.pipeline(name)
     video_runs.prompts()
-    log = tmp_path / "torchrun.log"
-    with open(log, "w") as output:
-        worker = subprocess.Popen(
-            [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", str(TESTS / "video_fsdp2_worker.py"),
-             str(video_runs.root), str(tmp_path), *names],
-            env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, stdout=output, stderr=output)
-        try:
-            for name in names:
-                for finetune in FINETUNES:
-                    video_runs.run(name, finetune)
-            worker.wait(timeout=900)
-        finally:
-            if worker.poll() is None:
-                worker.kill()
-                worker.wait()
-    assert worker.returncode == 0, log.read_text()[-3000:]
-    runs = [(name, finetune) for name in names for finetune in FINETUNES]
+    runs = [(name, "lora") for name in FSDP2_LORA] + [(name, "full") for name in names]
+    with in_the_background(2, train_every_family, video_runs.root, tmp_path, runs, log_dir=tmp_path / "launch"):
+        for name, finetune in runs:
+            video_runs.run(name, finetune)
     assert json.loads((tmp_path / "sharded.json").read_text()) == {f"{n}-{f}": True for n, f in runs}
     for name, finetune in runs:
         one, two = video_runs.run(name, finetune), tmp_path / f"{name}-{finetune}"
