@@ -27,7 +27,7 @@ from flowalign.config import load_config
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
-from golden_runs import small_run_values
+from golden_runs import small_run_values, torch_threads
 from video_families import VIDEO_FAMILIES, tiny_video_pipeline
 
 FINETUNES = ("lora", "full")
@@ -120,9 +120,13 @@ class SharedVideoRuns:
 
         def write(tmp: Path) -> None:
             values = self.values(name, tmp, finetune)
-            trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
-            before = frozen_components(trainer.model)
-            trainer.train()
+            # one intra-op thread, as an xdist worker and each process of a 2-process launch run: the comparisons
+            # with 2 processes (tests/test_video_distributed.py) hold fp32 reduction-order tolerances measured so,
+            # and a plain `pytest` of one file (torch's 2 threads) would otherwise sum in another order
+            with torch_threads(1):
+                trainer = Trainer(load_config(TrainConfig, None, [f"{k}={v}" for k, v in values.items()]))
+                before = frozen_components(trainer.model)
+                trainer.train()
             after = frozen_components(trainer.model)
             unchanged = {component: before[component].keys() == after[component].keys() and all(
                 torch.equal(before[component][k], after[component][k]) for k in before[component])
