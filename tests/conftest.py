@@ -17,6 +17,18 @@ SHARED = REPO.parent / "shared"
 WORDS = "a photo of an the red green blue yellow purple white circle square triangle circles squares triangles and two three four left right above below".split()
 
 
+def module_from_file(name: str, path: Path):
+    """A script outside the package (bench/, docs/) imported from its file as ``name``, without putting its folder on
+    ``sys.path``: there bench/crash_matrix.py would shadow tests/crash_matrix.py, in this process and in the fork
+    server that starts from its path (tests/forked_launch.py)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_thread_per_xdist_worker():
     if os.environ.get("PYTEST_XDIST_WORKER"):

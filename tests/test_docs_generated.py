@@ -5,24 +5,18 @@ In-process and cheap: the generator reads the registries already imported, and l
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import module_from_file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _generator():
-    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs/generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _generator()
+generate = module_from_file("docs_generate", ROOT / "docs/generate.py")
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ two-"node" rendezvous on the loopback."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -22,6 +21,7 @@ from flowalign.errors import SetupError
 from flowalign.training.config import TrainConfig
 from flowalign.training.trainer import Trainer
 
+from conftest import module_from_file
 from forked_launch import launch as launch_forked
 from test_trainer import TRAIN_CLI, tiny_model  # noqa: F401 - the module's tiny SD3
 from train_runs_worker import runs_in_the_background
@@ -293,19 +293,10 @@ def test_rg_opd_second_forward_under_fsdp2_is_bitwise_the_ddp_run(tiny_model, tm
     assert all(torch.equal(a, b) for a, b in zip(lora(tmp_path / "fsdp2", 2).values(), lora(tmp_path / "ddp", 2).values()))
 
 
-def bench_scale():
-    """bench/scale.py, loaded from its file: bench/ on ``sys.path`` would shadow tests/ modules of the same name
-    (bench/crash_matrix.py), here and in the fork server that starts from this process's path."""
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "scale.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def measure_both_engines(out: Path, extra: list[str]) -> None:
     """A worker of ``test_fsdp2_holds_half_of_ddps_training_state_per_process``: bench/scale.py's measured run under
     DDP, then under FSDP2, in the same processes."""
-    scale = bench_scale()
+    scale = module_from_file("bench_scale", REPO / "bench" / "scale.py")
     for engine in ("ddp", "fsdp2"):
         scale.worker(engine, out, extra)
 
@@ -315,7 +306,7 @@ def test_fsdp2_holds_half_of_ddps_training_state_per_process(tmp_path):
     """bench/scale.py's measured run (its ``worker``, both engines in one launch of 2 processes): a full fine-tune;
     FSDP2's parameters + gradients + Adam state per process is at most 60% of DDP's (half, plus what does not split
     evenly), and so is its reference copy."""
-    scale = bench_scale()
+    scale = module_from_file("bench_scale", REPO / "bench" / "scale.py")
     launch_forked(2, measure_both_engines, tmp_path, ["sampling.num_steps=4", "sampling.window_last=1"],  # shorter
                   log_dir=tmp_path / "launch")  # rollouts: the state measured does not depend on them
     rows = {e: [json.loads((tmp_path / f"{e}-rank{r}.json").read_text()) for r in range(2)] for e in ("ddp", "fsdp2")}
