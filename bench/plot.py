@@ -2,7 +2,8 @@
 
 ``line_plot(series, path, x_label=..., y_label=...)``: ``series`` maps a name to its points ``(x, y)`` or
 ``(x, y, label)``; each series is a polyline in x order with its points marked (and labelled), in ``colors[name]``
-(RGB, 0-255). The axes get matplotlib's own ticks, a grid and a legend; the PNG is written atomically.
+(RGB, 0-255); ``log=True`` makes both axes logarithmic. The axes get matplotlib's own ticks, a grid and a legend;
+the PNG is written atomically.
 
 Re-draw the recorded plots from their JSON, without re-running a benchmark: ``python bench/redraw_plots.py``.
 """
@@ -17,7 +18,7 @@ from flowalign.outputs import write_atomically
 def line_plot(series: dict[str, list[tuple]], path: Path, *, x_label: str, y_label: str,
               colors: dict[str, tuple[int, int, int]], x_range: tuple[float, float] | None = None,
               y_range: tuple[float, float] | None = None, width: int = 680, height: int = 440,
-              title: str | None = None) -> None:
+              title: str | None = None, log: bool = False) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display: the benchmarks run headless
@@ -35,6 +36,9 @@ def line_plot(series: dict[str, list[tuple]], path: Path, *, x_label: str, y_lab
                 if len(point) > 2 and point[2]:
                     axes.annotate(str(point[2]), (point[0], point[1]), textcoords="offset points", xytext=(4, 4),
                                   fontsize=7, color=color)
+        if log:  # both axes logarithmic: a power law is a straight line whose slope is its exponent
+            axes.set_xscale("log")
+            axes.set_yscale("log")
         if x_range:
             axes.set_xlim(*x_range)
         if y_range:

@@ -19,6 +19,7 @@ RESULTS = BENCH / "results"
 GUIDED = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_fk_rgs_confirm_40.png", "guided_rgs_soft.png")
 SETS = ("guided_sets.png",)
 HACKING = "hacking/hacking.json"
+SCALING = "scaling/scaling.json"
 
 
 def redraw() -> list[Path]:
@@ -27,6 +28,7 @@ def redraw() -> list[Path]:
     import guided
     import guided_sets
     import hacking
+    import scaling
 
     written = []
     for module, names in ((guided, GUIDED), (guided_sets, SETS)):
@@ -37,6 +39,9 @@ def redraw() -> list[Path]:
     out = RESULTS / Path(HACKING).parent
     hacking.plot(json.loads((RESULTS / HACKING).read_text())["curves"], out)
     written += [out / f"hacking{suffix}.png" for suffix, _ in hacking.PLOTS.values()]
+    out = RESULTS / Path(SCALING).parent
+    scaling.plot(json.loads((RESULTS / SCALING).read_text())["rows"], out)
+    written += [out / "scaling_time.png", out / "scaling_memory.png"]
     return written
 
 

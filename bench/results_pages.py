@@ -4,8 +4,8 @@ Each generated table sits in its page between ``<!-- generated: NAME -->`` and `
 script rewrites what lies between the markers with the table that NAME's JSON gives, using the benchmarks' own
 formatters (``bench/guided.py``'s ``table``, ``bench/methods.py``'s ``summary_table`` and ``curve_table``,
 ``bench/train_iteration.py``'s ``cost_table``, ``bench/mixed_precision.py``'s ``precision_table``,
-``bench/tree_rollout.py``'s ``table``, ``bench/vgpo_signal.py``'s and ``bench/equal_wall.py``'s ``table``,
-``bench/kernel_tables.py``). It also copies the plots the pages show from
+``bench/tree_rollout.py``'s ``table``, ``bench/scaling.py``'s ``table``, ``bench/vgpo_signal.py``'s and
+``bench/equal_wall.py``'s ``table``, ``bench/kernel_tables.py``). It also copies the plots the pages show from
 ``bench/results/`` into ``docs/results/img/`` when they differ. It only reads JSON and PNG files: no model, no torch.
 
     python bench/results_pages.py           # rewrite the generated tables and copy changed plots
@@ -31,7 +31,7 @@ IMAGES = PAGES / "img"
 # The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
 PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png", "hacking/hacking.png",
          "hacking/hacking_proxy.png", "hacking/hacking_diversity.png", "hacking/hacking_saturated.png",
-         "drl/samples.png", "drl_adjoint/samples.png")
+         "drl/samples.png", "drl_adjoint/samples.png", "scaling/scaling_time.png", "scaling/scaling_memory.png")
 MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 
 
@@ -165,6 +165,13 @@ def _kernels_gpu() -> str:
     return kernel_tables.gpu_table([_read("device/kernels_bf16.json"), _read("device/kernels_fp32.json")])
 
 
+def _scaling() -> str:
+    import scaling
+
+    data = _read("scaling/scaling.json")
+    return scaling.table(data["rows"], data["exponents"])
+
+
 def _kernels_check() -> str:
     import kernel_tables
 
@@ -206,6 +213,7 @@ TABLES = {
     "guided_compose": ("guided_sampling.md", "guided_compose.json", _guided_compose),
     "rewards": ("rewards.md", "rewards.json", _rewards),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
+    "scaling": ("scaling.md", "scaling/scaling.json", _scaling),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
     "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",
                                lambda: _precision("device/mixed_precision.json")),

@@ -40,15 +40,17 @@ print("RESULT " + json.dumps({"history": history, "peak_bytes": peak, "device": 
 
 
 def run_config(config: str | None, iterations: int, extra: list[str]) -> dict:
-    """A short run of ``config`` (None = the default) with ``extra`` overrides in a process of its own: its metrics
-    history, its peak memory (CUDA allocations, or the CPU process's max RSS) and the device it ran on."""
+    """A short run of ``config`` (None: the config schema's own defaults, not configs/default.yaml) with ``extra``
+    overrides in a process of its own: its metrics history, its peak memory (CUDA allocations, or the CPU process's
+    max RSS) and the device it ran on."""
     with tempfile.TemporaryDirectory() as out:
         overrides = [f"train.iterations={iterations}", "train.tracker=none", "train.eval_at_end=false",
                      "train.sample_every=0", "train.checkpoint_every=0", f"train.out_dir={out}", *extra]
         done = subprocess.run([sys.executable, "-c", CHILD, config or "", *overrides],
                               capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
-        raise RuntimeError(f"{config or 'the default config'} {' '.join(extra)} failed:\n{done.stderr[-3000:]}")
+        what = config or "the schema's defaults"
+        raise RuntimeError(f"{what} {' '.join(extra)} failed:\n{done.stderr[-3000:]}")
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from flowalign.config import ConfigError
+from flowalign.memory.resident import reset_peak, resident
 from flowalign.remote.wire import encode_request
 from flowalign.rewards import build_reward
 
@@ -57,18 +58,6 @@ def flat_png(width: int, height: int) -> bytes:
 def png_request(pngs: list[bytes], reward: str = "brightness") -> bytes:
     return json.dumps({"rewards": [reward], "prompts": ["x"] * len(pngs), "metadata": [{}] * len(pngs),
                        "images_png": [base64.b64encode(p).decode() for p in pngs]}).encode()
-
-
-def memory(pid: int) -> dict[str, int]:
-    """``VmRSS`` and ``VmHWM`` (the peak RSS) of process ``pid``, in bytes."""
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
-
-
-def reset_peak(pid: int) -> int:
-    """Reset process ``pid``'s peak RSS to its RSS now (``/proc/<pid>/clear_refs``), and return that RSS."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    return memory(pid)["VmRSS"]
 
 
 def send(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -213,7 +202,7 @@ def test_a_decompression_bomb_is_refused_from_its_header_and_memory_stays_flat(h
             before = reset_peak(running.pid)
             with ThreadPoolExecutor(3) as pool:  # three at once
                 answers = list(pool.map(lambda _: _post(f"{running.url}/v1/score", body, kind), range(3)))
-            grown = memory(running.pid)["VmHWM"] - before
+            grown = resident(running.pid)["VmHWM"] - before
             assert all(code == status for code, _ in answers), answers
             print(f"\nbomb {status}: peak RSS +{grown / MIB:.1f} MiB")
             assert grown < 50 * MIB, f"peak RSS grew by {grown / MIB:.1f} MiB"
@@ -387,7 +376,7 @@ def test_fuzz_hostile_requests_get_no_5xx_memory_stays_bounded_and_the_server_st
             category, status = future.result()
             statuses[category][status] += 1
     elapsed = time.monotonic() - started
-    peak = memory(hostile_server.pid)["VmHWM"]
+    peak = resident(hostile_server.pid)["VmHWM"]
     total = collections.Counter()
     for counter in statuses.values():
         total.update(counter)

@@ -192,6 +192,29 @@ def test_sharded_launches_are_refused_before_the_model_loads(tmp_path, kind):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_multi_process_launch_that_accelerate_left_as_single_runs_is_refused(tmp_path, monkeypatch):
+    # WORLD_SIZE=2 with an accelerator of one process: each process would train the whole run alone into one out_dir
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from flowalign.config import load_config
+    from flowalign.training.collectives import launched_without_accelerator
+    from flowalign.training.config import TrainConfig
+    from flowalign.training.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert launched_without_accelerator()  # no GPU here: the trainer asks accelerate for gloo itself
+    config = load_config(TrainConfig, None, overrides(tmp_path / "no-model", tmp_path / "run"))
+    single = SimpleNamespace(distributed_type=DistributedType.NO, num_processes=1)
+    with pytest.raises(SetupError, match="one of WORLD_SIZE=2, but accelerate started no process group.*"
+                                         "ACCELERATE_USE_CPU=1"):
+        Trainer(config, accelerator=single)
+    assert not (tmp_path / "run").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not launched_without_accelerator()
+
+
 def test_resuming_a_checkpoint_whose_optimizer_file_carries_code_is_a_user_error(tiny_model, tmp_path, capsys):
     from test_checkpoint import CodePayload
 

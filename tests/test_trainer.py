@@ -343,11 +343,13 @@ def test_two_processes_match_one_process(tiny_model, tmp_path):
     settings = {"train.iterations": 2, "optim.minibatches": 3, "train.eval_at_end": "true",
                 "train.eval_images_per_prompt": 1, "train.eval_steps": 2}
     # one intra-op thread in both, as torchrun gives each of its processes: the reference model's evaluation is then
-    # the same bitwise (2 threads sum in another order: 2e-10 apart)
+    # the same bitwise (2 threads sum in another order: 2e-10 apart). No ACCELERATE_USE_CPU: on a machine without an
+    # accelerator the trainer asks accelerate for the CPU's process group itself (launched_without_accelerator)
+    env = {k: v for k, v in os.environ.items() if k != "ACCELERATE_USE_CPU"}
     two = subprocess.Popen(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "flowalign.cli", *TRAIN_CLI,
          *overrides(tiny_model, tmp_path / "two", **settings)],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:  # meanwhile, one process
         one = run_cli(overrides(tiny_model, tmp_path / "one", **settings), {"OMP_NUM_THREADS": "1"}, timeout=300)

@@ -20,7 +20,7 @@ from flowalign.samplers import noise_schedule
 from flowalign.training.checkpointer import Checkpointer
 from flowalign.training.collapse import CollapseMetrics
 from flowalign.training.copies import PolicyCopies
-from flowalign.training.collectives import check_distributed_type, check_ranks_agree
+from flowalign.training.collectives import check_distributed_type, check_ranks_agree, launched_without_accelerator
 from flowalign.training.context_parallel import DataParallelView, check_context_parallel, enable_context_parallel
 from flowalign.training.ema import EMA
 from flowalign.training.parallel_engines import build_engine
@@ -45,8 +45,8 @@ def build_trainer(trainer, config, rewards=None, model: FlowModel | None = None,
     t.config = config
     set_threads(cfg.threads)  # before anything computes: the CPUs free to the process, or train.threads
     t.accelerator = accelerator or Accelerator(
-        mixed_precision=config.model.mixed_precision, log_with=None if cfg.tracker == "none" else cfg.tracker,
-        project_dir=cfg.out_dir)
+        cpu=launched_without_accelerator(), mixed_precision=config.model.mixed_precision,
+        log_with=None if cfg.tracker == "none" else cfg.tracker, project_dir=cfg.out_dir)
     check_distributed_type(t.accelerator)
     check_ranks_agree(t.accelerator, to_dict(config))
     context = check_context_parallel(config, t.accelerator.num_processes, t.accelerator.device.type)

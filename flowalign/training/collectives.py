@@ -9,6 +9,7 @@ other overrides would train another run in lockstep, or hang).
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -17,7 +18,7 @@ import torch
 from flowalign.errors import SetupError
 
 __all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "gather_objects",
-           "summed", "together", "world_of"]
+           "launched_without_accelerator", "summed", "together", "world_of"]
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
 
@@ -43,8 +44,23 @@ def gather_objects(accelerator, items: list) -> list:
     return [item for rank, part in enumerate(per_process) if rank % degree == 0 for item in part]
 
 
+def launched_without_accelerator() -> bool:
+    """A launch of several processes (``WORLD_SIZE`` > 1, as torchrun and accelerate set it) on a machine without an
+    accelerator. accelerate then starts a process group only when told the run is on the CPU (``Accelerator(cpu=
+    True)``, or ``ACCELERATE_USE_CPU=1``); without it each process would train the whole run alone, all of them
+    writing into the same ``train.out_dir``. The trainer passes ``cpu=True`` then: gloo, as the tests launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()
+
+
 def check_distributed_type(accelerator) -> None:
-    """Refuse, before any model loads, an accelerate launch config the trainer cannot run (FSDP, DeepSpeed, ...)."""
+    """Refuse, before any model loads, an accelerate launch config the trainer cannot run (FSDP, DeepSpeed, ...), and
+    a launch of several processes that accelerate left as independent single-process runs."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes == 1:
+        raise SetupError(
+            f"this process was launched as one of WORLD_SIZE={launched}, but accelerate started no process group: each "
+            "process would train the whole run alone, into the same train.out_dir. On a machine without a GPU set "
+            "ACCELERATE_USE_CPU=1 (gloo); with GPUs, check that every process sees one (CUDA_VISIBLE_DEVICES)")
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind not in SUPPORTED_DISTRIBUTED_TYPES:
         raise SetupError(
