@@ -48,9 +48,9 @@ def _run_calibrate(config, args: argparse.Namespace) -> None:
     options = args.options
     path, overrides = config_and_overrides(args.items)
     levels, history = calibrate(config, rounds=options.rounds, eps1=options.eps1, eps2=options.eps2)
-    from accelerate import PartialState
+    from flowalign.training.collectives import process_state
 
-    state = PartialState()
+    state = process_state()
     if not state.is_main_process:  # every process holds the same levels; the main one writes them
         _leave_process_group(state)
         return

@@ -106,10 +106,11 @@ def _independent_trajectories(shape: str) -> bool:
 @contextlib.contextmanager
 def _scratch_directory():
     """A temporary directory the main process makes and names to every process; removed on exit."""
-    from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    state = PartialState()
+    from flowalign.training.collectives import process_state
+
+    state = process_state()
     name = [tempfile.mkdtemp(prefix="flowalign-calibrate-") if state.is_main_process else None]
     if state.num_processes > 1:
         broadcast_object_list(name)

@@ -18,7 +18,7 @@ import torch
 from flowalign.errors import SetupError
 
 __all__ = ["SUPPORTED_DISTRIBUTED_TYPES", "agreed", "check_distributed_type", "check_ranks_agree", "gather_objects",
-           "launched_without_accelerator", "summed", "together", "world_of"]
+           "launched_without_accelerator", "process_state", "summed", "together", "world_of"]
 
 SUPPORTED_DISTRIBUTED_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU")
 
@@ -50,6 +50,16 @@ def launched_without_accelerator() -> bool:
     True)``, or ``ACCELERATE_USE_CPU=1``); without it each process would train the whole run alone, all of them
     writing into the same ``train.out_dir``. The trainer passes ``cpu=True`` then: gloo, as the tests launch."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available()
+
+
+def process_state():
+    """accelerate's state of this process (``PartialState``), made as the trainer makes its ``Accelerator``: on the
+    CPU's process group where ``launched_without_accelerator``. accelerate keeps the first state a process makes for
+    its whole life (an ``Accelerator`` made later shares it), so code that runs before the trainer makes it here:
+    a plain ``PartialState()`` ignores ``ACCELERATE_USE_CPU`` and leaves a CPU launch's processes on their own."""
+    from accelerate import PartialState
+
+    return PartialState(cpu=launched_without_accelerator())
 
 
 def check_distributed_type(accelerator) -> None:
