@@ -2,7 +2,7 @@
 
 The measured run is the default run's iteration (``configs/default.yaml``: DiffusionNFT, the toy SD3, LoRA) at a
 small base point, ``BASE``: 2 prompts x 8 images, 10 steps, 32 px, the toy transformer, one process, one intra-op
-thread, the main job's reward plus brightness (``REWARDS``). Each axis grows one size and keeps the others at
+thread, the default run's reward plus brightness (``REWARDS``). Each axis grows one size and keeps the others at
 the base:
 
 | axis | key | work (x) |
@@ -64,15 +64,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "assets/toy-sd3"
 DEFAULT_RUN = REPO / "configs/default.yaml"  # what `flowalign train` runs without a config (the schema's defaults differ)
-# The main job's reward plus brightness: a freshly initialised transformer's images all score 0 on the verifier, and
+# The default run's reward plus brightness: a freshly initialised transformer's images all score 0 on the verifier, and
 # a group without a spread trains nothing (``skip_without_signal``); brightness gives every group a spread, so every
-# iteration of every point rolls out, scores and trains as the main job's does. At weight 1: the brightness of a
+# iteration of every point rolls out, scores and trains as the default run's does. At weight 1: the brightness of a
 # fresh model's 128-px images spreads by about 1e-3 within a group, which a weight of 0.001 took below the spread
 # that counts as none (``flowalign.advantages.ZERO_STD``, 1e-6).
 REWARDS = "reward.rewards=[{name: toy_geneval, kwargs: {partial_credit: true}}, {name: brightness}]"
 # A learning rate of 1e-9: the same operations as the default's 5e-4 at the same cost, but the weights barely move,
-# so every timed iteration measures the same model (after a fresh 128-px transformer's first update at the default
-# rate no group had a spread, and its later iterations trained nothing).
+# so every timed iteration measures the same model.
 BASE = ["data.prompts_per_iteration=2", "data.group_size=8", "sampling.num_steps=10", "train.threads=1", REWARDS,
         "optim.lr=1e-9", "train.tracker=none", "train.eval_at_end=false", "train.sample_every=0",
         "train.checkpoint_every=0"]
