@@ -3,6 +3,12 @@
 ``VmHWM`` is the peak resident set size; writing ``5`` to ``/proc/<pid>/clear_refs`` resets it to the current RSS
 (Linux 4.0+, ``proc(5)``), so ``reset_peak`` then ``resident(pid)["VmHWM"]`` measure the peak of what ran in
 between, not of the process's whole life as ``getrusage``'s ``ru_maxrss`` does.
+
+The kernel's counters behind both are exact to a grain. Before Linux 6.2 each thread batches its page faults and
+folds them into the process's count every 64 faults: a thread's last 63 faults may be missing, 252 KiB in 4 KiB pages
+but up to 126 MiB in 2 MiB transparent huge pages (which numpy and torch ask for on large buffers). From 6.2 the
+counters are per-CPU with a batch of ``max(32, 2 * CPUs)`` pages. A figure here is a lower bound to that grain; a
+check that needs it exact allocates in 4 KiB pages (``MADV_NOHUGEPAGE``), as ``tests/test_resident_memory.py`` does.
 """
 
 from __future__ import annotations
