@@ -26,11 +26,11 @@ iterations (``Trainer.step``) and reports each one's wall time and the peak resi
 a warm-up and is dropped; the time is the mean of the rest. One more, untimed iteration runs under torch's
 ``FlopCounterMode``, which counts the floating-point operations of every matrix product and convolution, forward and
 backward, against which the time's growth is read (time that grows as the FLOPs do is the arithmetic's; time that
-grows slower is a fixed part being amortised). It has no formula for the CPU's attention kernel
-(``aten._scaled_dot_product_flash_attention_for_cpu``), so attention is **not** in the count: along the axes that keep
-the token count (all but ``image_size``) its share is fixed and the exponents hold; along ``image_size`` it grows
-with the square of the tokens (``docs/results/scaling.md`` computes it). For ``processes`` the time is
-rank 0's, the FLOPs the sum over processes and the memory each process's peak (the table shows each).
+grows slower is a fixed part being amortised). torch's counter has no formula for the CPU's attention kernels
+(``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward); ``attention_formulas`` gives them torch's own
+counts for the other attention kernels, so attention is in the count (a row records it: ``attention_counted``; rows
+measured before it was are without). For ``processes`` the time is rank 0's, the FLOPs the sum over processes and
+the memory each process's peak (the table shows each).
 
 The exponent ``b`` of each axis is the least-squares slope of ``log cost`` against ``log work`` over its points
 (``cost ~ a * work^b``: 1 is linear, below 1 means a fixed part that the work amortises, above 1 worse than linear),
@@ -106,6 +106,27 @@ def toy_variant(out: Path, **transformer) -> Path:
     return out
 
 
+def _attention_forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """``QK^T`` and ``PV``: ``4 B H S_q S_k D`` (torch's ``sdpa_flop_count``, on the shapes)."""
+    from torch.utils.flop_counter import sdpa_flop_count
+    return sdpa_flop_count(query, key, value)
+
+
+def _attention_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+    """The scores recomputed, then the gradients of ``V``, the scores, ``Q`` and ``K``: ``10 B H S_q S_k D``."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def attention_formulas() -> dict:
+    """``FlopCounterMode``'s ``custom_mapping`` for the CPU attention kernels (their arguments begin as the CUDA
+    kernels' do: ``query, key, value`` forward, ``grad_out, query, key, value`` backward)."""
+    import torch
+    cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cpu_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    return {cpu_flash: _attention_forward, cpu_flash_backward: _attention_backward}  # packets, as the counter keys them
+
+
 def worker(iterations: int, result: Path, overrides: list[str]) -> None:
     """One measured process: build the trainer, run ``iterations`` iterations, write this rank's figures."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -126,11 +147,11 @@ def worker(iterations: int, result: Path, overrides: list[str]) -> None:
         seconds.append(time.perf_counter() - clock)
     peak = resident()["VmHWM"]
     phases = iteration_cost(trainer.history)  # the timed iterations' phases, the warm-up dropped
-    with FlopCounterMode(display=False) as counter:  # one more iteration, untimed: its arithmetic
-        trainer.step()
+    with FlopCounterMode(display=False, custom_mapping=attention_formulas()) as counter:
+        trainer.step()  # one more iteration, untimed: its arithmetic
     rank = int(os.environ.get("RANK", 0))
     figures = {"seconds": seconds, "rss_before": before, "peak_rss": peak, "flops": counter.get_total_flops(),
-               "transformer_parameters": parameters, "phases": phases}
+               "attention_counted": True, "transformer_parameters": parameters, "phases": phases}
     (result / f"rank{rank}.json").write_text(json.dumps(figures))
 
 
@@ -168,7 +189,8 @@ def measure(axis: str, point: int, iterations: int, scratch: Path) -> dict:
             "all_seconds": ranks[0]["seconds"], "phases": ranks[0]["phases"],
             "peak_rss": [r["peak_rss"] for r in ranks], "rss_before": [r["rss_before"] for r in ranks],
             "iteration_memory": [max(0, r["peak_rss"] - r["rss_before"]) for r in ranks],
-            "transformer_parameters": ranks[0]["transformer_parameters"], "flops": sum(r["flops"] for r in ranks)}
+            "transformer_parameters": ranks[0]["transformer_parameters"], "flops": sum(r["flops"] for r in ranks),
+            "attention_counted": ranks[0].get("attention_counted", False)}
 
 
 def work_of(axis: str, point: int, figures: dict) -> float:
@@ -222,7 +244,8 @@ def _fmt(value: float | None) -> str:
 
 def table(rows: list[dict], exponents: dict[str, dict]) -> str:
     """The markdown table: one line per point, then one per axis with its exponents."""
-    lines = ["| axis | point | work | s / iteration | rollout / reward / train s | GFLOP / iteration (no attention) "
+    uncounted = " †"  # a row measured before the CPU attention kernels were counted
+    lines = ["| axis | point | work | s / iteration | rollout / reward / train s | GFLOP / iteration "
              "| GFLOP/s | peak RSS MiB | iteration's memory MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
@@ -233,12 +256,19 @@ def table(rows: list[dict], exponents: dict[str, dict]) -> str:
         peak = " + ".join(f"{p / 2**20:.0f}" for p in r["peak_rss"])
         grown = " + ".join(f"{m / 2**20:.0f}" for m in r["iteration_memory"])
         lines.append(f"| {r['axis']} | {r['point']} | {r['work']:.4g} | {r['seconds']:.2f} | {split} | "
-                     f"{r['flops'] / 1e9:.1f} | {r['flops'] / 1e9 / r['seconds']:.1f} | {peak} | {grown} |")
-    lines += ["", "| axis | work | time exponent | two largest | rollout | reward | train | FLOP exponent (no "
-              "attention) | memory exponent | two largest |", "|---|---|---|---|---|---|---|---|---|---|"]
+                     f"{r['flops'] / 1e9:.1f}{'' if r.get('attention_counted') else uncounted} | "
+                     f"{r['flops'] / 1e9 / r['seconds']:.1f} | {peak} | {grown} |")
+    lines += ["", "| axis | work | time exponent | two largest | rollout | reward | train | FLOP exponent "
+              "| memory exponent | two largest |", "|---|---|---|---|---|---|---|---|---|---|"]
     for axis, e in exponents.items():
-        cells = [e[k] for k in ("time", "time_last", "rollout", "reward", "train", "flops", "memory", "memory_last")]
-        lines.append(f"| {axis} | {AXES[axis]['work']} | " + " | ".join(_fmt(c) for c in cells) + " |")
+        keys = ("time", "time_last", "rollout", "reward", "train", "flops", "memory", "memory_last")
+        cells = [_fmt(e[k]) for k in keys]
+        if not all(r.get("attention_counted") for r in rows if r.get("axis") == axis and "error" not in r):
+            cells[5] += uncounted
+        lines.append(f"| {axis} | {AXES[axis]['work']} | " + " | ".join(cells) + " |")
+    if uncounted in "\n".join(lines):
+        lines += ["", f"{uncounted.strip()} without attention: measured before `bench/scaling.py` counted the CPU "
+                  "attention kernels."]
     return "\n".join(lines)
 
 

@@ -28,6 +28,24 @@ def row(axis, point, work, seconds, memory, phases=(0.5, 0.1, 0.4)):
             "phases": dict(zip(("time/rollout", "time/reward", "time/train"), phases))}
 
 
+def test_the_cpu_attention_kernels_are_counted_as_their_matrix_products():
+    """Forward ``QK^T`` and ``PV``: 2 x 2 B H S^2 D; backward: the scores again and four products, 5 x 2 B H S^2 D."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b, h, s, d = 2, 3, 40, 8
+    query, key, value = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    with FlopCounterMode(display=False, custom_mapping=scaling.attention_formulas()) as counter:
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+        forward = counter.get_total_flops()
+        out.sum().backward()
+    assert forward == 4 * b * h * s * s * d
+    assert counter.get_total_flops() == forward + 10 * b * h * s * s * d
+    with FlopCounterMode(display=False) as plain:  # what torch's counter alone sees on the CPU: nothing
+        torch.nn.functional.scaled_dot_product_attention(query, key, value).sum().backward()
+    assert plain.get_total_flops() == 0
+
+
 def test_fits_and_the_table_per_axis():
     rows = [row("steps", 8, 8, 1.0, [2**20]), row("steps", 16, 16, 2.0, [2**20], (1.0, 0.1, 0.4)),
             row("steps", 32, 32, 4.0, [2**20], (2.0, 0.1, 0.4)),
@@ -39,11 +57,17 @@ def test_fits_and_the_table_per_axis():
     assert fits["steps"]["train"] == pytest.approx(0.0) and fits["steps"]["memory"] == pytest.approx(0.0)
     assert fits["processes"]["time"] == pytest.approx(-1.0)  # half the time on two processes: perfect
     assert fits["processes"]["memory"] == pytest.approx(0.0)  # the processes' memory summed
+    for counted in rows[:3]:  # the steps were measured with attention in the count, the processes before it was
+        counted["attention_counted"] = True
     text = scaling.table(rows, fits)
     assert fits["steps"]["flops"] == pytest.approx(1.0)
-    assert "| processes | 2 | 2 | 1.00 | 0.50 / 0.10 / 0.40 | 8.0 | 8.0 | 902 + 902 | 2 + 2 |" in text
+    assert "| processes | 2 | 2 | 1.00 | 0.50 / 0.10 / 0.40 | 8.0 † | 8.0 | 902 + 902 | 2 + 2 |" in text
+    assert "| steps | 8 | 8 | 1.00 | 0.50 / 0.10 / 0.40 | 32.0 | 32.0 | 901 | 1 |" in text
     assert "| width | 4 | failed: width=4 failed (exit 1): |" in text
     assert "| steps | sampling steps | 1.00 | 1.00 | 1.00 | 0.00 | 0.00 | 1.00 | 0.00 | 0.00 |" in text
+    assert "| processes | processes (same global work) | -1.00 | -1.00 | 0.00 | 0.00 | 0.00 | 1.00 † |" in text
+    assert text.endswith("† without attention: measured before `bench/scaling.py` counted the CPU attention kernels.")
+    assert "†" not in scaling.table(rows[:3], scaling.fits(rows[:3]))
 
 
 def test_merging_keeps_the_axes_not_measured_again_in_the_axes_order():
