@@ -203,6 +203,8 @@ TABLES = {
     "drl_stage2": ("methods.md", "drl{,_adjoint}/**/drl.json", _drl_stage2),
     "train_iteration_adjoint": ("methods.md", "train_iteration_adjoint.json",
                                 lambda: _cost("train_iteration_adjoint.json")),
+    "train_iteration_methods3": ("methods.md", "train_iteration_methods3.json",
+                                 lambda: _cost("train_iteration_methods3.json")),
     "objectives_equal_wall": ("objectives.md", "equal_wall/equal_wall.json",
                               lambda: _equal_wall(("flow_grpo_fast", *TRAINING_SIDE, *OBJECTIVES))),
     "objectives_equal_wall_matched": ("objectives.md", "equal_wall{,_matched}/equal_wall.json", _equal_wall_matched),
