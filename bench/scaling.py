@@ -190,7 +190,7 @@ def measure(axis: str, point: int, iterations: int, scratch: Path) -> dict:
             "peak_rss": [r["peak_rss"] for r in ranks], "rss_before": [r["rss_before"] for r in ranks],
             "iteration_memory": [max(0, r["peak_rss"] - r["rss_before"]) for r in ranks],
             "transformer_parameters": ranks[0]["transformer_parameters"], "flops": sum(r["flops"] for r in ranks),
-            "attention_counted": ranks[0].get("attention_counted", False)}
+            "attention_counted": ranks[0]["attention_counted"]}
 
 
 def work_of(axis: str, point: int, figures: dict) -> float:
