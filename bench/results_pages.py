@@ -205,6 +205,8 @@ TABLES = {
                                 lambda: _cost("train_iteration_adjoint.json")),
     "train_iteration_methods3": ("methods.md", "train_iteration_methods3.json",
                                  lambda: _cost("train_iteration_methods3.json")),
+    "default_run_seeds": ("default_run.md", "equal_wall_nft_levels/equal_wall.json",
+                          lambda: _equal_wall(path="equal_wall_nft_levels/equal_wall.json")),
     "objectives_equal_wall": ("objectives.md", "equal_wall/equal_wall.json",
                               lambda: _equal_wall(("flow_grpo_fast", *TRAINING_SIDE, *OBJECTIVES))),
     "objectives_equal_wall_matched": ("objectives.md", "equal_wall{,_matched}/equal_wall.json", _equal_wall_matched),

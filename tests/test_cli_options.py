@@ -240,17 +240,19 @@ def test_train_keeps_its_positional_config_overrides_and_resume(tmp_path):
 
 
 def test_train_without_a_config_is_the_default_run_and_a_config_replaces_it(monkeypatch, tmp_path):
-    """``flowalign train [KEY=VALUE ...]`` builds on ``configs/default.yaml`` (DiffusionNFT for 108 iterations with
-    the matched EMA 0.99 ** (330 / 108)); a named config builds on TrainConfig's own defaults (Flow-GRPO-Fast's)."""
+    """``flowalign train [KEY=VALUE ...]`` builds on ``configs/default.yaml`` (DiffusionNFT at 3 noise levels a
+    sample for 227 iterations with the matched EMA 0.99 ** (330 / 227)); a named config builds on TrainConfig's own
+    defaults (Flow-GRPO-Fast's)."""
     from flowalign.config import ConfigError, diff_configs, load_config, to_dict
     from flowalign.training.config import TrainConfig
 
     monkeypatch.chdir(REPO)
     _, default = parse_command(["train"])
     nft = load_config(TrainConfig, REPO / "configs/methods/diffusion_nft.yaml",
-                      ["train.iterations=108", "optim.ema_decay=0.969757"])
+                      ["train.iterations=227", "optim.ema_decay=0.985496",
+                       "objectives.diffusion_nft.timestep_fraction=0.3"])
     assert diff_configs(to_dict(default), to_dict(nft)) == []
-    assert abs(default.optim.ema_decay - 0.99 ** (330 / 108)) < 1e-6 and list(default.objectives) == ["diffusion_nft"]
+    assert abs(default.optim.ema_decay - 0.99 ** (330 / 227)) < 1e-6 and list(default.objectives) == ["diffusion_nft"]
     _, seeded = parse_command(["train", "train.seed=3"])
     assert diff_configs(to_dict(default), to_dict(seeded)) == ["train.seed: 0 != 3"]
     _, fast = parse_command(["train", str(REPO / "configs/methods/flow_grpo_fast.yaml")])

@@ -40,7 +40,7 @@ def test_help_config_shows_the_values_of_the_config_it_is_given(capsys, monkeypa
     main(["train", "--help-config"])  # no CONFIG: the default run's values
     shown = capsys.readouterr().out
     assert "sampling.noise_level = 0.0 [default: 0.7]" in shown
-    assert "train.iterations = 108 [default: 330]" in shown
+    assert "train.iterations = 227 [default: 330]" in shown
     main(["train", "configs/methods/flow_grpo_fast.yaml", "train.iterations=7", "--help-config"])
     shown = capsys.readouterr().out
     assert "train.iterations = 7 [default: 330]" in shown and "sampling.noise_level = 0.7  (" in shown

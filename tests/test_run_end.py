@@ -58,7 +58,7 @@ def test_a_run_from_python_shows_its_end_and_returns_the_evaluation(tiny_model, 
 
 def test_the_evaluation_size_follows_the_run():
     default = load_config(TrainConfig, REPO / "configs/default.yaml", [])
-    assert default.train.eval_images_per_tag is None and default.train.iterations == 108
+    assert default.train.eval_images_per_tag is None and default.train.iterations == 227
     assert eval_images_per_tag(default, command_line=True) == FULL_PER_TAG == 528  # the default run's, unchanged
     assert eval_images_per_tag(default) == SMALL_PER_TAG  # the same run from Python
     short = load_config(TrainConfig, REPO / "configs/default.yaml", ["train.iterations=3"])
