@@ -241,8 +241,8 @@ def test_train_keeps_its_positional_config_overrides_and_resume(tmp_path):
 
 def test_train_without_a_config_is_the_default_run_and_a_config_replaces_it(monkeypatch, tmp_path):
     """``flowalign train [KEY=VALUE ...]`` builds on ``configs/default.yaml`` (DiffusionNFT at 3 noise levels a
-    sample for 227 iterations with the matched EMA 0.99 ** (330 / 227)); a named config builds on TrainConfig's own
-    defaults (Flow-GRPO-Fast's)."""
+    sample for 227 iterations at learning rate 1e-3 with the matched EMA 0.99 ** (330 / 227)); a named config builds
+    on TrainConfig's own defaults (Flow-GRPO-Fast's)."""
     from flowalign.config import ConfigError, diff_configs, load_config, to_dict
     from flowalign.training.config import TrainConfig
 
@@ -250,7 +250,7 @@ def test_train_without_a_config_is_the_default_run_and_a_config_replaces_it(monk
     _, default = parse_command(["train"])
     nft = load_config(TrainConfig, REPO / "configs/methods/diffusion_nft.yaml",
                       ["train.iterations=227", "optim.ema_decay=0.985496",
-                       "objectives.diffusion_nft.timestep_fraction=0.3"])
+                       "objectives.diffusion_nft.timestep_fraction=0.3", "optim.lr=1e-3"])
     assert diff_configs(to_dict(default), to_dict(nft)) == []
     assert abs(default.optim.ema_decay - 0.99 ** (330 / 227)) < 1e-6 and list(default.objectives) == ["diffusion_nft"]
     _, seeded = parse_command(["train", "train.seed=3"])
