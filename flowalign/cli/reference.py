@@ -182,7 +182,7 @@ def config_page() -> str:
         "`flowalign COMMAND --help-config` prints this list for one command. The defaults below are the "
         "schema's own, the base of every config file (for `train`: Flow-GRPO-Fast's settings); `flowalign train` "
         "without a `CONFIG` reads `configs/default.yaml`, the default run (DiffusionNFT at 3 noise levels a "
-        "sample for 227 iterations).",
+        "sample and learning rate 1e-3 for 227 iterations).",
         "",
         "A component section (`rollout`, `credit`, `step_selection`, `step_weighting`, `sampler`, ...) picks a "
         "registered component with its `name`; its other keys are the settings of that component, listed below "
