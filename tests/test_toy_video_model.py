@@ -73,6 +73,56 @@ def test_pretrain_video_refuses_a_frame_count_the_toy_vae_cannot_take(capsys, mo
     assert "num_frames = 7" in err and "use 5 or 9" in err
 
 
+def test_pretrain_video_continues_an_earlier_pipeline_on_its_vae(toy_wan, tmp_path):
+    """``init_from``: the VAE is the parent's bit for bit (no VAE stage), the flow stage trains one more cycle from
+    the parent's DiT, or from a new DiT of another patch; the log holds the parent's."""
+    parent_log = json.loads((toy_wan / "pretrain_log.json").read_text())
+    vae = "vae/diffusion_pytorch_model.safetensors"
+    dit = "transformer/diffusion_pytorch_model.safetensors"
+
+    continued = tmp_path / "continued"
+    pretrain_video(VideoPretrainConfig(out=str(continued), init_from=str(toy_wan), seed=1, **TINY_PRETRAIN))
+    log = json.loads((continued / "pretrain_log.json").read_text())
+    assert log["parent"] == parent_log and log["vae_seconds"] == 0.0 and log["vae_mse"] == []
+    assert log["latents_std"] == parent_log["latents_std"] and len(log["flow_loss"]) == 2
+    before, after = load_file(toy_wan / vae), load_file(continued / vae)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    before, after = load_file(toy_wan / dit), load_file(continued / dit)
+    assert before.keys() == after.keys() and not all(torch.equal(before[k], after[k]) for k in before)
+    assert load_flow_model(continued).family == "wan"
+
+    finer = tmp_path / "finer"
+    pretrain_video(VideoPretrainConfig(out=str(finer), init_from=str(toy_wan), reinit_transformer=True,
+                                       patch_size=[1, 2, 2], **TINY_PRETRAIN))
+    config = json.loads((finer / "transformer/config.json").read_text())
+    parent_config = json.loads((toy_wan / "transformer/config.json").read_text())
+    assert config["patch_size"] == [1, 2, 2] and parent_config["patch_size"] == [1, 4, 4]
+    assert config["sample_size"] == parent_config["sample_size"]  # the adapter's default frame size
+    log = json.loads((finer / "pretrain_log.json").read_text())
+    assert log["architecture"]["transformer"]["patch_size"] == [1, 2, 2] and log["parent"] == parent_log
+    model = load_flow_model(finer)
+    latents = torch.randn(1, 4, 5, 16, 16)
+    cond = model.encode(["a red circle moving to the left"])
+    assert model.velocity(latents, torch.tensor([0.5]), cond).shape == latents.shape
+
+
+def test_pretrain_video_refuses_bad_patches_and_continuations_before_loading(toy_wan, capsys, tmp_path):
+    cases = [
+        (["patch_size=[1,3,3]"], "patch_size = [1, 3, 3]"),
+        (["patch_size=[1,4]"], "three positive integers"),
+        ([f"init_from={tmp_path / 'nothing'}"], "init_from"),
+        ([f"init_from={toy_wan}", "patch_size=[1,2,2]"], "reinit_transformer=true"),
+        ([f"init_from={toy_wan}", f"out={toy_wan}"], "never replaces another run's files"),
+        (["reinit_transformer=true"], "reinit_transformer = true needs init_from"),
+    ]
+    for overrides, message in cases:
+        argv = ["toy", "pretrain-video", *([] if any(o.startswith("out=") for o in overrides) else
+                                           [f"out={tmp_path / 'unused'}"]), *overrides]
+        assert _exit_status(argv) == 2, overrides
+        assert message in capsys.readouterr().err, overrides
+    assert not (tmp_path / "unused").exists()
+
+
 def test_eval_toy_video_writes_verdicts_checks_and_frame_strips(toy_wan, tmp_path):
     out = tmp_path / "eval"
     argv = ["eval", "toy-video", "--model", str(toy_wan), "--max-prompts", "3", "--images-per-prompt", "2",
@@ -139,7 +189,11 @@ def test_the_committed_toy_wan_is_the_pretrain_video_defaults_output_and_under_3
     asset = REPO / "assets/toy-wan"
     log = json.loads((asset / "pretrain_log.json").read_text())
     defaults = asdict(VideoPretrainConfig())
-    assert {k: v for k, v in log["config"].items() if k != "out"} == {k: v for k, v in defaults.items() if k != "out"}
+    # keys added after the asset was written default to the behaviour it was written with
+    added = {"patch_size": [1, 4, 4], "init_from": "", "reinit_transformer": False}
+    assert {k: defaults[k] for k in added} == added and log["architecture"]["transformer"]["patch_size"] == [1, 4, 4]
+    assert {**added, **{k: v for k, v in log["config"].items() if k != "out"}} == {
+        k: v for k, v in defaults.items() if k != "out"}
     assert sum(p.stat().st_size for p in asset.rglob("*") if p.is_file()) < 30 * 2**20
     model = load_flow_model(asset)
     assert model.family == "wan" and model.default_image_size == (32, 32)
