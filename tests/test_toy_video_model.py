@@ -111,10 +111,16 @@ def test_pretrain_video_refuses_bad_patches_and_continuations_before_loading(toy
         (["patch_size=[1,3,3]"], "patch_size = [1, 3, 3]"),
         (["patch_size=[1,4]"], "three positive integers"),
         ([f"init_from={tmp_path / 'nothing'}"], "init_from"),
+        ([f"init_from={tmp_path / 'other'}"], "is a StableDiffusion3Pipeline, not the toy WanPipeline"),
         ([f"init_from={toy_wan}", "patch_size=[1,2,2]"], "reinit_transformer=true"),
         ([f"init_from={toy_wan}", f"out={toy_wan}"], "never replaces another run's files"),
         (["reinit_transformer=true"], "reinit_transformer = true needs init_from"),
     ]
+    other = tmp_path / "other"  # a crafted folder: the files named, another pipeline class
+    (other / "transformer").mkdir(parents=True)
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
+    (other / "pretrain_log.json").write_text("{}")
+    (other / "transformer/config.json").write_text(json.dumps({"patch_size": [1, 4, 4]}))
     for overrides, message in cases:
         argv = ["toy", "pretrain-video", *([] if any(o.startswith("out=") for o in overrides) else
                                            [f"out={tmp_path / 'unused'}"]), *overrides]

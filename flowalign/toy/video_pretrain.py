@@ -171,6 +171,10 @@ class VideoPretrainConfig:
             raise ConfigError(f"init_from = {self.init_from!r}: not a pipeline written by `flowalign toy "
                               f"pretrain-video` (no {', '.join(missing)}); name the directory of an earlier run",
                               key="init_from")
+        class_name = json.loads((source / "model_index.json").read_text()).get("_class_name")
+        if class_name != "WanPipeline":
+            raise ConfigError(f"init_from = {self.init_from!r} is a {class_name}, not the toy WanPipeline that "
+                              "`flowalign toy pretrain-video` writes", key="init_from")
         if source.resolve() == Path(self.out).resolve():
             raise ConfigError(f"init_from = out = {self.out!r}: a run never replaces another run's files; write the "
                               "continued pipeline to a new out", key="out")
@@ -322,10 +326,12 @@ def train_flow(pipe, data: tuple[list[str], torch.Tensor], config: VideoPretrain
 def continued_pipeline(config: VideoPretrainConfig, words):
     """The pipeline of ``config.init_from`` with the scheduler's shift of ``config``, and a new DiT in place of its
     own where ``config.reinit_transformer``; returns it and the parent's log."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from ..models.loading import load_flow_model
 
     source = Path(config.init_from)
-    pipe = WanPipeline.from_pretrained(source)
+    pipe = load_flow_model(source, family="wan").pipe
     pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=config.shift)
     if config.reinit_transformer:
         pipe.transformer = toy_wan_pipeline(words, shift=config.shift, seed=config.seed,
