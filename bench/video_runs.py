@@ -88,8 +88,8 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
     record = {"method": method, "seed": seed, "iterations": len(rows), "train_wall_s": train_wall, "wall_s": wall,
               "threads": threads, "load_average_at_end": list(os.getloadavg()),
               "paired": report["paired"]["overall"], "tags": report["paired"]["tags"],
-              "paired_partial": (report.get("paired_partial") or {}).get("overall"),
-              "reward_first": rows[0].get("reward/mean"), "reward_last10": _mean(r.get("reward/mean") for r in rows[-10:])}
+              "paired_partial": report["rewards"]["toy_video"]["overall"],  # the trainer's paired reward table
+              "reward_first": rows[0].get("reward"), "reward_last10": _mean(r.get("reward") for r in rows[-10:])}
     record_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = record_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
