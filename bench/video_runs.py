@@ -81,15 +81,7 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
         subprocess.run(command, cwd=REPO, env=env, stdout=stream, stderr=subprocess.STDOUT, check=True)
-    wall = time.perf_counter() - start
-    report = json.loads((run_dir / "eval/before_after.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train_wall = sum(v for row in rows for k, v in row.items() if k.startswith("time/") and isinstance(v, float))
-    record = {"method": method, "seed": seed, "iterations": len(rows), "train_wall_s": train_wall, "wall_s": wall,
-              "threads": threads, "load_average_at_end": list(os.getloadavg()),
-              "paired": report["paired"]["overall"], "tags": report["paired"]["tags"],
-              "paired_partial": report["rewards"]["toy_video"]["overall"],  # the trainer's paired reward table
-              "reward_first": rows[0].get("reward"), "reward_last10": _mean(r.get("reward") for r in rows[-10:])}
+    record = run_record(method, seed, run_dir, time.perf_counter() - start, threads)
     record_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = record_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
@@ -97,6 +89,20 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
     print(f"{method} seed {seed}: {record['iterations']} iterations, train {train_wall:.0f} s, wall {wall:.0f} s, "
           f"gain {record['paired']['diff']:+.3f} (SE {record['paired']['se']:.3f})", flush=True)
     return record
+
+
+def run_record(method: str, seed: int, run_dir: Path, wall: float, threads: int | None) -> dict:
+    """One finished run's record, read from the trainer's own files: ``metrics.jsonl`` (the training wall time as the
+    sum of each iteration's ``time/*``, the first and last-10 mean ``reward``) and ``eval/before_after.json`` (the
+    paired exact-verifier gain per tag and overall, and the paired partial credit from its ``rewards`` table)."""
+    report = json.loads((run_dir / "eval/before_after.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_wall = sum(v for row in rows for k, v in row.items() if k.startswith("time/") and isinstance(v, float))
+    return {"method": method, "seed": seed, "iterations": len(rows), "train_wall_s": train_wall, "wall_s": wall,
+            "threads": threads, "load_average_at_end": list(os.getloadavg()),
+            "paired": report["paired"]["overall"], "tags": report["paired"]["tags"],
+            "paired_partial": report["rewards"]["toy_video"]["overall"],
+            "reward_first": rows[0]["reward"], "reward_last10": _mean(r["reward"] for r in rows[-10:])}
 
 
 def _mean(values) -> float | None:

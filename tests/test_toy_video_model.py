@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,6 +178,16 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
     for name in ("grid_before.png", "grid_after.png"):
         with Image.open(run / "eval" / name) as grid:
             assert grid.size[0] > grid.size[1]  # frame strips, five frames wide
+
+    # bench/video_runs.py's record reads the same files: every field a number. (In a process of its own: the script
+    # puts bench/ on sys.path.)
+    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'bench')!r}); from video_runs import run_record; "
+            f"print(json.dumps(run_record('default', 0, __import__('pathlib').Path({str(run)!r}), 1.0, None)))")
+    record = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert record["iterations"] == 1 and record["train_wall_s"] > 0 and 0 <= record["reward_first"] <= 1
+    assert record["reward_last10"] == record["reward_first"] and record["paired"] == report["paired"]["overall"]
+    assert record["paired_partial"] == report["rewards"]["toy_video"]["overall"]
 
     # The trained checkpoint against its base, paired on the same seeds.
     checkpoint = sorted(run.glob("checkpoint-*"))[-1]
