@@ -10,8 +10,8 @@ import torch
 
 from flowalign.config import load_config
 from flowalign.training.config import TrainConfig
-from flowalign.training.evaluation import (FULL_PER_TAG, SMALL_PER_TAG, estimated_seconds, eval_images_per_tag,
-                                           score_with_rewards)
+from flowalign.training.evaluation import (FULL_PER_TAG, SMALL_PER_TAG, estimated_seconds, eval_guidance,
+                                           eval_images_per_tag, score_with_rewards)
 from short_runs import REPO, finish_short_run, save_tiny_model
 
 
@@ -37,7 +37,7 @@ def test_a_run_from_python_shows_its_end_and_returns_the_evaluation(tiny_model, 
     shown = capsys.readouterr().out
     # the announcement: the image count and an estimated time, before the (stderr) progress bar
     assert "evaluating 66 held-out images before and 66 after training (66 prompts of " in shown
-    assert ", 2 ODE steps): about " in shown
+    assert ", 2 ODE steps, guidance 1): about " in shown
     # the summary of paths
     checkpoint = out / "checkpoint-000001"
     for line in (f"run finished: {out}", f"last checkpoint: {checkpoint}", f"before/after:    {out / 'eval'}",
@@ -66,6 +66,17 @@ def test_the_evaluation_size_follows_the_run():
     asked = load_config(TrainConfig, REPO / "configs/default.yaml", ["train.iterations=3",
                                                                       "train.eval_images_per_tag=100"])
     assert eval_images_per_tag(asked) == eval_images_per_tag(asked, command_line=True) == 100
+
+
+def test_the_evaluation_samples_at_the_runs_guidance():
+    def guidance(*overrides):
+        return eval_guidance(load_config(TrainConfig, REPO / "configs/default.yaml", list(overrides)))
+
+    assert guidance() == 1.0  # the default run samples without CFG, and is judged so
+    assert guidance("sampling.guidance_scale=4") == 4.0  # a run that rolls out with CFG is judged with it
+    assert guidance("sampling.guidance_scale=4", "train.eval_guidance=1") == 1.0  # unless told otherwise
+    with pytest.raises(ValueError, match="train.eval_guidance"):
+        guidance("train.eval_guidance=-1")
 
 
 def test_the_estimate_is_the_runs_rollout_speed_per_image_step():
@@ -103,7 +114,7 @@ def test_eval_toy_on_a_checkpoint_reproduces_the_runs_own_evaluation_next_to_it(
 
     out = tmp_path / "run"
     finish_short_run(tiny_model, out, **{"train.eval_images_per_prompt": "null", "train.eval_images_per_tag": 2,
-                                         "train.eval_seed": 7})
+                                         "train.eval_seed": 7, "train.eval_guidance": 2})
     run = json.loads((out / "eval" / "before_after.json").read_text())
     checkpoint = out / "checkpoint-000001"
     assert main(["eval", "toy", "--lora", str(checkpoint)]) == 0  # nothing but the checkpoint
@@ -111,6 +122,7 @@ def test_eval_toy_on_a_checkpoint_reproduces_the_runs_own_evaluation_next_to_it(
     record = json.loads((written / "results.json").read_text())
     settings = record["config"]
     assert (settings["steps"], settings["seed"], settings["images_per_tag"], settings["resolution"]) == (2, 7, 2, 32)
+    assert settings["guidance_scale"] == run["guidance_scale"] == 2  # the run's evaluation guidance, re-read
     assert settings["lora_weights"] == "ema" and settings["prompts"] == str(REPO / "assets/prompts/test.jsonl")
     assert record["summary"] == run["after"]  # the run's "after" column, exactly
     assert len(record["results"]) == run["samples"]

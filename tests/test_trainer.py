@@ -147,7 +147,7 @@ def test_a_finished_run_resumed_only_reruns_its_evaluation_on_the_seed_asked_for
         assert report["seed"] == (10_000 if seed is None else seed)
         if seed is None:  # the same seeds reproduce the run's own evaluation exactly
             assert report["paired"] == original["paired"]
-    assert "(evaluation seed 7)" in (tmp_path / "other" / "eval" / "before_after.md").read_text()
+    assert "(evaluation seed 7, guidance 1)" in (tmp_path / "other" / "eval" / "before_after.md").read_text()
 
 
 def test_rg_opd_on_a_differentiable_reward_regresses_onto_its_rgs_targets(tiny_model, tmp_path):

@@ -25,8 +25,10 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images,
-                       *, seed: int | None = None, rewards: dict[str, dict] | None = None) -> dict:
-    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed``: the evaluation's;
+                       *, seed: int | None = None, guidance_scale: float = 1.0,
+                       rewards: dict[str, dict] | None = None) -> dict:
+    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed`` and ``guidance_scale``:
+    the evaluation's;
     ``rewards``: each of the run's rewards' paired statistics on the same samples, ``paired_difference``'s layout,
     a second table of their overall rows)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -41,10 +43,11 @@ def write_before_after(out: Path, before, after, before_summary, after_summary, 
             lines.append(f"| {name} | {entry['mean_a']:.4g} | {entry['mean_b']:.4g} | {entry['diff']:+.4g} | "
                          f"{entry['se']:.2g} | {entry['z']:.1f} |")
     n = len(before)
-    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after (evaluation seed {seed}).")
+    lines.append(f"\n{n} held-out samples, the same captions and seeds before and after (evaluation seed {seed}, "
+                 f"guidance {guidance_scale:g}).")
     write_text_atomically(out / "before_after.md", "\n".join(lines) + "\n")
     report = {"paired": paired, "before": before_summary, "after": after_summary, "samples": n, "seed": seed,
-              "rewards": rewards or {}}
+              "guidance_scale": guidance_scale, "rewards": rewards or {}}
     write_text_atomically(out / "before_after.json", json.dumps(report, indent=1))
     for name, results, images in (("before", before, before_images), ("after", after, after_images)):
         if images.ndim == 5:  # videos [N, F, 3, H, W]: each as its frames side by side

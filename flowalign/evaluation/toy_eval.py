@@ -124,7 +124,8 @@ class SamplingRun:
 
 
 # flowalign eval toy's settings when no training checkpoint gives its run's (run_evaluation_settings)
-COMMAND_DEFAULTS = {"steps": 10, "seed": 0, "images_per_prompt": 4, "out_dir": "outputs/eval-toy"}
+COMMAND_DEFAULTS = {"steps": 10, "guidance_scale": 1.0, "seed": 0, "images_per_prompt": 4,
+                    "out_dir": "outputs/eval-toy"}
 
 
 @dataclass(kw_only=True)
@@ -151,6 +152,9 @@ class EvalConfig(SamplingRun):
     images_per_prompt: int | None = option(None, "images per prompt (default: a --lora checkpoint's final "
                                            "evaluation's, else 4)")
     steps: int | None = option(None, "ODE steps (default: a --lora checkpoint's train.eval_steps, else 10)")
+    guidance_scale: float | None = option(None, "guidance scale (CFG with negative prompt '' when > 1; default: a "
+                                          "--lora checkpoint's train.eval_guidance, else its sampling.guidance_scale, "
+                                          "else 1)", flag="guidance")
     seed: int | None = option(None, "noise seed (default: a --lora checkpoint's evaluation seed, train.eval_seed or "
                               "train.seed + 10000, else 0)")
     resolution: int | None = option(None, "image size (default: a --lora checkpoint's sampling.image_size, else the "
@@ -172,9 +176,9 @@ class EvalConfig(SamplingRun):
 
 def run_evaluation_settings(config: EvalConfig, lora=None) -> EvalConfig:
     """``config`` with every unset setting filled: from a training checkpoint's run (``lora``, a ``LoraSource`` of
-    kind ``checkpoint``), its final evaluation's (``train.eval_steps``, the evaluation seed, its images per tag or per
+    kind ``checkpoint``), its final evaluation's (``train.eval_steps``, its guidance, the evaluation seed, its images per tag or per
     prompt, ``data.eval_prompts``, ``sampling.image_size``; the output folder ``<run>/eval-<checkpoint>``); without
-    one, the command's own defaults (10 steps, 4 images per prompt, seed 0, ``outputs/eval-toy``)."""
+    one, the command's own defaults (10 steps, guidance 1, 4 images per prompt, seed 0, ``outputs/eval-toy``)."""
     from dataclasses import replace
 
 
@@ -193,6 +197,8 @@ def run_evaluation_settings(config: EvalConfig, lora=None) -> EvalConfig:
     return replace(
         config, **counts,
         steps=config.steps if config.steps is not None else train.get("eval_steps", 10),
+        guidance_scale=config.guidance_scale if config.guidance_scale is not None else next(
+            g for g in (train.get("eval_guidance"), sampling.get("guidance_scale"), 1.0) if g is not None),
         seed=config.seed if config.seed is not None else (
             eval_seed if eval_seed is not None else int(train.get("seed", 0)) + 10_000),
         prompts=config.prompts or data.get("eval_prompts"),

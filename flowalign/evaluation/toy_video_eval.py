@@ -222,7 +222,7 @@ def run_video_eval(config: VideoEvalConfig) -> dict:
 
         paired = write_before_after(out, before, results, before_summary, summary,
                                     paired_difference(before, results), before_videos, videos,
-                                    seed=config.seed)["paired"]
+                                    seed=config.seed, guidance_scale=config.guidance_scale)["paired"]
     record = {"config": {**asdict(config), "model": model_path, "prompts": str(prompts_path),
                          "lora_weights": None if lora is None else lora.weights},
               "summary": summary, "results": results}

@@ -500,6 +500,9 @@ class RunConfig:
         None, "images per prompt in the final evaluation instead of train.eval_images_per_tag; null = per tag"
     )
     eval_steps: int = option(10, "ODE steps per image in the final evaluation")
+    eval_guidance: float | None = option(
+        None, "classifier-free guidance scale of the final evaluation; null = sampling.guidance_scale (the run is "
+        "judged as it samples)")
     eval_seed: int | None = option(
         None, "seed of the final evaluation's samples; null = train.seed + 10000. With train.resume pointing at a "
         "finished run's last checkpoint, only the evaluation runs: a re-reading on other seeds"
@@ -540,6 +543,8 @@ class RunConfig:
             ("threads", 1),
         ):
             _at_least(f"train.{name}", getattr(self, name), low)
+        if self.eval_guidance is not None:
+            _finite("train.eval_guidance", self.eval_guidance, 0.0)
         if self.video_fps is not None:
             from flowalign.evaluation.videos import check_fps
 

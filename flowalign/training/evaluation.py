@@ -1,5 +1,6 @@
 """The held-out evaluation at the end of a run: toy GenEval of the reference (LoRA off) and of the trained policy (its
-EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag. A video model is
+EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag. Both are sampled
+at the run's own guidance (``train.eval_guidance``, else ``sampling.guidance_scale``). A video model is
 judged by the toy video world's verifier instead (``flowalign.evaluation.toy_video_eval.evaluate_videos``), with the
 same paired statistics; its grids show each clip's frames side by side.
 
@@ -31,7 +32,7 @@ from flowalign.evaluation.toy_eval import SMALL_PER_TAG
 from flowalign.training.collectives import gather_objects
 from flowalign.training.run_files import RunFiles
 
-__all__ = ["FULL_PER_TAG", "SHORT_RUN", "SMALL_PER_TAG", "estimated_seconds", "eval_images_per_tag", "eval_seed",
+__all__ = ["FULL_PER_TAG", "SHORT_RUN", "SMALL_PER_TAG", "estimated_seconds", "eval_guidance", "eval_images_per_tag", "eval_seed",
            "evaluate_before_after", "score_with_rewards"]
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,11 @@ def eval_seed(config) -> int:
     """The final evaluation's sample seed: ``train.eval_seed``, else ``train.seed + 10000``."""
     seed = config.train.eval_seed
     return config.train.seed + 10_000 if seed is None else seed
+
+
+def eval_guidance(config) -> float:
+    """The final evaluation's CFG scale: ``train.eval_guidance``, else the rollouts' ``sampling.guidance_scale``."""
+    return config.train.eval_guidance if config.train.eval_guidance is not None else config.sampling.guidance_scale
 
 
 def eval_images_per_tag(config, *, command_line: bool = False) -> int:
@@ -141,15 +147,19 @@ def evaluate_before_after(trainer) -> dict | None:
     cfg, accelerator, model = trainer.config, trainer.accelerator, trainer.model
     metadata = load_metadata(cfg.data.eval_prompts)
     counts = cfg.train.eval_images_per_prompt or images_per_tag(metadata, eval_images_per_tag(cfg))
+    guidance = eval_guidance(cfg)
     shard = (accelerator.process_index, accelerator.num_processes)
-    kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg),
+    kwargs = dict(steps=cfg.train.eval_steps, images_per_prompt=counts, seed=eval_seed(cfg), guidance_scale=guidance,
                   image_size=cfg.sampling.image_size, shard=shard, progress=trainer.is_main)
     total = counts * len(metadata) if isinstance(counts, int) else sum(counts)
     if trainer.is_main:
         seconds = estimated_seconds(trainer.history, trainer.layout.samples_per_process, cfg.sampling.num_steps,
                                     2 * math.ceil(total / accelerator.num_processes), cfg.train.eval_steps)
-        logger.info("evaluating %d held-out images before and %d after training (%d prompts of %s, %d ODE steps): "
-                    "%s", total, total, len(metadata), cfg.data.eval_prompts, cfg.train.eval_steps, _duration(seconds))
+        if seconds is not None:  # the rollouts' speed, at their own number of CFG passes
+            seconds *= (1 + (guidance > 1)) / (1 + (cfg.sampling.guidance_scale > 1))
+        logger.info("evaluating %d held-out images before and %d after training (%d prompts of %s, %d ODE steps, "
+                    "guidance %g): %s", total, total, len(metadata), cfg.data.eval_prompts, cfg.train.eval_steps,
+                    guidance, _duration(seconds))
     # a video model: the toy video world's verifier (toy_video_eval), else toy GenEval
     evaluate = evaluate_videos if getattr(model, "modality", "image") == "video" else evaluate_images
     model.transformer.eval()
@@ -171,6 +181,7 @@ def evaluate_before_after(trainer) -> dict | None:
         RunFiles(trainer.out_dir).record(*(f"eval/{name}" for name in EVAL_FILES))  # before they are written
         report = write_before_after(trainer.out_dir / "eval", before, after, summarize(before), summarize(after),
                                     paired_difference(before, after), before_images, after_images,
-                                    seed=eval_seed(cfg), rewards=paired_rewards(before, after, names))
+                                    seed=eval_seed(cfg), guidance_scale=guidance,
+                                    rewards=paired_rewards(before, after, names))
     accelerator.wait_for_everyone()
     return report
