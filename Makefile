@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-fast train clean docs docs-serve docs-gen
+.PHONY: install test test-fast train clean docs docs-serve docs-gen toy-wan
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ train: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not slow"
+
+# Rebuild the toy video world's model, assets/toy-wan (about 3 h 10 min on one core; each stage its own folder):
+# the VAE, text encoder and a first DiT at the command's defaults, a DiT of 1x2x2 patches on them, then two more
+# cycles on clips it has not seen. The asset's pretrain_log.json holds every stage's settings (tests read these lines).
+TOY_WAN_STAGES := outputs/toy-wan-stages
+toy-wan: install
+	$(BIN)/flowalign toy pretrain-video --out $(TOY_WAN_STAGES)/0
+	$(BIN)/flowalign toy pretrain-video init_from=$(TOY_WAN_STAGES)/0 reinit_transformer=true "patch_size=[1,2,2]" steps=2400 batch_size=32 --out $(TOY_WAN_STAGES)/1
+	$(BIN)/flowalign toy pretrain-video init_from=$(TOY_WAN_STAGES)/1 "patch_size=[1,2,2]" seed=1 latent_clips=8192 steps=3000 batch_size=32 lr=5e-4 warmup_steps=50 --out $(TOY_WAN_STAGES)/2
+	$(BIN)/flowalign toy pretrain-video init_from=$(TOY_WAN_STAGES)/2 "patch_size=[1,2,2]" seed=2 latent_clips=16384 steps=3000 batch_size=32 lr=5e-4 warmup_steps=50 --out $(TOY_WAN_STAGES)/3
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

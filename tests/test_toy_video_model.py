@@ -92,6 +92,9 @@ def test_pretrain_video_continues_an_earlier_pipeline_on_its_vae(toy_wan, tmp_pa
     before, after = load_file(toy_wan / dit), load_file(continued / dit)
     assert before.keys() == after.keys() and not all(torch.equal(before[k], after[k]) for k in before)
     assert load_flow_model(continued).family == "wan"
+    # the written configs do not carry the path the parent was loaded from
+    written = [continued / "model_index.json", *continued.glob("*/config.json")]
+    assert len(written) == 4 and not any("_name_or_path" in json.loads(p.read_text()) for p in written)
 
     finer = tmp_path / "finer"
     pretrain_video(VideoPretrainConfig(out=str(finer), init_from=str(toy_wan), reinit_transformer=True,
@@ -201,17 +204,32 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
         sum(r["partial"] for r in record["results"]) / 2)
 
 
-def test_the_committed_toy_wan_is_the_pretrain_video_defaults_output_and_under_30_mb():
+def test_the_committed_toy_wan_is_the_makefile_recipes_output_and_under_30_mb(tmp_path):
+    """assets/toy-wan's pretrain_log.json, root first, holds the settings of each `make toy-wan` stage."""
+    import shlex
     from dataclasses import asdict
 
+    from flowalign.config import load_config
+
+    recipe = [line for line in (REPO / "Makefile").read_text().splitlines()
+              if line.startswith("\t$(BIN)/flowalign toy pretrain-video")]
     asset = REPO / "assets/toy-wan"
-    log = json.loads((asset / "pretrain_log.json").read_text())
-    defaults = asdict(VideoPretrainConfig())
-    # keys added after the asset was written default to the behaviour it was written with
+    # (init_from names the previous stage's folder; any pipeline the command wrote stands in for it here)
+    stages = [[f"init_from={asset}" if token.startswith("init_from=") else token
+               for token in shlex.split(line) if "=" in token] + [f"out={tmp_path}"] for line in recipe]
+    chain, log = [], json.loads((asset / "pretrain_log.json").read_text())
+    while log:
+        chain.insert(0, log)
+        log = log.get("parent")
+    assert len(chain) == len(stages) == 4
+    # keys added after the first stage was written default to the behaviour it was written with
     added = {"patch_size": [1, 4, 4], "init_from": "", "reinit_transformer": False}
-    assert {k: defaults[k] for k in added} == added and log["architecture"]["transformer"]["patch_size"] == [1, 4, 4]
-    assert {**added, **{k: v for k, v in log["config"].items() if k != "out"}} == {
-        k: v for k, v in defaults.items() if k != "out"}
+    for index, (stage, overrides) in enumerate(zip(chain, stages)):
+        expected = {k: v for k, v in asdict(load_config(VideoPretrainConfig, None, overrides)).items() if k != "out"}
+        written = {**(added if index == 0 else {}), **{k: v for k, v in stage["config"].items() if k != "out"}}
+        assert bool(written.pop("init_from")) == bool(expected.pop("init_from")) == (index > 0)
+        assert written == expected, f"stage {index}"
+    assert chain[-1]["architecture"]["transformer"]["patch_size"] == [1, 2, 2]
     assert sum(p.stat().st_size for p in asset.rglob("*") if p.is_file()) < 30 * 2**20
     model = load_flow_model(asset)
     assert model.family == "wan" and model.default_image_size == (32, 32)

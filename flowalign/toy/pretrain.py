@@ -240,11 +240,17 @@ def train_flow(pipe, stream: SceneStream, config: PretrainConfig, log: dict) -> 
 
 
 def save_atomically(pipe, out: Path) -> None:
-    """``save_pretrained`` into a temporary sibling directory, then swap it into place."""
+    """``save_pretrained`` into a temporary sibling directory, then swap it into place. The configs lose diffusers'
+    ``_name_or_path`` (where a loaded pipeline came from: a path on this machine, which a written model must not
+    carry)."""
     out = out.resolve()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
+    for path in [tmp / "model_index.json", *tmp.glob("*/config.json")]:
+        config = json.loads(path.read_text())
+        if config.pop("_name_or_path", None) is not None:
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if out.exists():
         old = out.with_name(out.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
