@@ -27,10 +27,9 @@ def write_text_atomically(path: Path, text: str) -> None:
 def write_before_after(out: Path, before, after, before_summary, after_summary, paired, before_images, after_images,
                        *, seed: int | None = None, guidance_scale: float = 1.0,
                        rewards: dict[str, dict] | None = None) -> dict:
-    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed`` and ``guidance_scale``:
-    the evaluation's;
-    ``rewards``: each of the run's rewards' paired statistics on the same samples, ``paired_difference``'s layout,
-    a second table of their overall rows)."""
+    """Write ``before_after.md`` / ``.json`` and the two grids; return the report (``seed`` and ``guidance_scale``: the
+    evaluation's; ``rewards``: each of the run's rewards' paired statistics on the same samples, ``paired_difference``'s
+    layout, a second table of their overall rows)."""
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| tag | before | after | paired gain | SE | z |", "|---|---|---|---|---|---|"]
     for tag in [t for t in TAGS if t in paired["tags"]] + ["overall"]:

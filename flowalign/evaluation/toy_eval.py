@@ -176,8 +176,9 @@ class EvalConfig(SamplingRun):
 
 def run_evaluation_settings(config: EvalConfig, lora=None) -> EvalConfig:
     """``config`` with every unset setting filled: from a training checkpoint's run (``lora``, a ``LoraSource`` of
-    kind ``checkpoint``), its final evaluation's (``train.eval_steps``, its guidance, the evaluation seed, its images per tag or per
-    prompt, ``data.eval_prompts``, ``sampling.image_size``; the output folder ``<run>/eval-<checkpoint>``); without
+    kind ``checkpoint``), its final evaluation's (``train.eval_steps``, its guidance, the evaluation seed, its images
+    per tag or per prompt, ``data.eval_prompts``, ``sampling.image_size``; the output folder
+    ``<run>/eval-<checkpoint>``); without
     one, the command's own defaults (10 steps, guidance 1, 4 images per prompt, seed 0, ``outputs/eval-toy``)."""
     from dataclasses import replace
 

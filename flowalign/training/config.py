@@ -471,7 +471,8 @@ class RunConfig:
     resumable: ClassVar[tuple[str, ...]] = (
         "resume", "iterations", "eval_at_end", "log_every", "sample_every", "tracker", "eval_images_per_tag",
         "eval_images_per_prompt", "eval_steps", "eval_guidance", "eval_seed", "keep_checkpoints", "checkpoint_every",
-        "out_dir", "overwrite", "restart_ema", "video_fps", "strip_frames", "project", "run_name", "wandb_entity", "threads")
+        "out_dir", "overwrite", "restart_ema", "video_fps", "strip_frames", "project", "run_name", "wandb_entity",
+        "threads")
 
     iterations: int = option(330, "training iterations (one rollout and its optimizer steps each)")
     seed: int = option(0, "random seed")

@@ -1,6 +1,6 @@
 """The held-out evaluation at the end of a run: toy GenEval of the reference (LoRA off) and of the trained policy (its
-EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag. Both are sampled
-at the run's own guidance (``train.eval_guidance``, else ``sampling.guidance_scale``). A video model is
+EMA when on) on identical captions and seeds, with the paired gain, its standard error and z per tag. Both are
+sampled at the run's own guidance (``train.eval_guidance``, else ``sampling.guidance_scale``). A video model is
 judged by the toy video world's verifier instead (``flowalign.evaluation.toy_video_eval.evaluate_videos``), with the
 same paired statistics; its grids show each clip's frames side by side.
 
@@ -32,8 +32,8 @@ from flowalign.evaluation.toy_eval import SMALL_PER_TAG
 from flowalign.training.collectives import gather_objects
 from flowalign.training.run_files import RunFiles
 
-__all__ = ["FULL_PER_TAG", "SHORT_RUN", "SMALL_PER_TAG", "estimated_seconds", "eval_guidance", "eval_images_per_tag", "eval_seed",
-           "evaluate_before_after", "score_with_rewards"]
+__all__ = ["FULL_PER_TAG", "SHORT_RUN", "SMALL_PER_TAG", "estimated_seconds", "eval_guidance", "eval_images_per_tag",
+           "eval_seed", "evaluate_before_after", "score_with_rewards"]
 
 logger = logging.getLogger(__name__)
 
