@@ -86,8 +86,9 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
     tmp = record_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, record_path)
-    print(f"{method} seed {seed}: {record['iterations']} iterations, train {train_wall:.0f} s, wall {wall:.0f} s, "
-          f"gain {record['paired']['diff']:+.3f} (SE {record['paired']['se']:.3f})", flush=True)
+    print(f"{method} seed {seed}: {record['iterations']} iterations, train {record['train_wall_s']:.0f} s, "
+          f"wall {record['wall_s']:.0f} s, gain {record['paired']['diff']:+.3f} (SE {record['paired']['se']:.3f})",
+          flush=True)
     return record
 
 
@@ -110,36 +111,69 @@ def _mean(values) -> float | None:
     return sum(kept) / len(kept) if kept else None
 
 
-def report(out: Path) -> str:
-    """Rebuild ``video_runs.md`` / ``.json`` from the records."""
-    records = [json.loads(p.read_text()) for p in sorted((out / "records").glob("*.json"))]
+def summarise(records: list[dict]) -> dict:
+    """Per method (the main job first): its seeds, iterations, the mean exact gain over seeds with its SE
+    (``bench/methods.py``'s ``seed_mean``), the per-seed gains, the mean partial-credit gain, the mean training and
+    command wall times, and the mean before and after scores."""
     methods = sorted({r["method"] for r in records}, key=lambda m: (m != "default", m))
-    lines = ["| method | seeds | iterations | held-out gain (exact) | SE | z | per seed | partial-credit gain | "
-             "train wall s | command wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    table = {}
+    summary = {}
     for method in methods:
         group = sorted((r for r in records if r["method"] == method), key=lambda r: r["seed"])
         gains = [r["paired"]["diff"] for r in group]
         mean, se, spread = seed_mean(gains, [r["paired"]["se"] for r in group])
-        partial = [r["paired_partial"]["diff"] for r in group if r.get("paired_partial")]
-        iterations = sorted({r["iterations"] for r in group})
-        train = sum(r["train_wall_s"] for r in group) / len(group)
-        wall = sum(r["wall_s"] for r in group) / len(group)
-        table[method] = {"seeds": [r["seed"] for r in group], "iterations": iterations, "gain": mean, "se": se,
-                         "seed_sd": spread, "gains": gains, "partial_gain": _mean(partial), "train_wall_s": train,
-                         "wall_s": wall, "before": _mean(r["paired"]["mean_a"] for r in group),
-                         "after": _mean(r["paired"]["mean_b"] for r in group)}
-        z = mean / se if se else math.nan
-        lines.append(f"| {method} | {len(group)} | {'/'.join(map(str, iterations))} | {mean:+.3f} | {se:.3f} | "
-                     f"{z:.1f} | {', '.join(f'{g:+.3f}' for g in gains)} | "
-                     f"{'' if table[method]['partial_gain'] is None else format(table[method]['partial_gain'], '+.3f')}"
-                     f" | {train:.0f} | {wall:.0f} |")
-    text = "\n".join(lines) + "\n"
-    for name, content in (("video_runs.md", text), ("video_runs.json", json.dumps(table, indent=1))):
+        summary[method] = {"seeds": [r["seed"] for r in group], "iterations": sorted({r["iterations"] for r in group}),
+                           "gain": mean, "se": se, "seed_sd": spread, "gains": gains,
+                           "partial_gain": _mean(r["paired_partial"]["diff"] for r in group if r.get("paired_partial")),
+                           "train_wall_s": _mean(r["train_wall_s"] for r in group),
+                           "wall_s": _mean(r["wall_s"] for r in group),
+                           "before": _mean(r["paired"]["mean_a"] for r in group),
+                           "after": _mean(r["paired"]["mean_b"] for r in group)}
+    return summary
+
+
+def table(summary: dict) -> str:
+    """The markdown table of ``summarise``'s result (``video_runs.md``, and docs/results/video.md's)."""
+    lines = ["| method | seeds | iterations | before | after | held-out gain (exact) | SE | z | per seed | "
+             "partial-credit gain | train wall s | command wall s |", "|" + "---|" * 12]
+    for method, row in summary.items():
+        z = row["gain"] / row["se"] if row["se"] else math.nan
+        partial = "" if row["partial_gain"] is None else format(row["partial_gain"], "+.3f")
+        lines.append(f"| {method} | {len(row['seeds'])} | {'/'.join(map(str, row['iterations']))} | "
+                     f"{row['before']:.3f} | {row['after']:.3f} | {row['gain']:+.3f} | {row['se']:.3f} | {z:.1f} | "
+                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {partial} | {row['train_wall_s']:.0f} | "
+                     f"{row['wall_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path) -> str:
+    """Rebuild ``video_runs.md`` / ``.json`` from the records."""
+    summary = summarise([json.loads(p.read_text()) for p in sorted((out / "records").glob("*.json"))])
+    text = table(summary)
+    for name, content in (("video_runs.md", text), ("video_runs.json", json.dumps(summary, indent=1))):
         tmp = out / f"{name}.tmp"
         tmp.write_text(content)
         os.replace(tmp, out / name)
     return text
+
+
+def strips(run_dir: Path, out: Path, rows: int = 2) -> list[Path]:
+    """The first ``rows`` rows of a run's ``eval/grid_before.png`` and ``grid_after.png`` (the same held-out clips on
+    the same seeds, each clip's frames side by side, captioned with its verdict) as ``out/strips_before.png`` and
+    ``strips_after.png``. The grids hold the first 64 evaluation clips, ``save_grid``'s 8 to a row."""
+    from PIL import Image
+
+    report = json.loads((run_dir / "eval/before_after.json").read_text())
+    grid_rows = math.ceil(min(report["samples"], 64) / 8)
+    written = []
+    for name in ("before", "after"):
+        with Image.open(run_dir / "eval" / f"grid_{name}.png") as grid:
+            height = grid.height // grid_rows * min(rows, grid_rows)
+            path = out / f"strips_{name}.png"
+            tmp = path.with_suffix(".png.tmp")
+            grid.crop((0, 0, grid.width, height)).save(tmp, format="PNG")
+            os.replace(tmp, path)
+            written.append(path)
+    return written
 
 
 def main() -> None:
@@ -150,6 +184,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (each on one thread when > 1)")
     parser.add_argument("--out", default=str(REPO / "bench/results/video"))
     parser.add_argument("--report", action="store_true", help="only rebuild the table from the records")
+    parser.add_argument("--strips", metavar="RUN", help="write the results page's before/after strips from the run "
+                        "METHOD-seedK under --out (e.g. default-seed0)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +196,8 @@ def main() -> None:
         with ThreadPoolExecutor(args.jobs) as pool:
             for future in [pool.submit(run_one, m, s, iterations.get(m), out, threads) for m, s in jobs]:
                 future.result()
+    if args.strips:
+        print("\n".join(map(str, strips(out / args.strips, out))))
     print(report(out))
 
 

@@ -182,15 +182,30 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
         with Image.open(run / "eval" / name) as grid:
             assert grid.size[0] > grid.size[1]  # frame strips, five frames wide
 
-    # bench/video_runs.py's record reads the same files: every field a number. (In a process of its own: the script
-    # puts bench/ on sys.path.)
-    code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'bench')!r}); from video_runs import run_record; "
-            f"print(json.dumps(run_record('default', 0, __import__('pathlib').Path({str(run)!r}), 1.0, None)))")
-    record = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                       check=True).stdout)
+    # bench/video_runs.py's record reads the same files: every field a number; its table over two seeds of that
+    # record, and the results page's strips: the first row of each grid. (In a process of its own: the script puts
+    # bench/ on sys.path.)
+    code = (f"import json, sys, pathlib; sys.path.insert(0, {str(REPO / 'bench')!r}); import video_runs as v; "
+            f"run = pathlib.Path({str(run)!r}); record = v.run_record('default', 0, run, 1.0, None); "
+            "summary = v.summarise([record, {**record, 'seed': 1}]); "
+            f"paths = v.strips(run, pathlib.Path({str(tmp_path)!r}), rows=1); "
+            "print(json.dumps({'record': record, 'summary': summary, 'table': v.table(summary), "
+            "'strips': [str(p) for p in paths]}))")
+    bench = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                      check=True).stdout)
+    record = bench["record"]
     assert record["iterations"] == 1 and record["train_wall_s"] > 0 and 0 <= record["reward_first"] <= 1
     assert record["reward_last10"] == record["reward_first"] and record["paired"] == report["paired"]["overall"]
     assert record["paired_partial"] == report["rewards"]["toy_video"]["overall"]
+    row = bench["summary"]["default"]
+    gain = report["paired"]["overall"]["diff"]
+    assert row["seeds"] == [0, 1] and row["gains"] == [gain, gain] and row["gain"] == pytest.approx(gain)
+    assert row["seed_sd"] == 0 and row["before"] == report["paired"]["overall"]["mean_a"]
+    assert bench["table"].splitlines()[2].startswith(f"| default | 2 | 1 | {row['before']:.3f} | {row['after']:.3f} |")
+    for name, path in zip(("before", "after"), bench["strips"]):
+        with Image.open(run / "eval" / f"grid_{name}.png") as grid, Image.open(path) as strip:
+            assert strip.size == (grid.width, grid.height // 7)  # 54 clips: 7 rows of 8
+            assert strip.tobytes() == grid.crop((0, 0, grid.width, grid.height // 7)).tobytes()
 
     # The trained checkpoint against its base, paired on the same seeds.
     checkpoint = sorted(run.glob("checkpoint-*"))[-1]

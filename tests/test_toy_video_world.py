@@ -13,7 +13,7 @@ from flowalign.toy import video_prompts as V
 from flowalign.toy.clips import DIRECTIONS, TRAVEL_RANGE, Clip, clip_for, clips_tensor, motion_offsets, render_clip
 from flowalign.toy.prompts import PROMPT_ASSET_DIR
 from flowalign.toy.scenes import BACKGROUND, BORDER, OBJECT_GAP, Shape, render, shape_box
-from flowalign.toy.video_reward import ToyVideoReward, direction_holds, judge_clip, track
+from flowalign.toy.video_reward import ToyVideoReward, direction_holds, direction_progress, judge_clip, track
 
 
 def _verdict(entry, clip):
@@ -176,6 +176,38 @@ def test_tracks_follow_box_centres_and_direction_needs_travel_without_drift_or_s
     assert "stepped back" in direction_holds(path((10, 5), (4, 5), (6, 5), (2, 5)), "left")[1]
     assert direction_holds(path((10, 5), (11.5, 4), (10, 6.5)), "still") == (True, "")
     assert "moved 2.0 px" in direction_holds(path((10, 5), (12, 5)), "still")[1]
+
+    # The graded motion term: each factor by hand, 1 exactly where the check holds.
+    assert direction_progress(path((10, 5), (8, 5), (6, 5)), "left") == 1.0
+    assert direction_progress(path((10, 5), (9, 5), (7, 5)), "left") == 0.75  # 3 px of the 4
+    assert direction_progress(path((10, 5), (8, 7), (6, 8)), "left") == 0.75  # drift 3 px, 1 px past half of 4
+    assert direction_progress(path((10, 5), (4, 5), (6, 5), (2, 5)), "left") == 0.75  # a 2 px step back, 1 px past 1
+    assert direction_progress(path((10, 5), (12, 5)), "left") == 0.0  # the wrong way
+    assert direction_progress(path((10, 5), (11.5, 4), (10, 6.5)), "still") == 1.0
+    assert direction_progress(path((10, 5), (12, 5)), "still") == pytest.approx(2 - 2 / 1.5)
+    assert direction_progress(path((10, 5), (14, 5)), "still") == 0.0
+    # Two tracks: the worst one counts (2 px of 4 against a whole path).
+    assert direction_progress(np.concatenate([path((10, 5), (6, 5)), path((20, 5), (18, 5))]), "left") == 0.5
+
+
+def test_the_graded_motion_term_rewards_travel_toward_the_prompt_and_is_refused_without_partial_credit():
+    rng = np.random.default_rng(3)
+    entries = [V.video_prompt("red", "circle", "left"), V.video_prompt("blue", "square", "up", 2)]
+    videos = clips_tensor([clip_for(e, rng) for e in entries])
+    graded = build_reward("toy_video", partial_credit=True, motion="graded")
+    assert graded(videos, [], entries).tolist() == [1.0, 1.0]
+    # The opposite direction: the frame checks hold, the motion term is 0 (every track went the wrong way).
+    wrong = [V.corrupt_direction(e) for e in entries]
+    verdicts = graded.verdicts(videos, wrong)
+    assert [v["motion"] for v in verdicts] == [0.0, 0.0] and graded(videos, [], wrong).tolist() == [0.75, 0.75]
+    # A still clip judged against a direction: it travels nothing, so scores as the binary check.
+    still = clips_tensor([clip_for(V.video_prompt("red", "circle", "still"), rng)])
+    verdict = graded.verdicts(still, [V.video_prompt("red", "circle", "left")])[0]
+    assert verdict["motion"] == 0.0 and verdict["partial_motion"] == verdict["partial"] == 0.75
+    with pytest.raises(RewardInputError, match="kwarg 'motion' must be one of binary, graded, got 'smooth'"):
+        ToyVideoReward(partial_credit=True, motion="smooth")
+    with pytest.raises(RewardInputError, match="set 'partial_credit: true' with it"):
+        ToyVideoReward(motion="graded")
 
 
 def test_bad_input_is_refused_naming_the_field():

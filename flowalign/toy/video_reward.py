@@ -23,6 +23,14 @@
 
 The verdict: ``correct`` when all four checks are 1 (the binary score, and what the evaluations count); ``partial``
 = their mean, which is 1 exactly when ``correct``. A rendered clip of the prompt scores 1 (pinned by the tests).
+
+``motion`` (in [0, 1]) grades the direction check (``direction_progress``): for a direction ``u``, each track scores
+``clip(along / MIN_TRAVEL) * clip(1 - excess_drift / MIN_TRAVEL) * clip(1 - excess_back / MIN_TRAVEL)``, where the
+excesses are how far the drift passes half the travel and the largest step back passes ``MAX_STEP_BACK``; for
+``still``, ``clip(2 - spread / STILL_RADIUS)``; the clip takes its worst track, and 0 when nothing can be tracked. It
+is 1 exactly when ``direction`` is. ``partial_motion`` is the mean of the three frame checks and ``motion``: a partial
+credit whose motion term rises with each pixel travelled the right way, where the binary direction gives no signal
+until a clip moves the whole way (the reward's ``motion="graded"``).
 """
 
 from __future__ import annotations
@@ -40,13 +48,14 @@ from flowalign.evaluation.geneval import (COUNTING_SCORE_THRESHOLD, SCORE_THRESH
 from flowalign.toy.clips import DIRECTIONS
 from flowalign.toy.detector import detect_batch
 
-__all__ = ["CHECKS", "MAX_STEP_BACK", "MIN_TRAVEL", "STILL_RADIUS", "ToyVideoReward", "judge_clip", "track",
-           "validate_video_metadata", "direction_holds"]
+__all__ = ["CHECKS", "MAX_STEP_BACK", "MIN_TRAVEL", "MOTION_TERMS", "STILL_RADIUS", "ToyVideoReward", "judge_clip",
+           "track", "validate_video_metadata", "direction_holds", "direction_progress"]
 
 CHECKS = ("object", "count", "color", "direction")
 MIN_TRAVEL = 4.0
 MAX_STEP_BACK = 1.0
 STILL_RADIUS = 1.5
+MOTION_TERMS = ("binary", "graded")  # the partial credit's direction term: the check, or direction_progress
 
 
 def validate_video_metadata(entry: Any, where: str = "<metadata>") -> None:
@@ -127,11 +136,30 @@ def direction_holds(tracks: np.ndarray, direction: str) -> tuple[bool, str]:
     return True, ""
 
 
+def direction_progress(tracks: np.ndarray, direction: str) -> float:
+    """How far the tracks ``[N, F, 2]`` go toward moving in ``direction``, in [0, 1] (module docstring): 1 exactly when
+    ``direction_holds``; the worst track's score."""
+    scores = []
+    for path in tracks:
+        shift = path - path[0]
+        if direction == "still":
+            scores.append(2.0 - float(np.abs(shift).max()) / STILL_RADIUS)
+            continue
+        u = np.asarray(DIRECTIONS[direction], dtype=np.float64)
+        along = float(shift[-1] @ u)
+        drift = abs(float(shift[-1] @ np.asarray([u[1], u[0]])))
+        back = float(-(np.diff(path, axis=0) @ u).min())
+        factors = (along / MIN_TRAVEL, 1.0 - max(0.0, drift - max(along, 0.0) / 2) / MIN_TRAVEL,
+                   1.0 - max(0.0, back - MAX_STEP_BACK) / MIN_TRAVEL)
+        scores.append(float(np.prod(np.clip(factors, 0.0, 1.0))))
+    return float(np.clip(min(scores), 0.0, 1.0))
+
+
 def judge_clip(metadata: Mapping[str, Any], frame_detections: Sequence[Mapping[str, Sequence[Mapping[str, Any]]]],
                frame_size: tuple[int, int]) -> dict[str, Any]:
     """The verdict of one clip from its frames' detections (module docstring): ``{correct, partial, checks: {object,
-    count, color, direction}, tracks: [[[x, y], ...] per frame] per object, or None, reason}``; ``frame_size`` is
-    ``(width, height)``."""
+    count, color, direction}, motion, partial_motion, tracks: [[[x, y], ...] per frame] per object, or None,
+    reason}``; ``frame_size`` is ``(width, height)``."""
     validate_video_metadata(metadata)
     clause = metadata["include"][0]
     threshold = COUNTING_SCORE_THRESHOLD if metadata["tag"] == "counting" else SCORE_THRESHOLD
@@ -144,7 +172,7 @@ def judge_clip(metadata: Mapping[str, Any], frame_detections: Sequence[Mapping[s
         if failed:
             reasons.append(f"{name} fails on frame(s) {failed}: {held[failed[0]][1]}")
     centres = [_centres(found, clause["class"], clause["count"], threshold) for found in frame_detections]
-    tracks = None
+    tracks, motion = None, 0.0
     if any(c is None for c in centres):
         missing = [t for t, c in enumerate(centres) if c is None]
         checks["direction"] = 0.0
@@ -154,11 +182,13 @@ def judge_clip(metadata: Mapping[str, Any], frame_detections: Sequence[Mapping[s
         tracks = paths.tolist()
         ok, why = direction_holds(paths, metadata["direction"])
         checks["direction"] = float(ok)
+        motion = direction_progress(paths, metadata["direction"])
         if not ok:
             reasons.append(f"direction: {why}")
     partial = sum(checks.values()) / len(checks)
-    return {"correct": partial == 1.0, "partial": partial, "checks": checks, "tracks": tracks,
-            "reason": "\n".join(reasons)}
+    partial_motion = (checks["object"] + checks["count"] + checks["color"] + motion) / len(checks)
+    return {"correct": partial == 1.0, "partial": partial, "checks": checks, "motion": motion,
+            "partial_motion": partial_motion, "tracks": tracks, "reason": "\n".join(reasons)}
 
 
 def _check_videos(videos: Tensor) -> None:
@@ -168,17 +198,25 @@ def _check_videos(videos: Tensor) -> None:
 
 
 class ToyVideoReward:
-    """The toy video verifier as a reward: binary (``correct``) or with partial credit (``partial``)."""
+    """The toy video verifier as a reward: binary (``correct``) or with partial credit (``partial``; with
+    ``motion="graded"``, ``partial_motion``: the direction term graded by ``direction_progress``)."""
 
     modality = "video"  # scores decoded videos [B, F, 3, H, W]
     reads_geneval_metadata = True  # scores a prompt by its metadata (tag, include, direction)
 
-    def __init__(self, partial_credit: bool = False) -> None:
+    def __init__(self, partial_credit: bool = False, motion: str = "binary") -> None:
+        if motion not in MOTION_TERMS:
+            raise RewardInputError(f"toy_video: kwarg 'motion' must be one of {', '.join(MOTION_TERMS)}, "
+                                   f"got {motion!r}")
+        if motion == "graded" and not partial_credit:
+            raise RewardInputError("toy_video: kwarg 'motion: graded' grades the partial credit's direction term; set "
+                                   "'partial_credit: true' with it (the binary score has no terms to grade)")
         self.partial_credit = bool(partial_credit)
+        self.motion = motion
         self.name = "toy_video"
 
     def __repr__(self) -> str:
-        return f"ToyVideoReward(partial_credit={self.partial_credit})"
+        return f"ToyVideoReward(partial_credit={self.partial_credit}, motion={self.motion!r})"
 
     def check_inputs(self, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> None:
         """Every video needs its toy video prompt's metadata; a bad entry is a ``RewardInputError`` naming
@@ -190,7 +228,7 @@ class ToyVideoReward:
 
     def __call__(self, videos: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         """Scores ``[B]`` float32 (on CPU) for ``videos [B, F, 3, H, W]`` in [0, 1]."""
-        key = "partial" if self.partial_credit else "correct"
+        key = ("partial_motion" if self.motion == "graded" else "partial") if self.partial_credit else "correct"
         return torch.tensor([float(v[key]) for v in self.verdicts(videos, metadata)], dtype=torch.float32)
 
     def verdicts(self, videos: Tensor, metadata: Sequence[Mapping[str, Any]]) -> list[dict]:
