@@ -206,8 +206,39 @@ def test_the_graded_motion_term_rewards_travel_toward_the_prompt_and_is_refused_
     assert verdict["motion"] == 0.0 and verdict["partial_motion"] == verdict["partial"] == 0.75
     with pytest.raises(RewardInputError, match="kwarg 'motion' must be one of binary, graded, got 'smooth'"):
         ToyVideoReward(partial_credit=True, motion="smooth")
-    with pytest.raises(RewardInputError, match="set 'partial_credit: true' with it"):
+    with pytest.raises(RewardInputError, match="set 'partial_credit: true' with them"):
         ToyVideoReward(motion="graded")
+
+
+def test_the_joint_credit_pays_only_for_right_frames_scaled_by_the_motion():
+    rng = np.random.default_rng(4)
+    entry = V.video_prompt("red", "circle", "left")
+    one_red, two_red = (clips_tensor([clip_for(V.video_prompt("red", "circle", "left", n), rng)]) for n in (1, 2))
+    joint = ToyVideoReward(partial_credit=True, credit="joint")
+    assert joint(one_red, [], [entry]).tolist() == [1.0]
+    # Two circles for "a red circle": object, colour and direction hold (the mean: 0.75), no frame is right.
+    verdict = joint.verdicts(two_red, [entry])[0]
+    assert verdict["partial"] == 0.75 and verdict["frames_correct"] == 0.0 and joint(two_red, [], [entry]).item() == 0
+    # The wrong direction: every frame right, the motion term 0 (binary or graded).
+    wrong = V.corrupt_direction(entry)
+    verdict = joint.verdicts(one_red, [wrong])[0]
+    assert verdict["frames_correct"] == 1.0 and verdict["joint"] == verdict["joint_motion"] == 0.0
+    # A blank frame: 4 of the 5 frames right, nothing to track.
+    video = one_red.clone()
+    video[0, 2] = torch.tensor(BACKGROUND, dtype=torch.float32).view(3, 1, 1) / 255
+    verdict = joint.verdicts(video, [entry])[0]
+    assert verdict["frames_correct"] == pytest.approx(0.8) and verdict["joint"] == 0.0
+    # A clip 3 px short of the travel: right frames, 3/4 of the graded motion (the binary check fails).
+    graded = ToyVideoReward(partial_credit=True, credit="joint", motion="graded")
+    base = clip_for(entry, rng)
+    short = clips_tensor([Clip(base.shapes, motion_offsets("left", 3, base.num_frames), "left")])
+    verdict = graded.verdicts(short, [entry])[0]
+    assert verdict["frames_correct"] == 1.0 and verdict["checks"]["direction"] == 0.0
+    assert graded(short, [], [entry]).item() == pytest.approx(verdict["motion"]) and 0 < verdict["motion"] < 1
+    with pytest.raises(RewardInputError, match="kwarg 'credit' must be one of mean, joint, got 'product'"):
+        ToyVideoReward(partial_credit=True, credit="product")
+    with pytest.raises(RewardInputError, match="'credit: joint' shape the partial credit"):
+        ToyVideoReward(credit="joint")
 
 
 def test_bad_input_is_refused_naming_the_field():

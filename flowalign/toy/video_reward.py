@@ -31,6 +31,12 @@ excesses are how far the drift passes half the travel and the largest step back 
 is 1 exactly when ``direction`` is. ``partial_motion`` is the mean of the three frame checks and ``motion``: a partial
 credit whose motion term rises with each pixel travelled the right way, where the binary direction gives no signal
 until a clip moves the whole way (the reward's ``motion="graded"``).
+
+The mean pays for each check alone, so a clip whose frames hold a crowd of blobs of the prompt's colour earns the
+object and colour checks without a single right frame. ``frames_correct`` is the share of frames on which the three
+frame checks hold together; ``joint`` = ``frames_correct * direction`` and ``joint_motion`` = ``frames_correct *
+motion`` are partial credits that pay only for right frames, scaled by the motion (the reward's ``credit="joint"``).
+Each is 1 exactly when ``correct``.
 """
 
 from __future__ import annotations
@@ -48,14 +54,15 @@ from flowalign.evaluation.geneval import (COUNTING_SCORE_THRESHOLD, SCORE_THRESH
 from flowalign.toy.clips import DIRECTIONS
 from flowalign.toy.detector import detect_batch
 
-__all__ = ["CHECKS", "MAX_STEP_BACK", "MIN_TRAVEL", "MOTION_TERMS", "STILL_RADIUS", "ToyVideoReward", "judge_clip",
-           "track", "validate_video_metadata", "direction_holds", "direction_progress"]
+__all__ = ["CHECKS", "CREDITS", "MAX_STEP_BACK", "MIN_TRAVEL", "MOTION_TERMS", "STILL_RADIUS", "ToyVideoReward",
+           "judge_clip", "track", "validate_video_metadata", "direction_holds", "direction_progress"]
 
 CHECKS = ("object", "count", "color", "direction")
 MIN_TRAVEL = 4.0
 MAX_STEP_BACK = 1.0
 STILL_RADIUS = 1.5
 MOTION_TERMS = ("binary", "graded")  # the partial credit's direction term: the check, or direction_progress
+CREDITS = ("mean", "joint")  # the partial credit: the mean of the four checks, or right frames times the motion
 
 
 def validate_video_metadata(entry: Any, where: str = "<metadata>") -> None:
@@ -158,15 +165,17 @@ def direction_progress(tracks: np.ndarray, direction: str) -> float:
 def judge_clip(metadata: Mapping[str, Any], frame_detections: Sequence[Mapping[str, Sequence[Mapping[str, Any]]]],
                frame_size: tuple[int, int]) -> dict[str, Any]:
     """The verdict of one clip from its frames' detections (module docstring): ``{correct, partial, checks: {object,
-    count, color, direction}, motion, partial_motion, tracks: [[[x, y], ...] per frame] per object, or None,
-    reason}``; ``frame_size`` is ``(width, height)``."""
+    count, color, direction}, motion, partial_motion, frames_correct, joint, joint_motion, tracks: [[[x, y], ...]
+    per frame] per object, or None, reason}``; ``frame_size`` is ``(width, height)``."""
     validate_video_metadata(metadata)
     clause = metadata["include"][0]
     threshold = COUNTING_SCORE_THRESHOLD if metadata["tag"] == "counting" else SCORE_THRESHOLD
     reasons = []
     checks: dict[str, float] = {}
+    frame_ok = [True] * len(frame_detections)
     for name, sub in _sub_prompts(metadata).items():
         held = [judge(sub, found, frame_size) for found in frame_detections]
+        frame_ok = [all_ok and ok for all_ok, (ok, _) in zip(frame_ok, held)]
         checks[name] = sum(ok for ok, _ in held) / len(held)
         failed = [t for t, (ok, _) in enumerate(held) if not ok]
         if failed:
@@ -187,8 +196,11 @@ def judge_clip(metadata: Mapping[str, Any], frame_detections: Sequence[Mapping[s
             reasons.append(f"direction: {why}")
     partial = sum(checks.values()) / len(checks)
     partial_motion = (checks["object"] + checks["count"] + checks["color"] + motion) / len(checks)
+    frames_correct = sum(frame_ok) / len(frame_ok)
     return {"correct": partial == 1.0, "partial": partial, "checks": checks, "motion": motion,
-            "partial_motion": partial_motion, "tracks": tracks, "reason": "\n".join(reasons)}
+            "partial_motion": partial_motion, "frames_correct": frames_correct,
+            "joint": frames_correct * checks["direction"], "joint_motion": frames_correct * motion, "tracks": tracks,
+            "reason": "\n".join(reasons)}
 
 
 def _check_videos(videos: Tensor) -> None:
@@ -198,25 +210,28 @@ def _check_videos(videos: Tensor) -> None:
 
 
 class ToyVideoReward:
-    """The toy video verifier as a reward: binary (``correct``) or with partial credit (``partial``; with
-    ``motion="graded"``, ``partial_motion``: the direction term graded by ``direction_progress``)."""
+    """The toy video verifier as a reward: binary (``correct``) or with partial credit: ``credit="mean"`` the mean of
+    the checks (``partial``, with ``motion="graded"`` ``partial_motion``: the direction term graded by
+    ``direction_progress``), ``credit="joint"`` the share of right frames times the motion term (``joint``,
+    ``joint_motion``)."""
 
     modality = "video"  # scores decoded videos [B, F, 3, H, W]
     reads_geneval_metadata = True  # scores a prompt by its metadata (tag, include, direction)
 
-    def __init__(self, partial_credit: bool = False, motion: str = "binary") -> None:
-        if motion not in MOTION_TERMS:
-            raise RewardInputError(f"toy_video: kwarg 'motion' must be one of {', '.join(MOTION_TERMS)}, "
-                                   f"got {motion!r}")
-        if motion == "graded" and not partial_credit:
-            raise RewardInputError("toy_video: kwarg 'motion: graded' grades the partial credit's direction term; set "
-                                   "'partial_credit: true' with it (the binary score has no terms to grade)")
+    def __init__(self, partial_credit: bool = False, motion: str = "binary", credit: str = "mean") -> None:
+        for key, value, allowed in (("motion", motion, MOTION_TERMS), ("credit", credit, CREDITS)):
+            if value not in allowed:
+                raise RewardInputError(f"toy_video: kwarg {key!r} must be one of {', '.join(allowed)}, got {value!r}")
+        if (motion, credit) != ("binary", "mean") and not partial_credit:
+            raise RewardInputError(f"toy_video: kwargs 'motion: {motion}' and 'credit: {credit}' shape the partial "
+                                   "credit; set 'partial_credit: true' with them (the binary score has no terms)")
         self.partial_credit = bool(partial_credit)
         self.motion = motion
+        self.credit = credit
         self.name = "toy_video"
 
     def __repr__(self) -> str:
-        return f"ToyVideoReward(partial_credit={self.partial_credit}, motion={self.motion!r})"
+        return f"ToyVideoReward(partial_credit={self.partial_credit}, motion={self.motion!r}, credit={self.credit!r})"
 
     def check_inputs(self, prompts: Sequence[str], metadata: Sequence[Mapping[str, Any]]) -> None:
         """Every video needs its toy video prompt's metadata; a bad entry is a ``RewardInputError`` naming
@@ -228,7 +243,9 @@ class ToyVideoReward:
 
     def __call__(self, videos: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
         """Scores ``[B]`` float32 (on CPU) for ``videos [B, F, 3, H, W]`` in [0, 1]."""
-        key = ("partial_motion" if self.motion == "graded" else "partial") if self.partial_credit else "correct"
+        key = "correct"
+        if self.partial_credit:
+            key = {"mean": "partial", "joint": "joint"}[self.credit] + ("_motion" if self.motion == "graded" else "")
         return torch.tensor([float(v[key]) for v in self.verdicts(videos, metadata)], dtype=torch.float32)
 
     def verdicts(self, videos: Tensor, metadata: Sequence[Mapping[str, Any]]) -> list[dict]:
