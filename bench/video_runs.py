@@ -1,7 +1,7 @@
 """The toy video world's main job over training seeds, and a second method at the same wall time.
 
 Each run is a plain ``flowalign train`` of ``configs/video/default.yaml`` (DiffusionNFT on the toy Wan, ``toy_video``'s
-partial credit) with ``train.seed=K``, or of the same file with its ``base:`` swapped for another method preset
+joint credit) with ``train.seed=K``, or of the same file with its ``base:`` swapped for another method preset
 (``--runs default,flow_grpo_fast``: the run's config is written to ``<out>/configs/<method>.yaml``; every other
 setting is the video main job's). Each run ends with the main job's own held-out evaluation, so its gain is paired
 against the base model on the same clips and seeds (``eval/before_after.json``; the evaluation's seeds follow
@@ -10,7 +10,7 @@ method the iterations that cost the main job's training wall time (its seconds p
 
 The table (``<out>/video_runs.md`` and ``.json``) gives per method: the seeds, the iterations, the mean held-out gain
 of the exact verifier over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE) and
-z, the per-seed gains, the partial-credit gain, the mean training wall time (the sum of the iterations'
+z, the per-seed gains, the gain in the trained reward (``toy_video`` as the run configures it), the mean training wall time (the sum of the iterations'
 ``time/*``) and the whole command's wall time. ``--jobs 2`` runs two at once, each on one thread
 (``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core busy with the other run.
 
@@ -134,7 +134,7 @@ def summarise(records: list[dict]) -> dict:
 def table(summary: dict) -> str:
     """The markdown table of ``summarise``'s result (``video_runs.md``, and docs/results/video.md's)."""
     lines = ["| method | seeds | iterations | before | after | held-out gain (exact) | SE | z | per seed | "
-             "partial-credit gain | train wall s | command wall s |", "|" + "---|" * 12]
+             "trained reward's gain | train wall s | command wall s |", "|" + "---|" * 12]
     for method, row in summary.items():
         z = row["gain"] / row["se"] if row["se"] else math.nan
         partial = "" if row["partial_gain"] is None else format(row["partial_gain"], "+.3f")

@@ -169,7 +169,7 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
     run = tmp_path / "run"
     argv = ["train", str(REPO / "configs/video/default.yaml"), f"model.path={toy_wan}", "train.iterations=1",
             "data.group_size=2", "data.prompts_per_iteration=2", "train.eval_images_per_tag=2", "train.eval_steps=2",
-            "sampling.num_steps=2", f"train.out_dir={run}",
+            "sampling.num_steps=2", "objectives.diffusion_nft.timestep_fraction=0.5", f"train.out_dir={run}",
             f"data.train_prompts={PROMPT_ASSET_DIR / 'video_train.jsonl'}",
             f"data.eval_prompts={PROMPT_ASSET_DIR / 'video_test.jsonl'}"]
     assert cli.main(argv) == 0
