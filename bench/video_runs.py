@@ -10,9 +10,9 @@ method the iterations that cost the main job's training wall time (its seconds p
 
 The table (``<out>/video_runs.md`` and ``.json``) gives per method: the seeds, the iterations, the mean held-out gain
 of the exact verifier over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE) and
-z, the per-seed gains, the gain in the trained reward (``toy_video`` as the run configures it), the mean training wall time (the sum of the iterations'
-``time/*``) and the whole command's wall time. ``--jobs 2`` runs two at once, each on one thread
-(``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core busy with the other run.
+z, the per-seed gains, the gain in the trained reward (``toy_video`` as the run configures it), the mean
+training wall time (the sum of the iterations' ``time/*``) and the whole command's wall time. ``--jobs 2`` runs two
+at once, each on one thread (``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core busy with the other run.
 
 Runs are resumable: a run whose record ``<out>/records/<method>-seed<k>.json`` exists is skipped; ``--report`` only
 rebuilds the table.
@@ -113,8 +113,8 @@ def _mean(values) -> float | None:
 
 def summarise(records: list[dict]) -> dict:
     """Per method (the main job first): its seeds, iterations, the mean exact gain over seeds with its SE
-    (``bench/methods.py``'s ``seed_mean``), the per-seed gains, the mean partial-credit gain, the mean training and
-    command wall times, and the mean before and after scores."""
+    (``bench/methods.py``'s ``seed_mean``), the per-seed gains, the mean gain in the trained reward, the mean training
+    and command wall times, and the mean before and after scores."""
     methods = sorted({r["method"] for r in records}, key=lambda m: (m != "default", m))
     summary = {}
     for method in methods:

@@ -119,21 +119,29 @@ def track(frames_centres: Sequence[np.ndarray]) -> np.ndarray:
     return np.stack(tracks, axis=1)
 
 
+def _travel(path: np.ndarray, direction: str) -> tuple[float, float, float]:
+    """One track ``[F, 2]``'s ``(along, drift, back)`` for a moving ``direction``: the travel along it from the first
+    frame to the last, the distance across it, and the largest step back against it between two frames."""
+    u = np.asarray(DIRECTIONS[direction], dtype=np.float64)
+    shift = path[-1] - path[0]
+    return float(shift @ u), abs(float(shift @ np.asarray([u[1], u[0]]))), float(-(np.diff(path, axis=0) @ u).min())
+
+
+def _spread(path: np.ndarray) -> float:
+    """How far a track ``[F, 2]`` strays from its first centre, on either axis (the ``still`` check)."""
+    return float(np.abs(path - path[0]).max())
+
+
 def direction_holds(tracks: np.ndarray, direction: str) -> tuple[bool, str]:
     """Whether every track ``[F, 2]`` of ``tracks [N, F, 2]`` moves in ``direction`` (module docstring), with the
     reason when not."""
     for index, path in enumerate(tracks):
-        shift = path - path[0]
         if direction == "still":
-            spread = float(np.abs(shift).max())
+            spread = _spread(path)
             if spread > STILL_RADIUS:
                 return False, f"object {index} moved {spread:.1f} px (still allows {STILL_RADIUS})"
             continue
-        u = np.asarray(DIRECTIONS[direction], dtype=np.float64)
-        across = np.asarray([u[1], u[0]])
-        along = float(shift[-1] @ u)
-        drift = abs(float(shift[-1] @ across))
-        back = float(-(np.diff(path, axis=0) @ u).min())
+        along, drift, back = _travel(path, direction)
         if along < MIN_TRAVEL:
             return False, f"object {index} travelled {along:.1f} px {direction} (at least {MIN_TRAVEL} needed)"
         if drift > along / 2:
@@ -148,14 +156,10 @@ def direction_progress(tracks: np.ndarray, direction: str) -> float:
     ``direction_holds``; the worst track's score."""
     scores = []
     for path in tracks:
-        shift = path - path[0]
         if direction == "still":
-            scores.append(2.0 - float(np.abs(shift).max()) / STILL_RADIUS)
+            scores.append(2.0 - _spread(path) / STILL_RADIUS)
             continue
-        u = np.asarray(DIRECTIONS[direction], dtype=np.float64)
-        along = float(shift[-1] @ u)
-        drift = abs(float(shift[-1] @ np.asarray([u[1], u[0]])))
-        back = float(-(np.diff(path, axis=0) @ u).min())
+        along, drift, back = _travel(path, direction)
         factors = (along / MIN_TRAVEL, 1.0 - max(0.0, drift - max(along, 0.0) / 2) / MIN_TRAVEL,
                    1.0 - max(0.0, back - MAX_STEP_BACK) / MIN_TRAVEL)
         scores.append(float(np.prod(np.clip(factors, 0.0, 1.0))))
