@@ -12,7 +12,8 @@ The table (``<out>/video_runs.md`` and ``.json``) gives per method: the seeds, t
 of the exact verifier over seeds with ``bench/methods.py``'s SE (the larger of the seed SE and the evaluation SE) and
 z, the per-seed gains, the gain in the trained reward (``toy_video`` as the run configures it), the mean
 training wall time (the sum of the iterations' ``time/*``) and the whole command's wall time. ``--jobs 2`` runs two
-at once, each on one thread (``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core busy with the other run.
+at once, each on one thread (``OMP_NUM_THREADS=1``): the wall times are then each run's on one core, the other core
+busy with the other run.
 
 Runs are resumable: a run whose record ``<out>/records/<method>-seed<k>.json`` exists is skipped; ``--report`` only
 rebuilds the table.
