@@ -5,8 +5,9 @@ script rewrites what lies between the markers with the table that NAME's JSON gi
 formatters (``bench/guided.py``'s ``table``, ``bench/methods.py``'s ``summary_table`` and ``curve_table``,
 ``bench/train_iteration.py``'s ``cost_table``, ``bench/mixed_precision.py``'s ``precision_table``,
 ``bench/tree_rollout.py``'s ``table``, ``bench/scaling.py``'s ``table``, ``bench/vgpo_signal.py``'s and
-``bench/equal_wall.py``'s ``table``, ``bench/kernel_tables.py``). It also copies the plots the pages show from
-``bench/results/`` into ``docs/results/img/`` when they differ. It only reads JSON and PNG files: no model, no torch.
+``bench/equal_wall.py``'s ``table``, ``bench/video_runs.py``'s ``table``, ``bench/kernel_tables.py``). It also copies
+the plots the pages show from ``bench/results/`` into ``docs/results/img/`` when they differ. It only reads JSON and
+PNG files: no model, no torch.
 
     python bench/results_pages.py           # rewrite the generated tables and copy changed plots
     python bench/results_pages.py --check   # exit 1, naming each stale table or plot, if anything would change
@@ -31,7 +32,8 @@ IMAGES = PAGES / "img"
 # The plots the pages show: bench/results/NAME -> docs/results/img/NAME.
 PLOTS = ("guided.png", "guided_fk_add.png", "guided_fk_rgs.png", "guided_sets.png", "hacking/hacking.png",
          "hacking/hacking_proxy.png", "hacking/hacking_diversity.png", "hacking/hacking_saturated.png",
-         "drl/samples.png", "drl_adjoint/samples.png", "scaling/scaling_time.png", "scaling/scaling_memory.png")
+         "drl/samples.png", "drl_adjoint/samples.png", "scaling/scaling_time.png", "scaling/scaling_memory.png",
+         "video/strips_before.png", "video/strips_after.png")
 MARKER = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- end generated -->)", re.DOTALL)
 
 
@@ -172,6 +174,12 @@ def _scaling() -> str:
     return scaling.table(data["rows"], data["exponents"])
 
 
+def _video_runs() -> str:
+    import video_runs
+
+    return video_runs.table(_read("video/video_runs.json"))
+
+
 def _kernels_check() -> str:
     import kernel_tables
 
@@ -218,6 +226,7 @@ TABLES = {
     "rewards": ("rewards.md", "rewards.json", _rewards),
     "kernels_check": ("gpu_kernels.md", "kernels_check.json", _kernels_check),
     "scaling": ("scaling.md", "scaling/scaling.json", _scaling),
+    "video_runs": ("video.md", "video/video_runs.json", _video_runs),
     "device_kernels": ("gpu_kernels.md", "device/kernels_{bf16,fp32}.json", _kernels_gpu),
     "device_mixed_precision": ("gpu_kernels.md", "device/mixed_precision.json",
                                lambda: _precision("device/mixed_precision.json")),

@@ -64,16 +64,20 @@ def run_config(method: str, out: Path) -> Path:
     return path
 
 
+def train_command(method: str, seed: int, iterations: int | None, out: Path) -> list[str]:
+    """The ``flowalign train`` command line of one run (its output in ``<out>/<method>-seed<seed>``)."""
+    command = [sys.executable, "-m", "flowalign.cli", "train", str(run_config(method, out)), f"train.seed={seed}",
+               f"train.out_dir={out / f'{method}-seed{seed}'}", "train.overwrite=true", *COMMON]
+    return command + ([f"train.iterations={iterations}"] if iterations is not None else [])
+
+
 def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: int | None) -> dict:
     """Train and evaluate one run; returns (and writes) its record."""
     record_path = out / "records" / f"{method}-seed{seed}.json"
     if record_path.is_file():
         return json.loads(record_path.read_text())
     run_dir = out / f"{method}-seed{seed}"
-    command = [sys.executable, "-m", "flowalign", "train", str(run_config(method, out)), f"train.seed={seed}",
-               f"train.out_dir={run_dir}", "train.overwrite=true", *COMMON]
-    if iterations is not None:
-        command.append(f"train.iterations={iterations}")
+    command = train_command(method, seed, iterations, out)
     env = dict(os.environ)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -96,14 +100,14 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
 def run_record(method: str, seed: int, run_dir: Path, wall: float, threads: int | None) -> dict:
     """One finished run's record, read from the trainer's own files: ``metrics.jsonl`` (the training wall time as the
     sum of each iteration's ``time/*``, the first and last-10 mean ``reward``) and ``eval/before_after.json`` (the
-    paired exact-verifier gain per tag and overall, and the paired partial credit from its ``rewards`` table)."""
+    paired exact-verifier gain per tag and overall, and the paired trained reward from its ``rewards`` table)."""
     report = json.loads((run_dir / "eval/before_after.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_wall = sum(v for row in rows for k, v in row.items() if k.startswith("time/") and isinstance(v, float))
     return {"method": method, "seed": seed, "iterations": len(rows), "train_wall_s": train_wall, "wall_s": wall,
             "threads": threads, "load_average_at_end": list(os.getloadavg()),
             "paired": report["paired"]["overall"], "tags": report["paired"]["tags"],
-            "paired_partial": report["rewards"]["toy_video"]["overall"],
+            "paired_trained": report["rewards"]["toy_video"]["overall"],
             "reward_first": rows[0]["reward"], "reward_last10": _mean(r["reward"] for r in rows[-10:])}
 
 
@@ -124,7 +128,7 @@ def summarise(records: list[dict]) -> dict:
         mean, se, spread = seed_mean(gains, [r["paired"]["se"] for r in group])
         summary[method] = {"seeds": [r["seed"] for r in group], "iterations": sorted({r["iterations"] for r in group}),
                            "gain": mean, "se": se, "seed_sd": spread, "gains": gains,
-                           "partial_gain": _mean(r["paired_partial"]["diff"] for r in group if r.get("paired_partial")),
+                           "trained_gain": _mean(r["paired_trained"]["diff"] for r in group if r.get("paired_trained")),
                            "train_wall_s": _mean(r["train_wall_s"] for r in group),
                            "wall_s": _mean(r["wall_s"] for r in group),
                            "before": _mean(r["paired"]["mean_a"] for r in group),
@@ -138,10 +142,10 @@ def table(summary: dict) -> str:
              "trained reward's gain | train wall s | command wall s |", "|" + "---|" * 12]
     for method, row in summary.items():
         z = row["gain"] / row["se"] if row["se"] else math.nan
-        partial = "" if row["partial_gain"] is None else format(row["partial_gain"], "+.3f")
+        trained = "" if row["trained_gain"] is None else format(row["trained_gain"], "+.3f")
         lines.append(f"| {method} | {len(row['seeds'])} | {'/'.join(map(str, row['iterations']))} | "
                      f"{row['before']:.3f} | {row['after']:.3f} | {row['gain']:+.3f} | {row['se']:.3f} | {z:.1f} | "
-                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {partial} | {row['train_wall_s']:.0f} | "
+                     f"{', '.join(f'{g:+.3f}' for g in row['gains'])} | {trained} | {row['train_wall_s']:.0f} | "
                      f"{row['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -196,7 +196,7 @@ def test_the_video_main_job_trains_and_evaluates_before_and_after_on_the_held_ou
     record = bench["record"]
     assert record["iterations"] == 1 and record["train_wall_s"] > 0 and 0 <= record["reward_first"] <= 1
     assert record["reward_last10"] == record["reward_first"] and record["paired"] == report["paired"]["overall"]
-    assert record["paired_partial"] == report["rewards"]["toy_video"]["overall"]
+    assert record["paired_trained"] == report["rewards"]["toy_video"]["overall"]
     row = bench["summary"]["default"]
     gain = report["paired"]["overall"]["diff"]
     assert row["seeds"] == [0, 1] and row["gains"] == [gain, gain] and row["gain"] == pytest.approx(gain)

@@ -148,3 +148,32 @@ def test_the_budget_is_a_positive_integer():
         load_config(TrainConfig, None, ["sampling.max_latent_elements=0"])
     with pytest.raises(ConfigError, match="model.vae_batch"):
         load_config(TrainConfig, None, ["model.vae_batch=0"])
+
+
+@pytest.mark.parametrize("method", ["default", "flow_grpo_fast"])
+def test_the_video_benchmarks_train_command_resolves_to_the_main_job_with_the_methods_preset(method, tmp_path):
+    """bench/video_runs.py's command line of one run resolves (``--print-config``, nothing loads) to the video main
+    job's settings with the run's seed, iterations and folder, and the method's own objective or loss."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import video_runs
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    command = video_runs.train_command(method, 2, 7, tmp_path)
+    result = subprocess.run([*command, "--print-config"], cwd=REPO, capture_output=True, text=True, check=True)
+    config = yaml.safe_load(result.stdout)
+    main_job = yaml.safe_load((REPO / "configs/video/default.yaml").read_text())
+    assert config["train"]["seed"] == 2 and config["train"]["iterations"] == 7
+    assert config["train"]["out_dir"] == str(tmp_path / f"{method}-seed2") and config["train"]["tracker"] == "none"
+    assert config["reward"]["rewards"][0]["kwargs"] == main_job["reward"]["rewards"][0]["kwargs"]
+    assert config["data"]["group_size"] == main_job["data"]["group_size"]
+    assert config["optim"]["lr"] == main_job["optim"]["lr"]
+    if method == "default":
+        assert config["objectives"]["diffusion_nft"]["kl_beta"] == main_job["objectives"]["diffusion_nft"]["kl_beta"]
+    else:
+        assert config["sampling"]["window_size"] == 2 and not config.get("objectives")
