@@ -64,10 +64,15 @@ def run_config(method: str, out: Path) -> Path:
     return path
 
 
+def run_folder(method: str, seed: int, out: Path) -> Path:
+    """Where one run writes: ``<out>/<method>-seed<seed>``."""
+    return out / f"{method}-seed{seed}"
+
+
 def train_command(method: str, seed: int, iterations: int | None, out: Path) -> list[str]:
-    """The ``flowalign train`` command line of one run (its output in ``<out>/<method>-seed<seed>``)."""
+    """The ``flowalign train`` command line of one run (its output in ``run_folder``)."""
     command = [sys.executable, "-m", "flowalign.cli", "train", str(run_config(method, out)), f"train.seed={seed}",
-               f"train.out_dir={out / f'{method}-seed{seed}'}", "train.overwrite=true", *COMMON]
+               f"train.out_dir={run_folder(method, seed, out)}", "train.overwrite=true", *COMMON]
     return command + ([f"train.iterations={iterations}"] if iterations is not None else [])
 
 
@@ -76,7 +81,7 @@ def run_one(method: str, seed: int, iterations: int | None, out: Path, threads: 
     record_path = out / "records" / f"{method}-seed{seed}.json"
     if record_path.is_file():
         return json.loads(record_path.read_text())
-    run_dir = out / f"{method}-seed{seed}"
+    run_dir = run_folder(method, seed, out)
     command = train_command(method, seed, iterations, out)
     env = dict(os.environ)
     if threads is not None:
